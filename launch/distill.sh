@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Run the megatron_tc pipeline (convert -> select -> stats -> init -> stage1 -> stage2 -> eval ->
+# export) that a YAML config names. Launching only: every decision lives in tools/distill.py.
+#
+#   bash launch/distill.sh [CONFIG] [key=value ...]      (no CONFIG: configs/quickstart.yaml)
+#
+# Modes, chosen from the environment:
+#   workstation  plain shell: starts the `deepspeed` launcher over the local GPUs (or NPROC gloo
+#                ranks on CPU, OMP_NUM_THREADS = cores / ranks), each rank re-entering this script.
+#                NPROC=N or --num_gpus N picks the number of ranks.
+#   per-rank     RANK and LOCAL_RANK already set (`deepspeed --no_python [--hostfile F]
+#                launch/distill.sh ...`, torchrun --no-python, or the workstation mode above):
+#                runs one rank of `python tools/distill.py`.
+#   slurm        inside a Slurm job step (`srun bash launch/distill.sh ...`): one rank per task;
+#                RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from SLURM_*.
+#   --print-env  prints the environment the current mode would give a rank, and exits.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SELF="$ROOT/launch/distill.sh"
+PYTHON="${PYTHON:-python}"
+
+# NVLink multicast stays off everywhere this script starts a program (shared GPU hosts).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# First host of a Slurm node list: "gpu-[003-005,9],cpu1" -> "gpu-003".
+first_slurm_host() {
+  local list="$1"
+  if command -v scontrol >/dev/null 2>&1; then
+    scontrol show hostnames "$list" | head -n 1
+    return
+  fi
+  local prefix="${list%%[,\[]*}"
+  local rest="${list:${#prefix}}"
+  if [[ "$rest" == \[* ]]; then
+    local inner="${rest#\[}"
+    local suffix="${inner#*\]}"
+    inner="${inner%%\]*}"
+    suffix="${suffix%%,*}"
+    echo "${prefix}${inner%%[,-]*}${suffix}"
+  else
+    echo "$prefix"
+  fi
+}
+
+# Tasks on this node: SLURM_NTASKS_PER_NODE, else the first entry of "4(x2),3".
+slurm_local_world_size() {
+  if [[ -n "${SLURM_NTASKS_PER_NODE:-}" ]]; then echo "$SLURM_NTASKS_PER_NODE"; return; fi
+  local tasks="${SLURM_STEP_TASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}"
+  tasks="${tasks%%,*}"
+  echo "${tasks%%(*}"
+}
+
+# Export the per-rank variables torch.distributed / DeepSpeed read, from SLURM_*.
+derive_slurm_env() {
+  local nodelist="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}"
+  if [[ -z "$nodelist" ]]; then
+    echo "distill.sh: SLURM_JOB_NODELIST is not set; run inside an allocation (srun ...)" >&2
+    return 1
+  fi
+  export RANK="$SLURM_PROCID"
+  export LOCAL_RANK="${SLURM_LOCALID:-0}"
+  export WORLD_SIZE="${SLURM_NTASKS:-${SLURM_NPROCS:-1}}"
+  export LOCAL_WORLD_SIZE="$(slurm_local_world_size)"
+  export NODE_RANK="${SLURM_NODEID:-0}"
+  export MASTER_ADDR="${MASTER_ADDR:-$(first_slurm_host "$nodelist")}"
+  # Same port on every task of the job, different for jobs sharing a node.
+  export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+}
+
+detect_mode() {
+  if [[ -n "${RANK:-}" && -n "${LOCAL_RANK:-}" ]]; then
+    echo per-rank
+  elif [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_PROCID:-}" && -n "${SLURM_STEP_ID:-${SLURM_STEPID:-}}" ]]; then
+    echo slurm
+  else
+    echo workstation
+  fi
+}
+
+count_gpus() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+print_env() {
+  local name
+  for name in MODE RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK MASTER_ADDR MASTER_PORT \
+              OMP_NUM_THREADS NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS; do
+    echo "$name=${!name:-}"
+  done
+}
+
+run_rank() {
+  # `deepspeed` without --no_local_rank appends --local_rank=N; LOCAL_RANK already says it.
+  local args=() a
+  for a in "$@"; do [[ "$a" == --local_rank=* ]] || args+=("$a"); done
+  cd "$ROOT"
+  exec "$PYTHON" "$ROOT/tools/distill.py" "${args[@]}"
+}
+
+main() {
+  local print=0
+  if [[ "${1:-}" == "--print-env" ]]; then print=1; shift; fi
+  MODE="$(detect_mode)"
+  case "$MODE" in
+    slurm)
+      derive_slurm_env
+      export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+      ;;
+    per-rank)
+      export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+      ;;
+    workstation)
+      local nproc=""
+      if [[ "${1:-}" == "--num_gpus" ]]; then nproc="$2"; shift 2; fi
+      local gpus; gpus="$(count_gpus)"
+      nproc="${nproc:-${NPROC:-}}"
+      if [[ -z "$nproc" ]]; then
+        if (( gpus > 0 )); then nproc="$gpus"; else nproc=1; fi
+      fi
+      if (( gpus == 0 )); then
+        # Gloo ranks share the cores; more threads than cores per rank only thrash.
+        local cores; cores="$(nproc 2>/dev/null || echo 1)"
+        export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}"
+        export LOCAL_SIZE="$nproc"  # DeepSpeed's CPU accelerator counts "devices" from it
+      fi
+      local port="${MASTER_PORT:-$((29500 + RANDOM % 1000))}"
+      if (( print )); then
+        NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; return
+      fi
+      exec deepspeed --no_python --no_local_rank --num_gpus "$nproc" --master_port "$port" "$SELF" "$@"
+      ;;
+  esac
+  if (( print )); then print_env; return; fi
+  run_rank "$@"
+}
+
+main "$@"
