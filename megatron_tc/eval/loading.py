@@ -7,15 +7,17 @@ that callable, the module, a tokenizer when one can be found, and a greedy `gene
 model's own cache.
 
 Kinds of path:
+- megatron_tc checkpoint (`manifest.json` whose format is "megatron_tc", plus `config.json`):
+  `megatron_tc.convert.checkpoint.load_checkpoint` (every shard's sha256 verified) into a
+  single-device `HybridLM`; its tokenizer comes from the checkpoint's `tokenizer/` when present.
 - HF directory (has `config.json`): `AutoModelForCausalLM.from_pretrained` after `import megatron_tc`
   (so exported hybrid students resolve to our registered classes).
 - GGUF: a `.gguf` file, or a directory holding exactly one `.gguf` file (transformers' `gguf_file=`).
-- megatron_tc checkpoint (has `manifest.json`, no `config.json`): loaded through
-  `megatron_tc.convert` into a single-device `HybridLM`.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,10 +77,10 @@ def detect_kind(path: str | os.PathLike) -> tuple[str, Path, str | None]:
         if p.suffix == ".gguf":
             return "gguf", p.parent, p.name
         raise ModelLoadError(f"{str(p)!r} is a file but not a .gguf; give a model directory instead")
+    if _is_megatron_tc_checkpoint(p):
+        return "megatron_tc", p, None
     if (p / "config.json").is_file():
         return "hf", p, None
-    if (p / "manifest.json").is_file():
-        return "megatron_tc", p, None
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
         return "gguf", p, ggufs[0].name
@@ -89,11 +91,25 @@ def detect_kind(path: str | os.PathLike) -> tuple[str, Path, str | None]:
                          "(manifest.json) nor a directory with one .gguf file")
 
 
+def _is_megatron_tc_checkpoint(p: Path) -> bool:
+    if not ((p / "manifest.json").is_file() and (p / "config.json").is_file()):
+        return False
+    try:
+        return json.loads((p / "manifest.json").read_text()).get("format") == "megatron_tc"
+    except (OSError, ValueError):
+        return True  # a damaged manifest: let the checkpoint loader name the problem
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """An HF tokenizer from an HF directory, a GGUF, or a checkpoint directory that carries one."""
     from transformers import AutoTokenizer
 
     kind, directory, gguf = detect_kind(path)
+    if kind == "megatron_tc":
+        if not (directory / "tokenizer").is_dir():
+            raise ModelLoadError(f"megatron_tc checkpoint {str(path)!r} carries no tokenizer/; pass --tokenizer DIR "
+                                 "(e.g. the teacher's HF directory)")
+        directory = directory / "tokenizer"
     try:
         if gguf is not None:
             return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
@@ -133,14 +149,12 @@ def _import_optional(name: str) -> Any | None:
 
 
 def _load_megatron_tc(directory: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    convert = _import_optional("megatron_tc.convert")
-    loader = getattr(convert, "load_hybrid_lm", None) if convert else None
-    if loader is None:
-        raise ModelLoadError(
-            f"{str(directory)!r} is a megatron_tc checkpoint but megatron_tc.convert has no "
-            "load_hybrid_lm(path) yet; export it with tools/convert_megatron_to_hf.py and evaluate the "
-            "HF directory instead")
-    model = loader(str(directory))
+    from megatron_tc.convert.checkpoint import load_checkpoint
+    from megatron_tc.model import HybridLM
+
+    arch, state = load_checkpoint(directory)
+    model = HybridLM(arch)
+    model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -156,8 +170,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
         def forward(ids: torch.Tensor) -> torch.Tensor:
             return module(ids)
 
-        gen = getattr(module, "generate", None)
-        generate = _hybrid_generate(module) if callable(gen) else None
+        generate = _hybrid_generate(module)
     else:
         module = _load_hf(directory, gguf, device, torch_dtype)
 
@@ -178,9 +191,20 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def _hybrid_generate(module: torch.nn.Module) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Greedy decoding with `HybridCache`: one prefill, then one token per step (GDN state is O(1))."""
+    from megatron_tc.model import HybridCache
+
+    @torch.no_grad()
     def generate(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        out = module.generate(input_ids, max_new_tokens=max_new_tokens)  # prompt + new, like HF
-        return out[:, input_ids.shape[1]:]
+        cache = HybridCache(module.arch)
+        logits = module(input_ids, cache=cache)
+        new = []
+        for step in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            new.append(nxt)
+            if step + 1 < max_new_tokens:
+                logits = module(nxt, cache=cache)
+        return torch.cat(new, dim=1)
 
     return generate
 
