@@ -100,6 +100,9 @@ class ArchConfig:
     gdn_b_bias: bool = True  # a b_proj bias, so a mean write strength can be set
     gdn_chunk_size: int = 64
 
+    # Gemma3's final_logit_softcapping: logits = cap * tanh(logits / cap); None: off
+    final_logit_softcap: float | None = None
+
     def __post_init__(self) -> None:
         if not self.layer_pattern:
             self.layer_pattern = "A" * self.num_layers

@@ -1,0 +1,95 @@
+"""Softmax attention of the teacher families (Llama, Qwen2, Mistral, Qwen3, Gemma3)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import AttentionCache
+from .config import ArchConfig
+from .norm import RMSNorm
+from .ops.masks import attention_mask
+from .rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """GQA attention with optional q/k/v bias, q/k RMSNorm, RoPE variants and sliding windows.
+
+    Sliding layers of Gemma3 use `rope_local_theta` without scaling; every other layer uses
+    `rope_theta` with `rope_scaling`.
+    """
+
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.scale = arch.scale
+        sliding = arch.layer_type(layer_idx) == "sliding"
+        self.sliding_window = arch.sliding_window if sliding else None
+        hq, hkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.q_proj = nn.Linear(arch.hidden_size, hq, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(arch.hidden_size, hkv, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(arch.hidden_size, hkv, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(hq, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.norm_eps, arch.norm_unit_offset)
+            self.k_norm = RMSNorm(arch.head_dim, arch.norm_eps, arch.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        local = sliding and arch.rope_local_theta is not None
+        theta = arch.rope_local_theta if local else arch.rope_theta
+        self.rope = RotaryEmbedding(arch.head_dim, theta, None if local else arch.rope_scaling)
+
+    def project_qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden], position_ids [B, T] -> q [B, Hq, T, D], k, v [B, Hkv, T, D].
+
+        q and k are after q/k norm and RoPE (what the softmax sees, before the scale).
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = self.rope.cos_sin(position_ids, q.dtype)
+        return self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_index: torch.Tensor,
+        k_index: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """SDPA over q [B,Hq,Tq,D], k/v [B,Hkv,Tk,D] -> [B,Hq,Tq,D]; indices are absolute positions."""
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        simple = doc_ids is None and self.sliding_window is None and q.shape[2] == k.shape[2]
+        if simple:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        mask = attention_mask(q_index, k_index, self.sliding_window, doc_ids, doc_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]. doc_ids [B, T] masks across packed documents."""
+        b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, position_ids)
+        if cache is not None:
+            if doc_ids is not None:
+                raise ValueError("doc_ids (packed documents) cannot be combined with a decoding cache")
+            q_index = torch.arange(cache.seen, cache.seen + t, device=x.device)
+            k, v, k_index = cache.update(k, v)
+        else:
+            q_index = k_index = torch.arange(t, device=x.device)
+        out = self.attend(q, k, v, q_index, k_index, doc_ids)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))

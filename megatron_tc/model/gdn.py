@@ -1,0 +1,145 @@
+"""Gated DeltaNet layer (DESIGN section 3), parameter names compatible with fla's `GatedDeltaNet`.
+
+    q, k, v = act(q_proj x), act(k_proj x), act(v_proj x)     act: short conv + SiLU, or SiLU only
+    g       = -exp(A_log) * softplus(a_proj x + dt_bias)       log decay per head  [B, T, H]
+    beta    = sigmoid(b_proj x)                                write strength      [B, T, H]
+    o       = gated_delta_rule(l2norm(q) * Dk^-1/2, l2norm(k), v, g, beta)
+    out     = o_proj(RMSNorm(o) * o_norm.weight * SiLU(g_proj x))
+
+k/v have `gdn_kv_heads` heads; with fewer than `num_heads` (gdn_expand_kv=False) they are
+repeated to the query heads at run time, as GQA does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import GDNCache
+from .config import ArchConfig
+from .norm import RMSNorm
+from .ops.gated_delta_rule import BACKENDS, gated_delta_rule
+
+
+def causal_short_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, K], state [B, C, K-1] (inputs
+    before x). Taps across a document boundary of doc_ids [B, T] are dropped. Returns
+    (y [B, T, C], new state [B, C, K-1])."""
+    b, t, c = x.shape
+    width = weight.shape[-1]
+    past = x.new_zeros(b, width - 1, c) if state is None else state.transpose(1, 2).to(x.dtype)
+    padded = torch.cat([past, x], dim=1)  # [B, T + K - 1, C]
+    y = torch.zeros_like(x)
+    for lag in range(width):
+        tap = padded[:, width - 1 - lag : width - 1 - lag + t] * weight[:, 0, width - 1 - lag]
+        if doc_ids is not None and lag:
+            same = torch.zeros_like(doc_ids, dtype=torch.bool)
+            same[:, lag:] = doc_ids[:, lag:] == doc_ids[:, :-lag]
+            tap = tap * same[..., None].to(x.dtype)
+        y = y + tap
+    return F.silu(y), padded[:, padded.shape[1] - (width - 1) :].transpose(1, 2)
+
+
+class GatedDeltaNet(nn.Module):
+    """x [B, T, hidden] -> [B, T, hidden]. `backend` selects the gated delta rule kernel."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.kv_heads, self.head_dim = arch.num_heads, arch.gdn_kv_heads, arch.head_dim
+        self.chunk_size = arch.gdn_chunk_size
+        self.conv_size = arch.gdn_conv_size
+        self.backend = "auto"
+        h, d, hidden = arch.num_heads, arch.head_dim, arch.hidden_size
+        self.q_proj = nn.Linear(hidden, h * d, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * d, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * d, bias=arch.attention_bias)
+        self.a_proj = nn.Linear(hidden, h, bias=False)
+        self.b_proj = nn.Linear(hidden, h, bias=arch.gdn_b_bias)
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(h))
+        self.g_proj = nn.Linear(hidden, h * d, bias=False)
+        self.o_norm = RMSNorm(d, arch.norm_eps)
+        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+        if self.conv_size > 0:
+            for name, channels in (("q", h * d), ("k", self.kv_heads * d), ("v", self.kv_heads * d)):
+                setattr(self, f"{name}_conv1d", nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False))
+        self.reset_gdn_parameters()
+
+    def reset_gdn_parameters(self) -> None:
+        """fla's defaults: A uniform in (0, 16), dt log-uniform in (1e-3, 0.1) via inverse softplus."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
+            dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            dt = dt.clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.b_proj.bias is not None:
+                self.b_proj.bias.zero_()
+
+    def set_backend(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is unknown; use one of {BACKENDS}")
+        self.backend = backend
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log decay g and write strength beta, both [B, T, H] in fp32."""
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return g, torch.sigmoid(self.b_proj(x).float())
+
+    def qkv(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: GDNCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k, v [B, T, H, D] (k/v repeated to H heads), before the L2 norm."""
+        b, t, _ = x.shape
+        out = []
+        for name in ("q", "k", "v"):
+            y = getattr(self, f"{name}_proj")(x)
+            if self.conv_size > 0:
+                state = cache.conv.get(name) if cache is not None else None
+                y, new_state = causal_short_conv(y, getattr(self, f"{name}_conv1d").weight, state, doc_ids)
+                if cache is not None:
+                    cache.conv[name] = new_state
+            else:
+                y = F.silu(y)
+            out.append(y.view(b, t, -1, self.head_dim))
+        q, k, v = out
+        group = self.num_heads // self.kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        return q, k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        cache: GDNCache | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden]; position_ids unused (GDN has no positions); doc_ids [B, T] resets state."""
+        if cache is not None and doc_ids is not None:
+            raise ValueError("doc_ids (packed documents) cannot be combined with a decoding cache")
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, doc_ids, cache)
+        g, beta = self.gates(x)
+        backend = self.backend
+        if backend == "auto" and not x.is_cuda and t <= 16:
+            backend = "recurrent"  # a few decoding steps: no chunk padding
+        o, state = gated_delta_rule(
+            q, k, v, g, beta,
+            scale=self.head_dim**-0.5,
+            initial_state=cache.state if cache is not None else None,
+            output_final_state=cache is not None,
+            doc_ids=doc_ids,
+            use_qk_l2norm=True,
+            chunk_size=self.chunk_size,
+            backend=backend,
+        )
+        if cache is not None:
+            cache.state, cache.seen = state, cache.seen + t
+        gate = F.silu(self.g_proj(x).float()).view(b, t, self.num_heads, self.head_dim)
+        o = (self.o_norm(o.float()) * gate).to(x.dtype)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))

@@ -1,0 +1,61 @@
+"""Rotary position embeddings: default, linear scaling and Llama-3 scaling (as Hugging Face)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32.
+
+    scaling: None / {"rope_type": "default"}, {"rope_type": "linear", "factor"} or
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, scaling)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths / factor, short ones kept, smooth between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions; `apply(x [B,H,T,D], position_ids [B,T])` rotates x."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] for position_ids [B, T] (computed in fp32 like HF, then cast)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + rotate_half(x) * sin
