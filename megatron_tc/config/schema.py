@@ -1,0 +1,189 @@
+"""The run configuration: one small dataclass per concern, nested under `Config`.
+
+To add a key, add one `opt(default, "doc")` line to the right section, then regenerate
+docs/CONFIG.md (`python -m megatron_tc.config --write-docs`). Types allowed in annotations:
+int, float, bool, str, Optional[...], Literal[...], list[...] and nested sections.
+Defaults are sized for the CPU quickstart; configs/*.yaml override them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .fields import opt, section
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and which stages it runs."""
+
+    run_dir: str = opt("runs/quickstart", "Run directory: every stage reads and writes its files here (created if missing).")
+    stages: list[str] = opt(
+        ["convert", "select", "stats", "init", "stage2", "eval", "export"],
+        "Stages to run, in pipeline order, from: convert, select, stats, init, stage1, stage2, eval, export.",
+    )
+    seed: int = opt(1234, "Seed for model initialization, sampling and dropout (data order uses data.seed when set).")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "Where to compute: 'auto' picks cuda when available, else cpu.")
+    precision: Literal["fp32", "bf16"] = opt("fp32", "Compute precision of training and evaluation (bf16 on GPUs; fp32 on CPU).")
+
+
+@dataclass
+class ModelConfig:
+    """The teacher and the student's layer layout."""
+
+    teacher: Optional[str] = opt(
+        None,
+        "Teacher: an HF directory, a directory holding one .gguf file, a .gguf file, a megatron_tc "
+        "checkpoint, or 'pkg:<module>/<file>' for a file shipped inside an installed package.",
+        required=True,
+    )
+    teacher_format: Literal["auto", "hf", "gguf", "megatron_tc"] = opt("auto", "How to read model.teacher; 'auto' detects it from the files.")
+    layer_pattern: str = opt(
+        "",
+        "Explicit student layout, one letter per teacher layer: 'A' softmax attention (kept), 'G' Gated "
+        "DeltaNet (converted); '|' may mark pipeline-stage boundaries. Empty: chosen by model.policy.",
+    )
+    policy: str = opt("uniform", "Retained-layer policy when no pattern or keep list is given: uniform, ar, ga, stats (or a registered one).")
+    keep_fraction: float = opt(0.25, "Fraction of teacher layers kept as attention (used when keep_count and keep_layers are unset).")
+    keep_count: Optional[int] = opt(None, "Number of layers kept as attention; overrides keep_fraction.")
+    keep_layers: list[int] = opt([], "Explicit 0-based indices of layers kept as attention; overrides policy, keep_count and keep_fraction.")
+    gdn_conv_size: int = opt(0, "Short convolution width of GDN layers; 0 disables it (the paper's student: SiLU only).")
+    gdn_expand_kv: bool = opt(True, "GDN k/v get one head per query head (teacher KV heads repeated); false keeps the teacher's KV heads.")
+    gdn_b_bias: bool = opt(True, "Give b_proj a bias so an initialization can set the mean write strength.")
+    gdn_chunk_size: int = opt(64, "Chunk length of the chunked GDN kernel (CPU path and fla).")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "Storage dtype of converted and exported weights; 'auto' keeps the teacher's.")
+    make_vocab_size_divisible_by: int = opt(128, "Vocabulary padding multiple (times TP), as in Megatron-LM.")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor, pipeline and data parallelism, ZeRO and the teacher's placement."""
+
+    tp: int = opt(1, "Tensor-parallel size: must divide attention heads, KV heads, GDN heads and the MLP width.")
+    pp: int = opt(1, "Pipeline-parallel size (DeepSpeed pipeline engine; needs zero_stage <= 1).")
+    dp: int = opt(0, "Data-parallel size; 0 derives it as world_size / (tp * pp).")
+    zero_stage: Literal[0, 1, 2, 3] = opt(3, "DeepSpeed ZeRO stage over the data-parallel group (3 for pp == 1; at most 1 with pp > 1).")
+    teacher_mode: Literal["engine", "replicated"] = opt(
+        "replicated",
+        "Frozen teacher placement: 'engine' = its own DeepSpeed engine without optimizer (ZeRO-3 sharded), "
+        "'replicated' = a plain copy on every rank (when it fits).",
+    )
+    activation_checkpointing: bool = opt(False, "Recompute layer activations in backward to save memory.")
+    pipeline_partition: Literal["parameters", "pattern"] = opt(
+        "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."
+    )
+    deepspeed_config: Optional[str] = opt(None, "A DeepSpeed JSON to start from; None uses configs/deepspeed/zero3.json or zero1_pipeline.json.")
+    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend; 'auto' is nccl on CUDA, gloo on CPU.")
+
+
+@dataclass
+class DataConfig:
+    """Text sources, tokenization and batch sizes."""
+
+    train: list[str] = opt(["shakespeare"], "Training text: files, globs, directories (txt/jsonl/parquet) or a named corpus ('shakespeare').")
+    calib: list[str] = opt([], "Calibration text (statistics and alignment); empty: carved from data.train by data.split.")
+    eval: list[str] = opt([], "Evaluation text; empty: carved from data.train by data.split. Never overlaps calibration or training.")
+    split: list[float] = opt([0.9, 0.05, 0.05], "Fractions of documents for train, calib, eval when a part has no sources of its own (sum 1).")
+    tokenizer: str = opt("teacher", "Tokenizer: 'teacher' (the teacher's), an HF tokenizer directory or a sentencepiece .model file.")
+    seq_len: int = opt(512, "Tokens per packed training sequence.")
+    micro_batch_size: int = opt(1, "Sequences per rank per forward/backward.")
+    global_batch_size: int = opt(4, "Sequences per optimizer step over all data-parallel ranks (a multiple of micro_batch_size * dp).")
+    calib_tokens: int = opt(8192, "Calibration tokens for the statistics pass.")
+    eval_tokens: int = opt(16384, "Held-out tokens reserved for evaluation (periodic and final).")
+    seed: Optional[int] = opt(None, "Seed of the document split and sampling order; None uses run.seed.")
+
+
+@dataclass
+class CalibrateConfig:
+    """Student initialization: strategy, statistics pass and per-layer alignment."""
+
+    init: str = opt("taylor_calibrate", "Initialization strategy: naive, zero_gate, taylor, taylor_calibrate (or a registered one).")
+    align_steps: int = opt(300, "AdamW steps of per-layer alignment (strategies that align).")
+    align_tokens: int = opt(4096, "Calibration tokens whose teacher-forced layer inputs and targets the alignment trains on.")
+    lr_qkv: float = opt(3e-4, "Alignment learning rate of q/k/v/o projections.")
+    lr_gates: float = opt(3e-3, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, dt_bias).")
+    stats_chunk_size: int = opt(128, "Queries per chunk when attention probabilities are computed for statistics (bounds memory).")
+
+
+@dataclass
+class Stage1Config:
+    """Stage 1: all converted layers aligned at once by MSE, teacher-forced."""
+
+    steps: int = opt(0, "Optimizer steps; 0 skips the stage's training.")
+    lr: float = opt(1e-3, "Peak learning rate.")
+    warmup_steps: int = opt(0, "Linear warmup steps.")
+
+
+@dataclass
+class Stage2Config:
+    """Stage 2: end-to-end KL distillation."""
+
+    steps: int = opt(50, "Optimizer steps (ignored when tokens is set).")
+    tokens: Optional[int] = opt(None, "Training tokens; sets the steps as tokens / (global_batch_size * seq_len).")
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(3e-5, "Final learning rate of the schedule.")
+    warmup_steps: int = opt(5, "Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = opt("cosine", "Decay from lr to min_lr after warmup.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip; 0 disables clipping.")
+    temperature: float = opt(1.0, "Softmax temperature of the KL(teacher || student) term.")
+    ce_weight: float = opt(0.0, "Weight of the next-token cross-entropy term.")
+    hidden_weight: float = opt(0.0, "Weight of the hidden-state MSE term against the teacher.")
+    trainable: Literal["all", "mixers", "gdn"] = opt("all", "Parameters trained: all, every layer's mixer, or only the GDN mixers.")
+
+
+@dataclass
+class DistillConfig:
+    """Distillation stages and their run control (checkpoints, evaluation, numerical faults)."""
+
+    stage1: Stage1Config = section(Stage1Config, "Stage 1 (per-layer MSE alignment at scale).")
+    stage2: Stage2Config = section(Stage2Config, "Stage 2 (end-to-end KL distillation).")
+    eval_interval: int = opt(10, "Evaluate held-out perplexity and KL every this many steps; 0 only at the end.")
+    checkpoint_interval: int = opt(25, "Save a resumable checkpoint every this many steps; 0 only at the end.")
+    keep_last: int = opt(2, "Checkpoints kept in the run directory (older ones are deleted).")
+    nan_policy: Literal["skip", "abort"] = opt("skip", "On a NaN/inf loss or gradient: skip the step and count it, or abort.")
+    max_skipped: int = opt(10, "Abort after this many skipped steps (nan_policy 'skip').")
+
+
+@dataclass
+class EvalConfig:
+    """Final evaluation: perplexity, KL to the teacher, tokens-to-target, long-context probe."""
+
+    tokens: int = opt(0, "Evaluation tokens; 0 uses all of data.eval_tokens.")
+    seq_len: Optional[int] = opt(None, "Evaluation context length; None uses data.seq_len.")
+    batch_size: int = opt(1, "Sequences per evaluation forward.")
+    target_ppl_factors: list[float] = opt([1.10, 1.15, 1.25], "Tokens-to-target factors k: target perplexity = k x teacher perplexity.")
+    probe_lengths: list[int] = opt([], "Context lengths of the synthetic long-context retrieval probe; empty skips it.")
+
+
+@dataclass
+class LoggingConfig:
+    """Console, TensorBoard and progress bars."""
+
+    tensorboard_dir: Optional[str] = opt(None, "TensorBoard log directory; None uses <run_dir>/tensorboard.")
+    log_interval: int = opt(1, "Log training scalars every this many steps.")
+    progress_bar: bool = opt(True, "Show progress bars (rank 0, and only when stderr is a terminal).")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = opt("INFO", "Console log level on rank 0 (other ranks log warnings and errors).")
+
+
+@dataclass
+class ExportConfig:
+    """What the export stage writes."""
+
+    formats: list[Literal["hf", "megatron_tc"]] = opt(["hf", "megatron_tc"], "Export formats: an HF-loadable directory and/or megatron_tc shards.")
+    out_dir: Optional[str] = opt(None, "Export directory; None uses <run_dir>/export.")
+
+
+@dataclass
+class Config:
+    """The whole run: one YAML file, `key=value` overrides on the command line."""
+
+    run: RunConfig = section(RunConfig, "Run directory, stages, seed, device and precision.")
+    model: ModelConfig = section(ModelConfig, "Teacher and retained-layer layout; GDN options.")
+    parallel: ParallelConfig = section(ParallelConfig, "TP / PP / DP, ZeRO and the teacher's placement.")
+    data: DataConfig = section(DataConfig, "Text sources, tokenizer, sequence length and batch sizes.")
+    calibrate: CalibrateConfig = section(CalibrateConfig, "Statistics pass, initialization strategy and per-layer alignment.")
+    distill: DistillConfig = section(DistillConfig, "Stage 1 and stage 2 distillation.")
+    eval: EvalConfig = section(EvalConfig, "Final evaluation.")
+    logging: LoggingConfig = section(LoggingConfig, "Console logging, TensorBoard, progress bars.")
+    export: ExportConfig = section(ExportConfig, "Exported student formats.")
