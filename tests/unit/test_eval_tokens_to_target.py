@@ -1,0 +1,133 @@
+"""Tokens-to-target on synthetic logs with known answers; TensorBoard input; plot and report files."""
+import json
+import math
+import os
+
+import pytest
+
+from megatron_tc.eval.plots import plot_ppl_vs_tokens
+from megatron_tc.eval.report import write_report
+from megatron_tc.eval.tokens_to_target import (EvalLogError, Target, load_run, read_jsonl_log, tokens_to_reach,
+                                               tokens_to_target)
+
+# teacher ppl 10; with ks=(1.0, 2.0) the targets are 10 and 20; the naive run ends at 20 as well.
+RUNS = {
+    "naive": [(0, 400.0), (1000, 100.0), (100000, 20.0)],
+    "taylor_calibrate": [(0, 80.0), (1000, 40.0), (100000, 10.0)],
+    "ours": [(0, 30.0), (1000, 10.0)],
+    "short": [(0, 50.0), (50000, 15.0)],
+}
+
+
+def _write_run(root, name, points, teacher_ppl=10.0, init=None):
+    d = root / name
+    d.mkdir()
+    with open(d / "eval_log.jsonl", "w") as fh:
+        for step, (t, p) in enumerate(points):
+            fh.write(json.dumps({"step": step, "tokens": t, "ppl": p, "kl": math.log(p / teacher_ppl),
+                                 "teacher_ppl": teacher_ppl}) + "\n")
+    (d / "run.json").write_text(json.dumps({"name": name, "init": init or name, "policy": "uniform"}))
+    return str(d)
+
+
+@pytest.fixture
+def run_dirs(tmp_path):
+    return [_write_run(tmp_path, n, pts) for n, pts in RUNS.items()]
+
+
+def test_known_crossings_interpolated_and_first(run_dirs):
+    curves = {c.name: c for c in map(load_run, run_dirs)}
+    tc, ours = curves["taylor_calibrate"], curves["ours"]
+    # log-ppl linear in log-tokens: 20 = sqrt(40 * 10) lies half-way, at sqrt(1e3 * 1e5) = 1e4 tokens
+    assert tokens_to_reach(tc, 20.0) == pytest.approx(1e4, rel=1e-12)
+    assert tokens_to_reach(tc, 20.0, method="first") == 1e5
+    assert tokens_to_reach(tc, 10.0) == pytest.approx(1e5, rel=1e-12)  # exactly on an eval point
+    # from the zero-shot point (tokens 0) the interpolation is linear in tokens
+    assert tokens_to_reach(ours, 20.0) == pytest.approx(1000 * math.log(1.5) / math.log(3), rel=1e-12)
+    assert tokens_to_reach(ours, 40.0) == 0  # already there at zero-shot
+    assert tokens_to_reach(curves["naive"], 19.9) is None
+
+
+def test_table_and_ratios_with_bounds(run_dirs):
+    res = tokens_to_target([load_run(d) for d in run_dirs], ks=(1.0, 2.0))
+    assert res["teacher_ppl"] == 10.0
+    assert [(t["label"], t["ppl"]) for t in res["targets"]] == [("1.00x teacher", 10.0), ("2.00x teacher", 20.0),
+                                                               ("naive final", 20.0)]
+    tokens = {r["name"]: r["tokens"] for r in res["runs"]}
+    assert tokens["naive"] == {"1.00x teacher": None, "2.00x teacher": 1e5, "naive final": 1e5}
+    assert tokens["short"]["1.00x teacher"] is None
+    vs_naive, vs_tc = res["ratios"]["vs_naive"], res["ratios"]["vs_taylor_calibrate"]
+    assert vs_naive["taylor_calibrate"]["naive final"] == {"value": pytest.approx(10.0), "bound": "="}
+    # ours reaches 10 at 1e3 tokens, naive never does within its 1e5: at least 100x fewer
+    assert vs_naive["ours"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": ">="}
+    assert vs_tc["ours"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": "="}
+    # short never reaches 10, taylor_calibrate does at 1e5: at most 1e5 / 5e4 = 2x
+    assert vs_tc["short"]["1.00x teacher"] == {"value": pytest.approx(2.0), "bound": "<="}
+    assert vs_naive["short"]["1.00x teacher"] is None
+    assert "naive" not in vs_naive
+
+
+def test_log_errors_and_truncated_last_line(tmp_path):
+    p = tmp_path / "eval_log.jsonl"
+    p.write_text('{"tokens": 0, "ppl": 50}\n{"tokens": 100, "ppl": 40}\n{"tokens": 200, "pp')
+    assert read_jsonl_log(p).tokens == [0, 100]  # a line cut by a kill mid-write is ignored
+    p.write_text('{"tokens": 0, "ppl": 50}\n{"tokens": 100, "ppl": 40}\n{"tokens": 100, "ppl": 30}\n')
+    assert read_jsonl_log(p).ppl == [50, 30]  # repeated after a resume: the last wins
+    p.write_text('{"tokens": 0, "loss": 5}\n')
+    with pytest.raises(EvalLogError, match="needs 'tokens' and 'ppl'"):
+        read_jsonl_log(p)
+    with pytest.raises(EvalLogError, match="no such run"):
+        load_run(tmp_path / "nope")
+    with pytest.raises(EvalLogError, match="no targets"):
+        tokens_to_target([read_jsonl_log(_ok(tmp_path))])
+
+
+def _ok(tmp_path):
+    p = tmp_path / "ok.jsonl"
+    p.write_text('{"tokens": 0, "ppl": 50}\n')
+    return p
+
+
+def test_tensorboard_logs_read_like_jsonl(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    d = tmp_path / "tb_run"
+    writer = SummaryWriter(str(d / "tb"))
+    for step, (t, p) in enumerate(RUNS["taylor_calibrate"]):
+        writer.add_scalar("eval/ppl", p, step * 10)
+        writer.add_scalar("eval/tokens", t, step * 10)
+        writer.add_scalar("eval/teacher_ppl", 10.0, step * 10)
+        writer.add_scalar("train/loss", 1.0, step * 10)
+    writer.close()
+    curve = load_run(d)
+    assert curve.name == "tb_run"
+    assert curve.tokens == [0, 1000, 100000]
+    assert curve.ppl == pytest.approx([80, 40, 10])
+    assert curve.teacher_ppl == 10.0
+    assert tokens_to_reach(curve, 20.0) == pytest.approx(1e4, rel=1e-5)
+
+
+def _assert_png(path):
+    import matplotlib.image
+
+    with open(path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_plot_is_a_valid_png(run_dirs, tmp_path):
+    curves = [load_run(d) for d in run_dirs]
+    path = plot_ppl_vs_tokens(curves, [Target("1.10x teacher", 11.0)], tmp_path / "p.png", teacher_ppl=10.0)
+    _assert_png(path)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_report_has_tables_and_figure(run_dirs, tmp_path):
+    out = tmp_path / "report"
+    path = write_report(run_dirs, str(out), ks=(1.0, 2.0))
+    text = open(path).read()
+    assert "| ours |" in text and "not reached" in text and "≥ 100.00x" in text and "10.00x" in text
+    assert "![eval perplexity vs training tokens](ppl_vs_tokens.png)" in text
+    _assert_png(out / "ppl_vs_tokens.png")
+    assert json.load(open(out / "tokens_to_target.json"))["teacher_ppl"] == 10.0
