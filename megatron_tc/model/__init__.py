@@ -3,6 +3,7 @@ from .attention import Attention
 from .cache import AttentionCache, GDNCache, HybridCache
 from .config import FAMILIES, ArchConfig, ArchConfigError, pad_vocab
 from .gdn import GatedDeltaNet
+from .generate import generate, sample_next
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .ops import gated_delta_rule, iter_attention_probs
@@ -22,6 +23,8 @@ __all__ = [
     "HybridLM",
     "RMSNorm",
     "gated_delta_rule",
+    "generate",
+    "sample_next",
     "iter_attention_probs",
     "pad_vocab",
 ]
