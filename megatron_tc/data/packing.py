@@ -1,0 +1,146 @@
+"""Packing tokenized documents into fixed-length training sequences that keep document boundaries.
+
+The documents of a split are tokenized, each followed by EOS, and concatenated into one token
+stream. Sequence i covers the stream window [i*T, i*T + T + 1): inputs are its first T tokens and
+the label of input t is token t+1 of the window (windows overlap by one token, as in Megatron-LM).
+
+Boundary rules (the model masks attention across documents and resets the GDN state where
+`doc_ids` changes):
+
+* `labels[t] = -100` where token t+1 belongs to another document: predicting the next document's
+  first token from the previous document (i.e. after its EOS) is meaningless. The token before EOS
+  does predict EOS, so the student learns where documents end.
+* A document longer than T is split across sequences. Each continuation starts a new segment of
+  its sequence (`doc_ids` 0, `position_ids` from 0, fresh GDN state): sequences are independent
+  samples that are shuffled, so state cannot flow from one to the next. The last input of a window
+  keeps its label (the next token of the same document), so only first tokens of documents are
+  never predicted.
+* Short documents are packed together: `doc_ids` counts documents within the sequence from 0, and
+  `position_ids` restart at 0 at every document start.
+* With `drop_last=False` (evaluation) the tail of the stream becomes a final sequence padded with
+  `pad_id`; padding is its own segment (next doc id) with labels -100.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenStream:
+    """tokens: int32 [L], every document followed by EOS; offsets: int64 [D+1], document d is
+    tokens[offsets[d]:offsets[d+1]]."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.offsets.ndim != 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.tokens):
+            raise ValueError("offsets must start at 0 and end at len(tokens)")
+        if np.any(np.diff(self.offsets) <= 0):
+            raise ValueError("every document must hold at least one token (its EOS)")
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_token_lists(cls, docs: list[list[int]] | list[np.ndarray]) -> "TokenStream":
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
+        return cls(tokens=tokens, offsets=offsets)
+
+
+def num_sequences(stream_len: int, seq_len: int, drop_last: bool) -> int:
+    """Sequences of `seq_len` inputs (+1 label token) from a stream of `stream_len` tokens."""
+    usable = max(stream_len - 1, 0)  # the final token is never an input with a label
+    return usable // seq_len if drop_last else -(-usable // seq_len)
+
+
+def pack_window(stream: TokenStream, start: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One sequence starting at stream position `start`; returns int64 arrays of shape [T]:
+    input_ids, labels, doc_ids, position_ids."""
+    T = seq_len
+    end = min(start + T + 1, len(stream.tokens))
+    window = np.asarray(stream.tokens[start:end], dtype=np.int64)
+    n = min(T, len(window) - 1)  # real inputs in this sequence
+    doc = np.searchsorted(stream.offsets, np.arange(start, end), side="right") - 1
+    out = {
+        "input_ids": np.full(T, pad_id, np.int64),
+        "labels": np.full(T, IGNORE_INDEX, np.int64),
+        "doc_ids": np.empty(T, np.int64),
+        "position_ids": np.empty(T, np.int64),
+    }
+    out["input_ids"][:n] = window[:n]
+    same_doc = doc[:n] == doc[1 : n + 1]
+    out["labels"][:n] = np.where(same_doc, window[1 : n + 1], IGNORE_INDEX)
+    out["doc_ids"][:n] = doc[:n] - doc[0]  # documents are contiguous in the stream
+    segment_start = np.maximum(stream.offsets[doc[:n]], start)
+    out["position_ids"][:n] = np.arange(start, start + n) - segment_start
+    if n < T:  # padding: a segment of its own
+        out["doc_ids"][n:] = out["doc_ids"][n - 1] + 1 if n > 0 else 0
+        out["position_ids"][n:] = np.arange(T - n)
+    return out
+
+
+class PackedSequences(torch.utils.data.Dataset):
+    """Fixed-length sequences over a token stream; item i is a dict of int64 tensors [T]."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, pad_id: int, drop_last: bool = True,
+                 fingerprint: str = "") -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.stream, self.seq_len, self.pad_id, self.drop_last = stream, seq_len, pad_id, drop_last
+        self.fingerprint = f"{fingerprint}:T{seq_len}:{'drop' if drop_last else 'pad'}"
+        self._n = num_sequences(len(stream.tokens), seq_len, drop_last)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self._n:
+            raise IndexError(f"sequence {i} out of range ({self._n} sequences)")
+        return {k: torch.from_numpy(v) for k, v in pack_window(self.stream, i * self.seq_len, self.seq_len, self.pad_id).items()}
+
+    def batch(self, indices: list[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        """Stacked sequences: dict of int64 tensors [B, T]."""
+        items = [self[int(i)] for i in indices]
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+    def num_label_tokens(self) -> int:
+        """Tokens that carry a label (what a perplexity is averaged over)."""
+        return sum(int((self[i]["labels"] != IGNORE_INDEX).sum()) for i in range(self._n))
+
+
+def attention_mask_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids [B, T] -> bool [B, T, T]: query t may attend key s iff s <= t and same document.
+    A reference for tests; kernels should derive the mask blockwise instead of materializing it."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return same & causal
+
+
+def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids [B, T] (non-decreasing per row) -> position_ids [B, T] restarting at each document."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_pos = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_pos
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids [B, T] -> bool [B, T], True at the first token of every segment (GDN state reset)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return starts
