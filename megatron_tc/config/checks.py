@@ -179,13 +179,12 @@ def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
 
 
 def _tp_arch_errors(cfg: Config, arch: "ArchConfig") -> list[str]:
+    # GDN layers have num_heads heads (q, a, b, g, A_log, dt_bias) and, for k/v, either num_heads
+    # (gdn_expand_kv) or the teacher's KV heads: both are covered by the first two entries.
     tp = cfg.parallel.tp
-    gdn_kv = arch.num_heads if cfg.model.gdn_expand_kv else arch.num_kv_heads
     sizes = {
-        "attention heads (num_heads)": arch.num_heads,
+        "attention and GDN heads (num_heads)": arch.num_heads,
         "KV heads (num_kv_heads)": arch.num_kv_heads,
-        "GDN heads": arch.num_heads,
-        "GDN k/v heads": gdn_kv,
         "MLP width (intermediate_size)": arch.intermediate_size,
     }
     bad = [f"{count} {what}" for what, count in sizes.items() if count % tp]
@@ -193,10 +192,7 @@ def _tp_arch_errors(cfg: Config, arch: "ArchConfig") -> list[str]:
         return []
     common = math.gcd(*sizes.values())
     valid = [d for d in range(1, common + 1) if common % d == 0]
-    return [
-        f"parallel.tp={tp} does not divide the teacher's {', '.join(dict.fromkeys(bad))}: "
-        f"choose parallel.tp from {valid}"
-    ]
+    return [f"parallel.tp={tp} does not divide the teacher's {', '.join(bad)}: choose parallel.tp from {valid}"]
 
 
 def _layer_arch_errors(cfg: Config, arch: "ArchConfig") -> list[str]:
@@ -271,18 +267,27 @@ def _stage_errors(cfg: Config) -> list[str]:
 
 def _data_errors(cfg: Config) -> list[str]:
     d, stages = cfg.data, cfg.run.stages
+    src, split = d.source, d.split
     errors = []
-    if len(d.split) != 3 or any(f < 0 for f in d.split) or abs(sum(d.split) - 1.0) > 1e-6:
-        errors.append(f"data.split={d.split} must be three fractions >= 0 (train, calib, eval) that sum to 1")
-        return errors
+    if src.kind in ("text", "jsonl", "parquet") and not src.paths:
+        errors.append(f"data.source.kind={src.kind!r} needs data.source.paths (files, directories or globs)")
+    if src.kind == "hub" and not src.hub_name:
+        errors.append("data.source.kind='hub' needs data.source.hub_name")
+    fractions = {"calibration_fraction": split.calibration_fraction, "eval_fraction": split.eval_fraction}
+    for key, value in fractions.items():
+        if not 0.0 <= value < 1.0:
+            errors.append(f"data.split.{key}={value} must be in [0, 1)")
+    if sum(fractions.values()) >= 1.0:
+        errors.append("data.split.calibration_fraction + data.split.eval_fraction must be < 1 to leave training text")
+    overlap = sorted(set(split.calibration_docs) & set(split.eval_docs))
+    if overlap:
+        errors.append(f"documents pinned to both calibration and evaluation: {overlap[:5]}; text must never overlap")
     needs_calib = bool({"stats", "init", "stage1"} & set(stages)) or ("select" in stages and cfg.model.policy != "uniform")
-    if needs_calib and not d.calib and not (d.train and d.split[1] > 0):
-        errors.append("no calibration text: set data.calib, or data.train with data.split[1] > 0")
+    if needs_calib and not (split.calibration_docs or split.calibration_fraction > 0):
+        errors.append("no calibration text: set data.split.calibration_fraction > 0 or name data.split.calibration_docs")
     needs_eval = "eval" in stages or ("stage2" in stages and cfg.distill.eval_interval > 0)
-    if needs_eval and not d.eval and not (d.train and d.split[2] > 0):
-        errors.append("no evaluation text: set data.eval, or data.train with data.split[2] > 0")
-    if {"stage1", "stage2"} & set(stages) and not (d.train and d.split[0] > 0):
-        errors.append("stage1/stage2 need training text: name files or a corpus in data.train and give data.split[0] > 0")
+    if needs_eval and not (split.eval_docs or split.eval_fraction > 0):
+        errors.append("no evaluation text: set data.split.eval_fraction > 0 or name data.split.eval_docs")
     if cfg.eval.tokens > d.eval_tokens:
         errors.append(
             f"eval.tokens={cfg.eval.tokens} exceeds the data.eval_tokens={d.eval_tokens} reserved for evaluation: "

