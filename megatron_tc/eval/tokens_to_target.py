@@ -6,16 +6,19 @@ evaluation point, appended as training goes::
     {"step": 200, "tokens": 819200, "ppl": 41.7, "kl": 0.52, "top1_agree": 0.71, "teacher_ppl": 35.8}
 
 - `tokens` (required): training tokens the student has consumed when the evaluation ran, summed
-  over data-parallel ranks. Log the zero-shot evaluation before the first step as tokens = 0.
+  over data-parallel ranks (`train_tokens`, if present, is used instead). Log the zero-shot
+  evaluation before the first step as tokens = 0. Two different steps with the same tokens are
+  refused (that is an eval token count, not training tokens).
 - `ppl` (required): perplexity on the held-out evaluation set; `kl`, `top1_agree` optional.
 - `teacher_ppl` (optional, on any line): the teacher's perplexity on the same evaluation set.
 - Lines repeated after a resume are fine: the last line for a given `tokens` wins.
 - Optional `<run_dir>/run.json`: {"name": ..., "init": ..., "policy": ..., "teacher": ...}. The
   run's name is run.json's "name", else its "init", else the directory name.
 
-TensorBoard instead (when there is no eval_log.jsonl): event files under the run directory with
-scalars `eval/ppl` (required), `eval/tokens` (tokens consumed, same global step as eval/ppl; if
-absent, the global step itself is read as tokens), and optionally `eval/kl`, `eval/teacher_ppl`.
+TensorBoard instead (when there is no eval_log.jsonl): event files under the run directory, either
+stage 2's `stage2_eval_vs_tokens/{ppl,kl}` (global step = training tokens), or `eval/ppl` with
+`eval/tokens` at the same global step (if there is no eval/tokens, the step is read as tokens) and
+optional `eval/kl`; the teacher from `eval/teacher_ppl` or `stage2_eval/teacher_ppl`.
 
 Targets: ppl <= k x teacher_ppl for k in (1.10, 1.15, 1.25), and ppl <= the naive run's final ppl.
 
@@ -96,8 +99,9 @@ def _curve(name: str, points: dict[float, dict[str, Any]], teacher_ppl: float | 
 
 
 def read_jsonl_log(path: str | os.PathLike, name: str | None = None, meta: dict[str, Any] | None = None) -> RunCurve:
-    """Read an eval_log.jsonl (format in the module doc)."""
+    """Read an eval_log.jsonl (format in the module doc). `train_tokens`, if present, wins over `tokens`."""
     points: dict[float, dict[str, Any]] = {}
+    step_at: dict[float, Any] = {}
     teacher = None
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -109,12 +113,27 @@ def read_jsonl_log(path: str | os.PathLike, name: str | None = None, meta: dict[
                 if lineno > 1 and not line.endswith("\n"):  # a final line cut by a kill mid-write
                     break
                 raise EvalLogError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-            if "tokens" not in rec or "ppl" not in rec:
+            tokens = rec.get("train_tokens", rec.get("tokens"))
+            if tokens is None or "ppl" not in rec:
                 raise EvalLogError(f"{path}:{lineno}: needs 'tokens' and 'ppl' (got keys {sorted(rec)})")
-            points[float(rec["tokens"])] = rec
+            tokens = float(tokens)
+            step = rec.get("step")
+            if step is not None and step_at.get(tokens, step) != step:
+                raise EvalLogError(f"{path}:{lineno}: steps {step_at[tokens]} and {step} both report tokens={tokens:g}; "
+                                   "'tokens' must be the training tokens consumed (is it the eval token count?)")
+            step_at[tokens] = step
+            points[tokens] = rec
             teacher = rec.get("teacher_ppl", teacher)
     return _curve(name or os.path.basename(os.path.dirname(os.path.abspath(path))), points, teacher,
                   meta or {}, str(path))
+
+
+# TensorBoard layouts, tried in order: (ppl tag, tokens tag or None = the step is tokens, kl tag)
+TB_LAYOUTS = (
+    ("stage2_eval_vs_tokens/ppl", None, "stage2_eval_vs_tokens/kl"),  # megatron_tc.distill.stage2
+    ("eval/ppl", "eval/tokens", "eval/kl"),
+)
+TB_TEACHER_TAGS = ("eval/teacher_ppl", "stage2_eval/teacher_ppl", "stage2_eval_vs_tokens/teacher_ppl")
 
 
 def read_tensorboard_log(run_dir: str | os.PathLike, name: str | None = None,
@@ -130,18 +149,21 @@ def read_tensorboard_log(run_dir: str | os.PathLike, name: str | None = None,
         acc = EventAccumulator(f, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            if tag.startswith("eval/"):
+            if "eval" in tag:
                 scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    if "eval/ppl" not in scalars:
-        raise EvalLogError(f"{run_dir}: TensorBoard logs have no 'eval/ppl' scalar (found {sorted(scalars)})")
-    tokens_at = scalars.get("eval/tokens", {})
+    layout = next((lay for lay in TB_LAYOUTS if lay[0] in scalars), None)
+    if layout is None:
+        raise EvalLogError(f"{run_dir}: TensorBoard logs have none of {[lay[0] for lay in TB_LAYOUTS]} "
+                           f"(eval scalars found: {sorted(scalars)})")
+    ppl_tag, tokens_tag, kl_tag = layout
+    tokens_at = scalars.get(tokens_tag, {}) if tokens_tag else {}
     points = {}
-    for step, ppl in scalars["eval/ppl"].items():
+    for step, ppl in scalars[ppl_tag].items():
         if tokens_at and step not in tokens_at:
-            raise EvalLogError(f"{run_dir}: eval/ppl at step {step} has no eval/tokens at the same step")
+            raise EvalLogError(f"{run_dir}: {ppl_tag} at step {step} has no {tokens_tag} at the same step")
         t = tokens_at[step] if tokens_at else step
-        points[float(t)] = {"ppl": ppl, "kl": scalars.get("eval/kl", {}).get(step)}
-    teacher_vals = list(scalars.get("eval/teacher_ppl", {}).values())
+        points[float(t)] = {"ppl": ppl, "kl": scalars.get(kl_tag, {}).get(step)}
+    teacher_vals = [v for tag in TB_TEACHER_TAGS for v in scalars.get(tag, {}).values()]
     return _curve(name or os.path.basename(os.path.abspath(run_dir)), points,
                   teacher_vals[-1] if teacher_vals else None, meta or {}, str(run_dir))
 

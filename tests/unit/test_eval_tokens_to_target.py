@@ -131,3 +131,26 @@ def test_report_has_tables_and_figure(run_dirs, tmp_path):
     assert "![eval perplexity vs training tokens](ppl_vs_tokens.png)" in text
     _assert_png(out / "ppl_vs_tokens.png")
     assert json.load(open(out / "tokens_to_target.json"))["teacher_ppl"] == 10.0
+
+
+def test_tensorboard_stage2_layout_and_eval_token_count_refused(tmp_path):
+    """stage 2 logs ppl against tokens as the global step; an eval-token count in 'tokens' is refused."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    d = tmp_path / "stage2"
+    writer = SummaryWriter(str(d / "tensorboard"))
+    for step, (t, p) in enumerate(RUNS["naive"]):
+        writer.add_scalar("stage2_eval/ppl", p, step)
+        writer.add_scalar("stage2_eval/teacher_ppl", 10.0, step)
+        writer.add_scalar("stage2_eval_vs_tokens/ppl", p, t)
+    writer.close()
+    curve = load_run(d)
+    assert curve.tokens == [0, 1000, 100000] and curve.ppl == pytest.approx([400, 100, 20])
+    assert curve.teacher_ppl == 10.0
+    p = tmp_path / "eval_log.jsonl"
+    p.write_text('{"step": 0, "tokens": 512, "ppl": 50}\n{"step": 10, "tokens": 512, "ppl": 40}\n')
+    with pytest.raises(EvalLogError, match="eval token count"):
+        read_jsonl_log(p)
+    p.write_text('{"step": 0, "tokens": 512, "train_tokens": 0, "ppl": 50}\n'
+                 '{"step": 10, "tokens": 512, "train_tokens": 4096, "ppl": 40}\n')
+    assert read_jsonl_log(p).tokens == [0, 4096]
