@@ -40,8 +40,10 @@ stop the run at start-up with a `ConfigError` that says how to fix them.
 
 DeepSpeed JSON templates live in `configs/deepspeed/`: `zero3.json` (parallel.pp = 1) and
 `zero1_pipeline.json` (parallel.pp > 1; DeepSpeed's pipeline engine allows ZeRO stage 0 or 1 only).
-Batch sizes, gradient clipping, precision and the ZeRO stage in them are filled in from this
-config; `"torch_adam": true` selects PyTorch's AdamW so the same file runs on CPU.
+`parallel.deepspeed_config` replaces them with your own JSON. As in the Hugging Face integration,
+a value `"auto"` is filled from this config (batch sizes, gradient clipping, bf16, ZeRO stage,
+learning rate, weight decay) and a concrete value is kept; `"torch_adam": true` selects PyTorch's
+AdamW, so the same file runs on CPU without compiling DeepSpeed's fused Adam.
 """
 
 

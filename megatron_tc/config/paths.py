@@ -32,3 +32,14 @@ def resolve_path(spec: str) -> Path:
         if candidate.exists():
             return candidate
     raise ConfigError(f"{spec!r}: {rel} not found in package {module!r} ({', '.join(found.submodule_search_locations)})")
+
+
+def deepspeed_template_path(pp: int, user_json: str | None = None) -> Path:
+    """The DeepSpeed JSON to start from: `parallel.deepspeed_config` when set, else the shipped
+    template (configs/deepspeed/zero3.json for pp == 1, zero1_pipeline.json for pp > 1). Their
+    "auto" values are filled from our config (batch sizes, clipping, bf16, ZeRO stage, lr, decay)."""
+    if user_json:
+        return Path(user_json).expanduser()
+    from .loader import repo_root
+
+    return repo_root() / "configs" / "deepspeed" / ("zero1_pipeline.json" if pp > 1 else "zero3.json")

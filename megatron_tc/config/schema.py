@@ -72,7 +72,9 @@ class ParallelConfig:
     pipeline_partition: Literal["parameters", "pattern"] = opt(
         "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."
     )
-    deepspeed_config: Optional[str] = opt(None, "A DeepSpeed JSON to start from; None uses configs/deepspeed/zero3.json or zero1_pipeline.json.")
+    deepspeed_config: Optional[str] = opt(
+        None, "A DeepSpeed JSON to start from ('auto' values are filled from this config); None uses configs/deepspeed/zero3.json (pp == 1) or zero1_pipeline.json."
+    )
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend; 'auto' is nccl on CUDA, gloo on CPU.")
 
 
