@@ -8,7 +8,7 @@ reported together.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import ConfigError, suggest
 from .names import STAGES, init_strategy_names, policy_names
@@ -17,8 +17,6 @@ from .typecheck import build_section, section_to_dict
 
 if TYPE_CHECKING:  # the model package may import torch; only attribute access is needed here
     from megatron_tc.model.config import ArchConfig
-
-Check = Callable[[Config], Iterable[str]]
 
 
 def derive_dp(parallel: ParallelConfig, world_size: int) -> int:
