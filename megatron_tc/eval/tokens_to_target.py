@@ -169,7 +169,8 @@ def read_tensorboard_log(run_dir: str | os.PathLike, name: str | None = None,
 
 
 def load_run(path: str | os.PathLike) -> RunCurve:
-    """A run directory (eval_log.jsonl, else TensorBoard events) or an eval_log.jsonl file."""
+    """A run directory (its eval_log.jsonl, at the top or the only one below; else TensorBoard events)
+    or an eval_log.jsonl file."""
     path = str(path)
     if os.path.isfile(path):
         return read_jsonl_log(path)
@@ -181,6 +182,11 @@ def load_run(path: str | os.PathLike) -> RunCurve:
             meta = json.load(fh)
     name = meta.get("name") or meta.get("init") or os.path.basename(os.path.abspath(path))
     log = os.path.join(path, EVAL_LOG)
+    if not os.path.isfile(log):  # e.g. <run_dir>/stage2/eval_log.jsonl
+        found = sorted(glob.glob(os.path.join(path, "**", EVAL_LOG), recursive=True))
+        if len(found) > 1:
+            raise EvalLogError(f"{path}: several {EVAL_LOG} files ({found}); pass the one to use")
+        log = found[0] if found else log
     if os.path.isfile(log):
         return read_jsonl_log(log, name=name, meta=meta)
     return read_tensorboard_log(path, name=name, meta=meta)

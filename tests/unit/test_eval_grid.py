@@ -1,0 +1,85 @@
+"""Experiment grid: expansion into resolved run configs, resumable cells, failures recorded, tables."""
+import json
+import os
+
+import pytest
+
+from megatron_tc.eval.grid import GridError, load_grid, register_runner, run_grid
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CALLS = []
+ZERO_SHOT = {"naive": 400.0, "taylor_calibrate": 60.0, "zero_gate": 30.0}
+
+
+def trained_runner(cfg, grid, cell):
+    """Checks the resolved config, writes a stage-2-like eval log, fails on one cell."""
+    CALLS.append(cell.key)
+    assert (cfg.calibrate.init, cfg.model.policy, cfg.model.teacher) == (cell.init, cell.policy, cell.teacher_path)
+    assert cfg.run.run_dir == cell.run_dir and cfg.distill.stage2.steps == 3  # the grid's override applied
+    if cell.key == "t2/ga/zero_gate" and os.environ.get("GRID_TEST_FAIL") == "1":
+        raise RuntimeError("boom")
+    z = ZERO_SHOT[cell.init]
+    pts = [(0, z), (1000, z / 4), (100000, 12.0 if cell.init != "naive" else 20.0)]
+    with open(os.path.join(cell.run_dir, "eval_log.jsonl"), "w") as fh:
+        for step, (t, p) in enumerate(pts):
+            fh.write(json.dumps({"step": step, "tokens": t, "ppl": p, "kl": 0.1, "teacher_ppl": 10.0}) + "\n")
+    return {"ppl": pts[-1][1], "zero_shot_ppl": z, "kl": 0.1, "teacher_ppl": 10.0, "train_tokens": 100000}
+
+
+register_runner("trained_for_test", trained_runner)
+
+
+def _grid_file(tmp_path, **extra):
+    data = {"base": os.path.join(REPO, "configs", "tiny.yaml"), "out": "out", "mode": "trained_for_test",
+            "overrides": ["distill.stage2.steps=3"],
+            "axes": {"teacher": {"t1": "teachers/one", "t2": "/abs/two"}, "policy": ["uniform", "ga"],
+                     "init": ["naive", "taylor_calibrate", "zero_gate"]}, **extra}
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps(data))  # JSON is YAML
+    return path
+
+
+def test_grid_runs_every_cell_resumes_and_writes_tables(tmp_path, monkeypatch):
+    grid = load_grid(_grid_file(tmp_path))
+    assert grid.axes["teacher"]["t1"] == str(tmp_path / "teachers" / "one")  # relative to the grid file
+    assert len(grid.cells()) == 12
+    CALLS.clear()
+    monkeypatch.setenv("GRID_TEST_FAIL", "1")
+    records = run_grid(grid, log=lambda msg: None)
+    assert len(CALLS) == 12
+    failed = [r for r in records if r["status"] != "ok"]
+    assert [(r["teacher"], r["policy"], r["init"]) for r in failed] == [("t2", "ga", "zero_gate")]
+    assert "RuntimeError: boom" in failed[0]["error"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| t1 | uniform | zero_gate | ok | 12 |" in md and "33.33x" not in md
+    assert "| t1 | uniform | taylor_calibrate | ok | 12 |" in md and "1.67x" in md  # naive 20 / 12
+    assert "## Failed cells" in md and "t2/ga/zero_gate: RuntimeError: boom" in md
+    assert "### t1 / uniform" in md  # tokens-to-target across inits of one (teacher, policy)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(res["cells"]) == 12
+    # rerun: only the failed cell runs again
+    CALLS.clear()
+    monkeypatch.setenv("GRID_TEST_FAIL", "0")
+    records = run_grid(grid, log=lambda msg: None)
+    assert CALLS == ["t2/ga/zero_gate"] and all(r["status"] == "ok" for r in records)
+    assert "## Failed cells" not in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_grid_file_errors(tmp_path):
+    with pytest.raises(GridError, match="unknown keys"):
+        load_grid(_grid_file(tmp_path, typo=1))
+    with pytest.raises(GridError, match="mode 'nope'"):
+        load_grid(_grid_file(tmp_path, mode="nope"))
+    bad = _grid_file(tmp_path, axes={"teacher": {"t": "x"}, "policy": ["uniform"]})
+    with pytest.raises(GridError, match=r"missing \['init'\]"):
+        load_grid(bad)
+
+
+def test_bad_override_fails_before_any_cell_runs(tmp_path):
+    from megatron_tc.config.errors import ConfigError
+
+    grid = load_grid(_grid_file(tmp_path, overrides=["distill.stage2.stepz=3"]))
+    CALLS.clear()
+    with pytest.raises(ConfigError):
+        run_grid(grid, log=lambda msg: None)
+    assert CALLS == []
