@@ -191,20 +191,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def _hybrid_generate(module: torch.nn.Module) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """Greedy decoding with `HybridCache`: one prefill, then one token per step (GDN state is O(1))."""
-    from megatron_tc.model import HybridCache
+    """Greedy decoding with `HybridCache` (megatron_tc.model.generate): one prefill, then one token per step."""
+    from megatron_tc.model.generate import generate as hybrid_generate
 
     @torch.no_grad()
     def generate(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        cache = HybridCache(module.arch)
-        logits = module(input_ids, cache=cache)
-        new = []
-        for step in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            new.append(nxt)
-            if step + 1 < max_new_tokens:
-                logits = module(nxt, cache=cache)
-        return torch.cat(new, dim=1)
+        return hybrid_generate(module, input_ids, max_new_tokens)[:, input_ids.shape[1]:]
 
     return generate
 
