@@ -1,0 +1,171 @@
+"""Per-layer alignment (docs/method.md section 5): each converted GDN layer, alone and
+teacher-forced, learns to reproduce the teacher's attention output after o_proj.
+
+    data = collect_layer_io(teacher, batches, layers)            # one teacher forward
+    reports = align_layers(mixers, data, settings, heldout=...)  # layers spread over ranks
+
+The loss is the relative MSE  mean|GDN(x) - Y|^2 / mean|Y|^2  on the teacher's mixer input x and
+attention output Y. Two AdamW groups: gates/timescales (a_proj, b_proj, A_log, dt_bias, g_proj)
+and projections (q/k/v/o_proj, o_norm, convolutions). The best parameters by the chosen criterion
+(held-out calibration tokens, or the training minibatch as the paper) are kept; step 0 (the
+closed-form init) is a candidate, so alignment never returns something worse by that criterion.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .capture import LayerIO, capture_layers
+from .strategies import AlignSettings
+
+GATE_PARAMS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj")
+
+
+@dataclass
+class LayerData:
+    """Teacher-forced data of one layer: x, y [N, T, hidden] (mixer input / attention output
+    after o_proj), doc_ids [N, T] or None."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    doc_ids: torch.Tensor | None
+
+    def rows(self, index: torch.Tensor) -> "LayerData":
+        return LayerData(self.x[index], self.y[index], None if self.doc_ids is None else self.doc_ids[index])
+
+
+@torch.no_grad()
+def collect_layer_io(model: nn.Module, batches, layers: list[int]) -> dict[int, LayerData]:
+    """Teacher forward over `batches` (dicts with input_ids, optional doc_ids); keeps, for each
+    layer, the mixer inputs and outputs of every row (fp32, N*T*hidden*8 bytes per layer)."""
+    xs: dict[int, list] = {l: [] for l in layers}
+    ys: dict[int, list] = {l: [] for l in layers}
+    docs = []
+
+    def on_layer(index: int, io: LayerIO) -> None:
+        xs[index].append(io.x.float().clone())
+        ys[index].append(io.out.float().clone())
+
+    for batch in batches:
+        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
+        docs.append(batch.get("doc_ids"))
+    doc_ids = None if any(d is None for d in docs) else torch.cat(docs)
+    return {l: LayerData(torch.cat(xs[l]), torch.cat(ys[l]), doc_ids) for l in layers}
+
+
+def relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> float:
+    """mean|mixer(x) - y|^2 / mean|y|^2 over all rows of `data`, in row batches."""
+    err = ref = 0.0
+    with torch.no_grad():
+        for start in range(0, data.x.shape[0], rows):
+            part = data.rows(torch.arange(start, min(start + rows, data.x.shape[0])))
+            out = mixer(part.x, doc_ids=part.doc_ids)
+            err += float((out - part.y).double().pow(2).sum())
+            ref += float(part.y.double().pow(2).sum())
+    return err / max(ref, 1e-30)
+
+
+def _param_groups(mixer: nn.Module, settings: AlignSettings) -> list[dict]:
+    gates, proj = [], []
+    for name, param in mixer.named_parameters():
+        (gates if name.split(".")[0] in GATE_PARAMS else proj).append(param)
+    return [
+        {"params": gates, "lr": settings.lr_gates, "weight_decay": 0.0},
+        {"params": proj, "lr": settings.lr_proj, "weight_decay": settings.weight_decay},
+    ]
+
+
+def align_layer(
+    mixer: nn.Module, train: LayerData, settings: AlignSettings, heldout: LayerData | None = None,
+    seed: int = 0, log=None, tag: str = "",
+) -> dict:
+    """Align one GDN mixer in place; returns {initial, best, best_step, final, curve}. `log(tag,
+    value, step)` receives the training loss every step and the held-out loss every eval."""
+    if settings.best_on not in ("heldout", "train"):
+        raise ValueError(f"best_on must be 'heldout' or 'train', got {settings.best_on!r}")
+    if settings.best_on == "heldout" and heldout is None:
+        raise ValueError("best_on='heldout' needs held-out calibration data")
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=(0.9, 0.95))
+    n = train.x.shape[0]
+    score = (lambda: relative_mse(mixer, heldout)) if settings.best_on == "heldout" else None
+    initial = score() if score else relative_mse(mixer, train.rows(torch.arange(min(n, settings.batch_rows))))
+    best, best_step, best_state = initial, 0, copy.deepcopy(mixer.state_dict())
+    curve = [(0, initial)]
+    mixer.train()
+    for step in range(1, settings.steps + 1):
+        part = train.rows(torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator))
+        out = mixer(part.x, doc_ids=part.doc_ids)
+        loss = (out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
+        optimizer.step()
+        if log is not None:
+            log(f"align/{tag}/train", float(loss), step)
+        value = None
+        if score is None:
+            value = float(loss)  # the paper's reading: the step with the lowest training loss
+        elif step % settings.eval_every == 0 or step == settings.steps:
+            mixer.eval()
+            value = score()
+            mixer.train()
+            curve.append((step, value))
+            if log is not None:
+                log(f"align/{tag}/heldout", value, step)
+        if value is not None and value < best:
+            best, best_step, best_state = value, step, copy.deepcopy(mixer.state_dict())
+    mixer.load_state_dict(best_state)
+    mixer.eval()
+    return {"initial": initial, "best": best, "best_step": best_step, "steps": settings.steps, "curve": curve}
+
+
+def _owner(position: int, world: int) -> int:
+    return position % world
+
+
+def align_layers(
+    mixers: dict[int, nn.Module],
+    data: dict[int, LayerData],
+    settings: AlignSettings,
+    heldout: dict[int, LayerData] | None = None,
+    group: dist.ProcessGroup | None = None,
+    writer=None,
+    progress: bool = True,
+    seed: int = 0,
+) -> dict[int, dict]:
+    """Align every layer of `mixers`; with a process group, rank r aligns layers r, r+W, ... (in
+    sorted order) and the aligned parameters are broadcast from their owner, so every rank ends
+    with all layers aligned. Returns per-layer reports (on every rank)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    layers = sorted(mixers)
+    mine = [l for i, l in enumerate(layers) if _owner(i, world) == rank]
+    log = None
+    if writer is not None:
+        log = writer.scalar if hasattr(writer, "scalar") else writer.add_scalar
+    iterator = mine
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(mine, desc="align layers", unit="layer", dynamic_ncols=True)
+    reports: dict[int, dict] = {}
+    for layer in iterator:
+        held = heldout.get(layer) if heldout else None
+        reports[layer] = align_layer(mixers[layer], data[layer], settings, held, seed + layer, log, f"L{layer:02d}")
+        if log is not None:
+            log("align/best_relative_mse", reports[layer]["best"], layer)
+            log("align/initial_relative_mse", reports[layer]["initial"], layer)
+    if world > 1:
+        for i, layer in enumerate(layers):
+            src = _owner(i, world)
+            for tensor in mixers[layer].state_dict().values():
+                dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, reports, group=group)
+        reports = {k: v for part in gathered for k, v in part.items()}
+    return reports

@@ -1,0 +1,92 @@
+"""Readout sums: how well a converted layer's recurrence, read through candidate output gates,
+explains the teacher's attention output (docs/method.md section 3, "Readout sums").
+
+The student's recurrence runs once per layer and batch with the decay/write gates a strategy
+fixed in closed form; each output-gate candidate only changes the elementwise gate after it, so
+all candidates are scored from one recurrence. Everything returned is an fp64 sum over tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_tc.model.gdn import GatedDeltaNet
+from megatron_tc.model.ops import gated_delta_rule
+
+F64 = torch.float64
+
+
+def empty_readout_sums(num_candidates: int, num_heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+    c, h = num_candidates, num_heads
+    return {
+        "G": torch.zeros(c * h, c * h, dtype=F64), "r": torch.zeros(c * h, dtype=F64),
+        "uy": torch.zeros(c, h, dtype=F64), "uu": torch.zeros(c, h, dtype=F64), "yy": torch.zeros(h, dtype=F64),
+        "YY": torch.zeros((), dtype=F64), "beta": torch.zeros(h, dtype=F64), "g": torch.zeros(h, dtype=F64),
+        "count": torch.zeros((), dtype=F64),
+    }
+
+
+@torch.no_grad()
+def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
+    """Run the GDN recurrence of `mixer` on x [B, T, hidden]. Returns (RMSNorm(o) * o_norm.weight
+    [B, T, H, D] fp32, g [B, T, H], beta [B, T, H]) — the layer output before the output gate."""
+    q, k, v = mixer.qkv(x, doc_ids)
+    g, beta = mixer.gates(x)
+    o, _ = gated_delta_rule(
+        q.float(), k.float(), v.float(), g, beta, scale=mixer.head_dim**-0.5, doc_ids=doc_ids,
+        use_qk_l2norm=True, chunk_size=mixer.chunk_size, backend="chunk" if not x.is_cuda else "auto",
+    )
+    return mixer.o_norm(o.float()), g, beta
+
+
+@torch.no_grad()
+def readout_sums(
+    mixer: GatedDeltaNet,
+    candidates: list[torch.Tensor | None],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    out: torch.Tensor,
+    o_weight: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sums of one layer over one batch.
+
+    mixer: the GDN layer with the strategy's closed-form decay/write gates (its own g_proj and
+    o_proj are not used). candidates: g_proj weights [H*D, hidden] of the output-gate candidates,
+    None for "no gate" (gate = 1). x [B, T, hidden] teacher mixer input; y [B, H, T, D] teacher
+    head outputs before o_proj; out [B, T, hidden] teacher attention output after o_proj;
+    o_weight [hidden, H*D] the o_proj the candidates are mapped through.
+    """
+    b, t, _ = x.shape
+    h, d = mixer.num_heads, mixer.head_dim
+    normed, g, beta = student_normed_read(mixer, x, doc_ids)
+    yt = y.float().transpose(1, 2)  # [B, T, H, D]
+    o_heads = o_weight.float().view(o_weight.shape[0], h, d)
+    us, mapped = [], []
+    for weight in candidates:
+        gate = 1.0 if weight is None else F.silu(x.float() @ weight.float().t()).view(b, t, h, d)
+        u = normed * gate
+        us.append(u)
+        mapped.append(torch.einsum("bthd,nhd->bthn", u, o_heads).reshape(b * t, h, -1))
+    U = torch.cat(mapped, dim=1)  # [BT, C*H, hidden]
+    Y = out.float().reshape(b * t, 1, -1)
+    u_all = torch.stack(us)  # [C, B, T, H, D]
+    return {
+        "G": torch.einsum("tin,tjn->ij", U, U).to(F64),
+        "r": (U * Y).sum(dim=(0, 2)).to(F64),
+        "uy": (u_all * yt).to(F64).sum(dim=(1, 2, 4)),
+        "uu": u_all.to(F64).pow(2).sum(dim=(1, 2, 4)),
+        "yy": yt.to(F64).pow(2).sum(dim=(0, 1, 3)),
+        "YY": out.to(F64).pow(2).sum(),
+        "beta": beta.to(F64).sum(dim=(0, 1)),
+        "g": g.to(F64).sum(dim=(0, 1)),
+        "count": torch.tensor(float(b * t), dtype=F64),
+    }
+
+
+def solve_joint_scales(G: torch.Tensor, r: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """argmin_a sum_t |sum_i a_i U_i - Y|^2 from G = sum U U^T, r = sum U.Y (fp64), with a ridge
+    of `ridge` * mean diagonal so a head whose read is all zero gets scale 0."""
+    n = G.shape[0]
+    lam = ridge * G.diagonal().mean().clamp_min(1e-30)
+    return torch.linalg.solve(G + lam * torch.eye(n, dtype=G.dtype), r)

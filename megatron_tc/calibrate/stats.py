@@ -1,0 +1,218 @@
+"""The statistics pass: teacher forward over calibration data, fp64 sums per layer and head.
+
+    stats = collect_stats(teacher, batches, layers, meta=..., dp_group=..., readout_strategies=[...])
+
+Sweep 1 (attention) sums the Taylor moments of docs/method.md section 3 for every layer in
+`layers`. Sweep 2 (readout, only when strategies ask for it) runs each strategy's closed-form GDN
+layer on the teacher's input to that layer and sums its least-squares readout terms. Each rank
+passes its own batches; one all-reduce(SUM) over `dp_group` per sweep makes the result equal to a
+single process over the union of the data. With tensor parallelism each rank measures its own heads
+and `gather_tp_heads` concatenates them into global heads before saving.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_tc.model.gdn import GatedDeltaNet
+
+from .capture import LayerIO, capture_layers
+from .moments import add_into, attention_sums, empty_layer_sums, layer_input_sums
+from .readout import empty_readout_sums, readout_sums
+from .statsfile import TaylorStats
+from .strategies import LayerContext, Strategy, default_gdn_state, get_strategy
+
+Batch = dict[str, torch.Tensor]
+
+
+def _progress(iterable, total: int | None, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True)
+
+
+def _rank0(group) -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _mixer_state(model: nn.Module, index: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.layers[index].mixer.state_dict().items()}
+
+
+def collect_attention_stats(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    layers: Sequence[int],
+    meta: dict,
+    *,
+    chunk_size: int = 128,
+    dp_group: dist.ProcessGroup | None = None,
+    num_batches: int | None = None,
+    progress: bool = True,
+) -> TaylorStats:
+    """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
+    share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes."""
+    arch = model.arch
+    layers = sorted(layers)
+    for index in layers:
+        if arch.layer_kinds[index] != "A":
+            raise ValueError(f"layer {index} of the teacher is not softmax attention (pattern {arch.layer_pattern!r})")
+    sums = {l: empty_layer_sums(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size) for l in layers}
+
+    def on_layer(index: int, io: LayerIO) -> None:
+        mixer = io.mixer
+        q, k, v = mixer.project_qkv(io.x, io.position_ids)
+        head_sums, _ = attention_sums(
+            q, k, v, mixer.scale, mixer.o_proj.weight, io.doc_ids, mixer.sliding_window, chunk_size
+        )
+        add_into(sums[index], head_sums)
+        add_into(sums[index], layer_input_sums(io.x, io.resid, io.out, io.doc_ids, mixer.sliding_window))
+
+    seq_len = 0
+    for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
+        seq_len = max(seq_len, batch["input_ids"].shape[1])
+        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
+    flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
+    full_meta = dict(meta)
+    full_meta.update(
+        layers=layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        hidden_size=arch.hidden_size, layer_pattern=arch.layer_pattern, chunk_size=chunk_size,
+    )
+    full_meta.setdefault("seq_len", seq_len)
+    full_meta.setdefault("readout", {})
+    stats = TaylorStats(full_meta, flat)
+    stats.all_reduce_(dp_group)
+    if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
+    return stats
+
+
+def build_readout_mixers(
+    stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
+) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
+    """For every strategy needing readout sums: per layer, the GDN mixer with its closed-form
+    parameters and its output-gate candidates."""
+    out: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {}
+    for strategy in strategies:
+        if not strategy.needs_readout or strategy.readout_name in out:
+            continue
+        if strategy.readout_name != strategy.name:  # shares the closed form of another strategy
+            strategy = get_strategy(strategy.readout_name)
+        per_layer = {}
+        for index in stats.layers:
+            ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed), stats)
+            params = strategy.closed_form(ctx)
+            mixer = GatedDeltaNet(student_arch, index)
+            mixer.load_state_dict(params)
+            mixer.eval()
+            per_layer[index] = (mixer, strategy.gate_candidates(ctx, params))
+        out[strategy.readout_name] = per_layer
+    return out
+
+
+def collect_readout_stats(
+    stats: TaylorStats,
+    model: nn.Module,
+    batches: Iterable[Batch],
+    strategies: Sequence[Strategy],
+    student_arch,
+    *,
+    seed: int = 0,
+    dp_group: dist.ProcessGroup | None = None,
+    num_batches: int | None = None,
+    progress: bool = True,
+) -> TaylorStats:
+    """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned)."""
+    mixers = build_readout_mixers(stats, model, strategies, student_arch, seed)
+    if not mixers:
+        return stats
+    arch = model.arch
+    part: dict[str, torch.Tensor] = {}
+    for name, per_layer in mixers.items():
+        for index, (_, candidates) in per_layer.items():
+            empty = empty_readout_sums(len(candidates), arch.num_heads, arch.head_dim)
+            part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
+
+    def on_layer(index: int, io: LayerIO) -> None:
+        mixer = io.mixer
+        q, k, v = mixer.project_qkv(io.x, io.position_ids)
+        t = io.x.shape[1]
+        idx = torch.arange(t, device=io.x.device)
+        y = mixer.attend(q, k, v, idx, idx, io.doc_ids)  # [B, H, T, D]
+        for name, per_layer in mixers.items():
+            student, candidates = per_layer[index]
+            got = readout_sums(student, candidates, io.x, y, io.out, mixer.o_proj.weight, io.doc_ids)
+            for key, value in got.items():
+                part[f"readout.{name}.layers.{index}.{key}"] += value
+
+    for batch in _progress(batches, num_batches, "readout sums", progress and _rank0(dp_group)):
+        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+    reduced = TaylorStats({"layers": stats.layers}, part)
+    reduced.all_reduce_(dp_group)
+    stats.sums.update(reduced.sums)
+    for name, per_layer in mixers.items():
+        stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1])}
+    return stats
+
+
+def collect_stats(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    layers: Sequence[int],
+    meta: dict,
+    *,
+    readout_strategies: Sequence[Strategy] = (),
+    student_arch=None,
+    seed: int = 0,
+    chunk_size: int = 128,
+    dp_group: dist.ProcessGroup | None = None,
+    progress: bool = True,
+) -> TaylorStats:
+    """Both sweeps over the same batches (a sequence: it is read twice)."""
+    stats = collect_attention_stats(
+        model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, num_batches=len(batches), progress=progress
+    )
+    if readout_strategies:
+        stats = collect_readout_stats(
+            stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
+            dp_group=dp_group, num_batches=len(batches), progress=progress,
+        )
+    return stats
+
+
+def log_stats(stats: TaylorStats, writer, step: int = 0) -> None:
+    """Per-head statistics to TensorBoard: `stats/L{l}/{name}` plotted against the head index,
+    and `stats_layer/{name}` (mean over heads) against the layer index."""
+    names = ("dist", "dist_nosink", "entropy", "conc", "conc_nosink", "sink", "logit_var", "out_energy_o")
+    for index in stats.layers:
+        sums = stats.layer(index)
+        for name in names:
+            values = stats.mean(index, name)
+            for head, value in enumerate(values.tolist()):
+                writer.add_scalar(f"stats/L{index:02d}/{name}", value, head)
+            writer.add_scalar(f"stats_layer/{name}", float(values.mean()), index)
+        ratio = float(sums["Y_energy"] / sums["resid_energy"].clamp_min(1e-30))
+        writer.add_scalar("stats_layer/attn_to_resid_energy", ratio, index)
+    writer.flush()
+
+
+def describe(stats: TaylorStats) -> list[dict]:
+    """One row per layer: head-averaged statistics (for printing and reports)."""
+    rows = []
+    for index in stats.layers:
+        row = {"layer": index}
+        for name in ("dist", "dist_nosink", "conc", "conc_nosink", "sink", "logit_var"):
+            row[name] = round(float(stats.mean(index, name).mean()), 4)
+        sums = stats.layer(index)
+        row["attn/resid"] = round(float(sums["Y_energy"] / sums["resid_energy"].clamp_min(1e-30)), 5)
+        row["zero_order_frac"] = round(float(sums["zero_order_err"].sum() / sums["out_energy"].sum().clamp_min(1e-30)), 4)
+        rows.append(row)
+    return rows
+
+
+__all__ = ["TaylorStats", "collect_attention_stats", "collect_readout_stats", "collect_stats", "describe", "log_stats"]

@@ -1,0 +1,297 @@
+"""Initialization strategies of converted layers (docs/method.md section 4), as a registry.
+
+A strategy maps (teacher layer weights, default GDN weights, statistics) to the state dict of a
+Gated DeltaNet mixer. Nothing here runs a model: the readout sums a strategy needs were
+accumulated by the statistics pass (`stats.collect_readout_stats`) using `closed_form` and
+`gate_candidates`, so `init_layer` is a pure function of its inputs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from megatron_tc.model.config import ArchConfig
+from megatron_tc.model.gdn import GatedDeltaNet
+
+from .readout import solve_joint_scales
+from .statsfile import TaylorStats
+
+State = dict[str, torch.Tensor]
+GATE_GAMMAS = (0.01, 0.03, 0.1, 0.3, 1.0)
+PAPER_GATE_DAMPING = 0.01
+BETA_RANGE = (0.05, 0.95)
+
+
+class StrategyError(ValueError):
+    """A strategy that cannot be applied (unknown name, missing bias, missing readout sums)."""
+
+
+@dataclass
+class LayerContext:
+    """Everything a strategy may read for converted layer `index`. teacher: the teacher mixer's
+    unsharded state dict (q_proj.weight, ...); default: a default-initialized GDN mixer state."""
+
+    index: int
+    arch: ArchConfig
+    teacher: State
+    default: State
+    stats: TaylorStats | None = None
+
+
+@dataclass
+class AlignSettings:
+    """Per-layer alignment (align.py). best_on: 'train' (the step with the lowest minibatch loss,
+    the paper's reading) or 'heldout' (lowest loss on held-out calibration tokens, ours)."""
+
+    steps: int = 300
+    lr_gates: float = 1e-2
+    lr_proj: float = 1e-4
+    weight_decay: float = 0.0
+    batch_rows: int = 2
+    eval_every: int = 20
+    best_on: str = "heldout"
+
+
+def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
+    """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
+    generator seeded by (seed, index) so it does not depend on which other layers exist."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 100003 + index)
+        mixer = GatedDeltaNet(arch, index)
+        with torch.no_grad():
+            for module in mixer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    torch.nn.init.normal_(module.weight, std=init_std)
+                    if module.bias is not None:
+                        torch.nn.init.zeros_(module.bias)
+            mixer.reset_gdn_parameters()
+    return {k: v.detach().clone() for k, v in mixer.state_dict().items()}
+
+
+def expand_kv(weight: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
+    """[Hkv*D, ...] -> [gdn_kv_heads*D, ...]: each KV head repeated to its query heads (GQA)."""
+    if arch.gdn_kv_heads == arch.num_kv_heads:
+        return weight.clone()
+    group = arch.gdn_kv_heads // arch.num_kv_heads
+    heads = weight.reshape(arch.num_kv_heads, arch.head_dim, *weight.shape[1:])
+    return heads.repeat_interleave(group, dim=0).reshape(arch.gdn_kv_heads * arch.head_dim, *weight.shape[1:])
+
+
+def value_per_query_head(ctx: LayerContext) -> torch.Tensor:
+    """Teacher v_proj with KV heads repeated to all query heads: [H*D, hidden]."""
+    arch = ctx.arch
+    return expand_kv(ctx.teacher["v_proj.weight"], replace(arch, gdn_expand_kv=True))
+
+
+def copy_teacher(ctx: LayerContext) -> State:
+    """q/k/v/o projections (and q/k/v biases) from the teacher, GQA-expanded; the rest default."""
+    params = {k: v.clone() for k, v in ctx.default.items()}
+    params["q_proj.weight"] = ctx.teacher["q_proj.weight"].clone()
+    params["o_proj.weight"] = ctx.teacher["o_proj.weight"].clone()
+    for name in ("k", "v"):
+        params[f"{name}_proj.weight"] = expand_kv(ctx.teacher[f"{name}_proj.weight"], ctx.arch)
+    if ctx.arch.attention_bias:
+        params["q_proj.bias"] = ctx.teacher["q_proj.bias"].clone()
+        for name in ("k", "v"):
+            params[f"{name}_proj.bias"] = expand_kv(ctx.teacher[f"{name}_proj.bias"], ctx.arch)
+    return params
+
+
+def _stats(ctx: LayerContext) -> TaylorStats:
+    if ctx.stats is None:
+        raise StrategyError(f"layer {ctx.index}: this strategy needs Taylor statistics (run tools/stats.py)")
+    return ctx.stats
+
+
+def set_half_life(params: State, half_life: torch.Tensor) -> None:
+    """Constant decay a = 2^(-1/half_life) per head: a_proj = 0, A_log = 0, softplus(dt_bias) = ln2/h."""
+    rate = math.log(2.0) / half_life.double()
+    params["a_proj.weight"] = torch.zeros_like(params["a_proj.weight"])
+    params["A_log"] = torch.zeros_like(params["A_log"])
+    params["dt_bias"] = torch.log(torch.expm1(rate)).to(params["dt_bias"].dtype)
+
+
+def logit(p: torch.Tensor) -> torch.Tensor:
+    return torch.log(p) - torch.log1p(-p)
+
+
+def fold_head_scales(params: State, scales: torch.Tensor, head_dim: int) -> None:
+    """Multiply the o_proj columns of head h by scales[h]."""
+    weight = params["o_proj.weight"]
+    per_column = scales.to(weight.dtype).repeat_interleave(head_dim)
+    params["o_proj.weight"] = weight * per_column[None, :]
+
+
+# ---- the strategies ---------------------------------------------------------------------------
+@dataclass
+class Strategy:
+    """Base: `naive`. Subclasses override closed_form / gate_candidates / finish."""
+
+    name: str = "naive"
+    needs_readout: bool = False
+    align: AlignSettings | None = None
+    readout_key: str | None = None  # whose readout sums apply (ablations sharing a closed form)
+    description: str = "copy q/k/v/o (GQA-expanded); GDN-only parameters at their default init"
+
+    @property
+    def readout_name(self) -> str:
+        return self.readout_key or self.name
+
+    def closed_form(self, ctx: LayerContext) -> State:
+        return copy_teacher(ctx)
+
+    def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
+        return []
+
+    def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
+        return params
+
+    def init_layer(self, ctx: LayerContext) -> State:
+        params = self.closed_form(ctx)
+        if self.needs_readout:
+            params = self.finish(ctx, params, _stats(ctx).readout(self.readout_name, ctx.index))
+        return params
+
+
+@dataclass
+class ZeroGate(Strategy):
+    name: str = "zero_gate"
+    description: str = "naive with g_proj = 0: SiLU(0) = 0, converted layers start silent"
+
+    def closed_form(self, ctx: LayerContext) -> State:
+        params = copy_teacher(ctx)
+        params["g_proj.weight"] = torch.zeros_like(params["g_proj.weight"])
+        return params
+
+
+@dataclass
+class Taylor(Strategy):
+    """The paper's closed form (our reading, docs/method.md)."""
+
+    name: str = "taylor"
+    needs_readout: bool = True
+    description: str = "half-life = mean attention distance; b_proj rescaled from concentration; g_proj = 0.01 W_v; per-head OLS value scale"
+
+    def target_half_life(self, ctx: LayerContext) -> torch.Tensor:
+        return _stats(ctx).mean(ctx.index, "dist").clamp(1.0, float(_stats(ctx).meta["seq_len"]))
+
+    def target_beta(self, ctx: LayerContext) -> torch.Tensor:
+        return _stats(ctx).mean(ctx.index, "conc").clamp(*BETA_RANGE)
+
+    def set_write_gate(self, ctx: LayerContext, params: State) -> None:
+        """Paper: rescale the bias-free b_proj so the mean input is written with the target."""
+        weight = ctx.default["b_proj.weight"].double()
+        stats = _stats(ctx)
+        x_mean = stats.layer(ctx.index)["x_sum"] / stats.layer(ctx.index)["count"]
+        at_mean = weight @ x_mean
+        lam = (logit(self.target_beta(ctx)) / at_mean.where(at_mean.abs() > 1e-12, torch.full_like(at_mean, 1e-12)))
+        lam = lam.clamp(-10.0, 10.0)
+        params["b_proj.weight"] = (weight * lam[:, None]).to(params["b_proj.weight"].dtype)
+        if "b_proj.bias" in params:
+            params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
+
+    def closed_form(self, ctx: LayerContext) -> State:
+        params = copy_teacher(ctx)
+        set_half_life(params, self.target_half_life(ctx))
+        self.set_write_gate(ctx, params)
+        params["g_proj.weight"] = PAPER_GATE_DAMPING * value_per_query_head(ctx)
+        return params
+
+    def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
+        return [None]  # the value scale is fitted on the ungated read
+
+    def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
+        scales = readout["uy"][0] / readout["uu"][0].clamp_min(1e-30)
+        fold_head_scales(params, scales, ctx.arch.head_dim)
+        return params
+
+
+@dataclass
+class TaylorFit(Taylor):
+    """Ours (docs/method.md, `taylor_fit`); each flag is one component for the ablation."""
+
+    name: str = "taylor_fit"
+    bias: bool = True  # b_proj bias sets the mean write strength
+    sink_free: bool = True  # half-life and write target from sink-free attention
+    gate_fit: bool = True  # output gate chosen from candidates + joint OLS after o_proj
+    description: str = "b_proj bias = logit(target); sink-free timescale/concentration; fitted output gate + joint OLS scales"
+
+    def target_half_life(self, ctx: LayerContext) -> torch.Tensor:
+        key = "dist_nosink" if self.sink_free else "dist"
+        return _stats(ctx).mean(ctx.index, key).clamp(1.0, float(_stats(ctx).meta["seq_len"]))
+
+    def target_beta(self, ctx: LayerContext) -> torch.Tensor:
+        key = "conc_nosink" if self.sink_free else "conc"
+        return _stats(ctx).mean(ctx.index, key).clamp(*BETA_RANGE)
+
+    def set_write_gate(self, ctx: LayerContext, params: State) -> None:
+        if not self.bias:
+            return super().set_write_gate(ctx, params)
+        if "b_proj.bias" not in params:
+            raise StrategyError(
+                f"{self.name} sets the mean write strength with a b_proj bias, but the student has "
+                "none; set gdn_b_bias: true in the architecture (the default)"
+            )
+        params["b_proj.weight"] = torch.zeros_like(params["b_proj.weight"])
+        params["b_proj.bias"] = logit(self.target_beta(ctx)).to(params["b_proj.bias"].dtype)
+
+    def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
+        if not self.gate_fit:
+            return [None]
+        w_v = value_per_query_head(ctx)
+        return [gamma * w_v for gamma in GATE_GAMMAS]
+
+    def closed_form(self, ctx: LayerContext) -> State:
+        params = super().closed_form(ctx)
+        if self.gate_fit:
+            params["g_proj.weight"] = GATE_GAMMAS[0] * value_per_query_head(ctx)  # replaced in finish
+        return params
+
+    def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
+        if not self.gate_fit:
+            return super().finish(ctx, params, readout)
+        h = ctx.arch.num_heads
+        explained = readout["uy"].pow(2) / readout["uu"].clamp_min(1e-30)  # [C, H]
+        choice = explained.argmax(dim=0)  # [H]
+        index = choice * h + torch.arange(h)
+        scales = solve_joint_scales(readout["G"][index][:, index], readout["r"][index])
+        w_v = value_per_query_head(ctx)
+        rows = torch.tensor([GATE_GAMMAS[int(c)] for c in choice], dtype=w_v.dtype).repeat_interleave(ctx.arch.head_dim)
+        params["g_proj.weight"] = w_v * rows[:, None]
+        fold_head_scales(params, scales, ctx.arch.head_dim)
+        return params
+
+
+# ---- registry ---------------------------------------------------------------------------------
+REGISTRY: dict[str, Callable[[], Strategy]] = {}
+
+
+def register(name: str, factory: Callable[[], Strategy]) -> None:
+    if name in REGISTRY:
+        raise StrategyError(f"strategy {name!r} is registered twice")
+    REGISTRY[name] = factory
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in REGISTRY:
+        raise StrategyError(f"unknown init strategy {name!r}; registered: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]()
+
+
+PAPER_ALIGN = AlignSettings(best_on="train")
+OURS_ALIGN = AlignSettings(best_on="heldout")
+
+register("naive", Strategy)
+register("zero_gate", ZeroGate)
+register("taylor", Taylor)
+register("taylor_calibrate", lambda: Taylor(name="taylor_calibrate", readout_key="taylor", align=replace(PAPER_ALIGN)))
+register("taylor_fit", lambda: TaylorFit(align=replace(OURS_ALIGN)))
+# ablations of ours: one component removed at a time
+register("taylor_fit-closed", lambda: TaylorFit(name="taylor_fit-closed", readout_key="taylor_fit"))
+register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(OURS_ALIGN)))
+register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(OURS_ALIGN)))
+register("taylor_fit-gatefit", lambda: TaylorFit(name="taylor_fit-gatefit", gate_fit=False, align=replace(OURS_ALIGN)))
+register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))
