@@ -1,0 +1,137 @@
+"""One call from a data config to split, tokenized, packed data in a run directory.
+
+    data = prepare_data(DataConfig.from_dict(cfg["data"]), run_dir, tokenizer=teacher_tok,
+                        model_vocab_size=arch.vocab_size)
+    calib = data.sequences("calibration", seq_len=256)          # PackedSequences
+    loader = data.loader("train", global_batch_size=64, micro_batch_size=4,
+                         dp_rank=r, dp_size=d, seed=1234)          # DistributedBatchLoader
+    texts = data.documents("eval")                                 # list[Document]
+
+Safe to call from every rank at once (all writes are atomic and their contents deterministic);
+calling it on rank 0 first and then on the others after a barrier avoids tokenizing twice.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .documents import DataError, Document
+from .loader import DistributedBatchLoader
+from .manifest import SPLITS, Manifest, SplitConfig, load_or_create_manifest
+from .packing import PackedSequences, TokenStream
+from .sources import SourceConfig, load_documents
+from .tokenize import cached_token_stream
+from .tokenizer import check_token_ids_fit, check_vocab_fits, load_tokenizer, resolve_eos_id, tokenizer_fingerprint
+
+
+@dataclass
+class DataConfig:
+    """source: where documents come from; split: calibration/train/eval assignment;
+    tokenizer: path (HF dir, .gguf, sentencepiece .model), or None when the caller passes the
+    teacher's tokenizer; seq_len: default sequence length; eos_token: separator appended after each
+    document (default: the tokenizer's EOS); add_special_tokens: let the tokenizer add its own
+    (e.g. BOS) to each document; dedupe: drop exact-duplicate texts (keeps the first by load order),
+    so no text can land in two splits."""
+
+    source: SourceConfig = field(default_factory=SourceConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    tokenizer: str | None = None
+    seq_len: int = 2048
+    eos_token: str | None = None
+    add_special_tokens: bool = True
+    dedupe: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+        d = dict(d)
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise DataError(f"unknown data config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        source = SourceConfig.from_dict(d.pop("source", {}) or {})
+        split = SplitConfig.from_dict(d.pop("split", {}) or {})
+        return cls(source=source, split=split, **d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def dedupe_documents(docs: list[Document]) -> tuple[list[Document], list[str]]:
+    """Drop documents whose text equals an earlier one's; returns (kept, dropped names)."""
+    seen: set[str] = set()
+    kept, dropped = [], []
+    for d in docs:
+        if d.sha256 in seen:
+            dropped.append(d.name)
+        else:
+            seen.add(d.sha256)
+            kept.append(d)
+    return kept, dropped
+
+
+class PreparedData:
+    """The run's documents, manifest and (lazily tokenized, cached) token streams."""
+
+    def __init__(self, cfg: DataConfig, run_dir: Path | None, docs: list[Document], manifest: Manifest,
+                 tokenizer: Any, model_vocab_size: int | None) -> None:
+        self.cfg, self.run_dir, self.manifest, self.tokenizer = cfg, run_dir, manifest, tokenizer
+        self.model_vocab_size = model_vocab_size
+        self.eos_id = resolve_eos_id(tokenizer, cfg.eos_token)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self._docs = {s: manifest.documents(s, docs) for s in SPLITS}
+        self._streams: dict[str, tuple[TokenStream, str]] = {}
+
+    def documents(self, split: str) -> list[Document]:
+        return list(self._docs[split])
+
+    def token_stream(self, split: str) -> tuple[TokenStream, str]:
+        """(stream, cache key) of a split; tokenizes on first use and records token counts."""
+        if split not in self._streams:
+            stream, key = cached_token_stream(self.run_dir, split, self._docs[split], self.tokenizer,
+                                              self.eos_id, self.cfg.add_special_tokens)
+            if self.model_vocab_size is not None and len(stream.tokens):
+                check_token_ids_fit(int(stream.tokens.max()), self.model_vocab_size, f"the {split} data")
+            self._streams[split] = (stream, key)
+            self._record_token_counts(split, stream)
+        return self._streams[split]
+
+    def _record_token_counts(self, split: str, stream: TokenStream) -> None:
+        counts = [int(c) for c in stream.doc_lengths()]
+        if [e.get("tokens") for e in self.manifest.entries[split]] == counts:
+            return
+        self.manifest.set_token_counts(split, counts, tokenizer_fingerprint(self.tokenizer))
+        if self.run_dir is not None:
+            self.manifest.save(self.run_dir / "data_manifest.json")
+
+    def sequences(self, split: str, seq_len: int | None = None, drop_last: bool | None = None) -> PackedSequences:
+        """Packed sequences of a split (drop_last defaults to True for train, False otherwise)."""
+        stream, key = self.token_stream(split)
+        drop = (split == "train") if drop_last is None else drop_last
+        return PackedSequences(stream, seq_len or self.cfg.seq_len, self.pad_id, drop_last=drop, fingerprint=key)
+
+    def loader(self, split: str = "train", *, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
+               dp_size: int = 1, seed: int = 0, shuffle: bool = True, seq_len: int | None = None) -> DistributedBatchLoader:
+        return DistributedBatchLoader(self.sequences(split, seq_len, drop_last=True), global_batch_size,
+                                      micro_batch_size, dp_rank, dp_size, seed, shuffle)
+
+
+def prepare_data(cfg: DataConfig, run_dir: Path | str | None, tokenizer: Any = None,
+                 model_vocab_size: int | None = None) -> PreparedData:
+    """Load documents, split them (manifest in `run_dir`, verified if it exists), check the
+    tokenizer against the model's vocabulary. Tokenization happens lazily per split."""
+    if tokenizer is None:
+        if cfg.tokenizer is None:
+            raise DataError("no tokenizer: set data.tokenizer or pass the teacher's tokenizer")
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    if model_vocab_size is not None:
+        check_vocab_fits(tokenizer, model_vocab_size)
+    docs = load_documents(cfg.source)
+    if cfg.dedupe:
+        docs, _ = dedupe_documents(docs)
+    source = asdict(cfg.source)
+    if run_dir is None:
+        manifest = Manifest.create(docs, cfg.split, source)
+        return PreparedData(cfg, None, docs, manifest, tokenizer, model_vocab_size)
+    run_dir = Path(run_dir)
+    manifest = load_or_create_manifest(run_dir, docs, cfg.split, source)
+    return PreparedData(cfg, run_dir, docs, manifest, tokenizer, model_vocab_size)

