@@ -109,6 +109,34 @@ class PreparedData:
         drop = (split == "train") if drop_last is None else drop_last
         return PackedSequences(stream, seq_len or self.cfg.seq_len, self.pad_id, drop_last=drop, fingerprint=key)
 
+    def first_sequences(self, split: str, num_tokens: int, seq_len: int | None = None) -> dict[str, Any]:
+        """The first ceil(num_tokens / T) packed sequences of a split, in manifest order: a dict of
+        int64 tensors [B, T] (input_ids, labels, doc_ids, position_ids). For calibration/eval
+        passes that want a fixed token budget; the last sequence may be padded."""
+        seqs = self.sequences(split, seq_len, drop_last=False)
+        want = -(-num_tokens // seqs.seq_len)
+        if want > len(seqs):
+            raise DataError(f"the {split} split holds {len(seqs.stream.tokens)} tokens, fewer than the "
+                            f"{num_tokens} asked for; lower the token budget or add documents")
+        return seqs.batch(range(want))
+
+    def token_ids(self, split: str, max_tokens: int | None = None) -> Any:
+        """The split's token stream (documents each followed by EOS) as a LongTensor [N]."""
+        import torch
+
+        stream, _ = self.token_stream(split)
+        n = len(stream.tokens) if max_tokens is None else min(max_tokens, len(stream.tokens))
+        return torch.from_numpy(stream.tokens[:n].astype("int64"))
+
+    def write_text(self, split: str, path: Path | str) -> Path:
+        """Write the split's documents, in manifest order and separated by a blank line, as one
+        UTF-8 file (for tools that take `--text FILE`); atomic."""
+        from .documents import atomic_write_bytes
+
+        text = "\n\n".join(d.text.strip("\n") for d in self._docs[split]) + "\n"
+        atomic_write_bytes(Path(path), text.encode("utf-8"))
+        return Path(path)
+
     def loader(self, split: str = "train", *, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
                dp_size: int = 1, seed: int = 0, shuffle: bool = True, seq_len: int | None = None) -> DistributedBatchLoader:
         return DistributedBatchLoader(self.sequences(split, seq_len, drop_last=True), global_batch_size,

@@ -89,6 +89,14 @@ def test_prepare_data_end_to_end(tok_dir, tmp_path):
     # eval: the whole split, every token but document starts predicted once
     labels = ev.batch(range(len(ev)))["labels"]
     assert int((labels != IGNORE_INDEX).sum()) == len(ev.stream.tokens) - ev.stream.num_docs
+    # fixed token budgets and text export for --text tools
+    calib = data.first_sequences("calibration", num_tokens=40, seq_len=16)
+    assert calib["input_ids"].shape == (3, 16)
+    assert calib["input_ids"].flatten()[:40].tolist() == data.token_ids("calibration", 40).tolist()
+    with pytest.raises(DataError, match="fewer than the"):
+        data.first_sequences("calibration", num_tokens=10**6)
+    out = data.write_text("eval", tmp_path / "eval.txt")
+    assert all(d.text.strip() in out.read_text() for d in data.documents("eval"))
     # the cache is reused (same files) and a DP rank sees its share
     cache_files = sorted((run / "data_cache").rglob("*.npy"))
     mtimes = [p.stat().st_mtime_ns for p in cache_files]
