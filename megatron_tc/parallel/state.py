@@ -1,0 +1,167 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism, built once.
+
+`init_parallel(tp, pp)` builds the groups through megatron-core's `parallel_state` (rank order
+tp-dp-pp: TP ranks are adjacent, as Megatron-LM and DeepSpeed's pipeline topology both lay them
+out) and returns a `ParallelContext` that the rest of the code receives explicitly. megatron-core's
+parallel layers read the same global state, so both views always agree.
+
+`DeepSpeedMPU(ctx)` is the `mpu=` object DeepSpeed's engine and ZeRO optimizers query.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _parallel_state():
+    """megatron-core's parallel_state, imported without its TransformerEngine/Apex warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+        from megatron.core import parallel_state
+    return parallel_state
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Ranks, sizes and groups of one process. Pass it explicitly; it never changes."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_size: int
+    pp_rank: int
+    pp_group: dist.ProcessGroup
+    dp_size: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # TP x PP: the ranks that together hold one model replica
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> None:
+    """Join the default process group from the launcher's environment (RANK, WORLD_SIZE, ...).
+
+    A no-op when the group already exists (tests, or a launcher that initialized it). The backend
+    defaults to nccl with CUDA and gloo otherwise.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"cannot join the process group: environment variables {missing} are not set; start the "
+            "job through launch/distill.sh (deepspeed or srun), or torchrun")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def init_parallel(tp: int = 1, pp: int = 1) -> ParallelContext:
+    """Build the TP/PP/DP groups (once per process) and return this process's context.
+
+    world_size must be a multiple of tp * pp; the remaining factor is the data-parallel size.
+    Calling it again with the same sizes returns the existing groups; other sizes are an error
+    (call `destroy_parallel()` first).
+    """
+    init_distributed()
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_parallel ({tp}) x pipeline_parallel ({pp}); "
+            f"launch a multiple of {tp * pp} processes or change the parallel sizes")
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"process groups already exist with (tp, pp) = {have}, asked for {(tp, pp)}; "
+                               "call destroy_parallel() first")
+    else:
+        # create_gloo_process_groups: megatron's extra gloo copies of the DP groups are only for its
+        # own distributed optimizer; with a gloo default backend they would merely double the groups.
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
+        if torch.cuda.is_available():
+            # megatron-core's parallel layers draw init noise from its CUDA RNG tracker; we always
+            # load real weights, but the tracker must exist for the layers to be constructed.
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(1234)
+    return current_context()
+
+
+def current_context() -> ParallelContext:
+    """The context of groups made by `init_parallel` (error if there are none)."""
+    ps = _parallel_state()
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("no parallel groups: call megatron_tc.parallel.state.init_parallel(tp, pp) first")
+    return ParallelContext(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Forget the TP/PP/DP groups (tests build several layouts in one process)."""
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+class DeepSpeedMPU:
+    """The `mpu` DeepSpeed queries (engine, ZeRO 1-3, gradient clipping, checkpoint names).
+
+    DeepSpeed's "model parallel" group is the group whose ranks hold *different* parts of one
+    replica: gradient norms are summed over it, and parameters not marked `tensor_model_parallel`
+    are counted only on its rank 0. ZeRO-3 runs without PP, so that group is the TP group.
+    """
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    # model parallel = TP x PP (equal to TP whenever DeepSpeed is given this object)
+    def get_model_parallel_group(self): return self.ctx.mp_group
+    def get_model_parallel_world_size(self) -> int: return self.ctx.tp_size * self.ctx.pp_size
+    def get_model_parallel_rank(self) -> int: return dist.get_rank(self.ctx.mp_group)
+
+    def get_tensor_model_parallel_group(self): return self.ctx.tp_group
+    def get_tensor_model_parallel_world_size(self) -> int: return self.ctx.tp_size
+    def get_tensor_model_parallel_rank(self) -> int: return self.ctx.tp_rank
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return _parallel_state().get_tensor_model_parallel_src_rank()
+
+    def get_pipeline_model_parallel_group(self): return self.ctx.pp_group
+    def get_pipeline_model_parallel_world_size(self) -> int: return self.ctx.pp_size
+    def get_pipeline_model_parallel_rank(self) -> int: return self.ctx.pp_rank
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+
+    def get_data_parallel_group(self): return self.ctx.dp_group
+    def get_data_parallel_world_size(self) -> int: return self.ctx.dp_size
+    def get_data_parallel_rank(self) -> int: return self.ctx.dp_rank
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.ctx.dp_group)
