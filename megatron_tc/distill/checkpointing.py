@@ -1,0 +1,239 @@
+"""Resumable training checkpoints: DeepSpeed engine state plus ours, written atomically.
+
+Layout under a stage's checkpoint root (e.g. ``<run_dir>/stage2/checkpoints``)::
+
+    step_00000040/
+        engine/...            engine.save_checkpoint(tag="engine"): ZeRO partitions, optimizer
+        rng/rank_00000.pt     python / numpy / torch (and CUDA) RNG states of each rank
+        state.json            TrainState: step, tokens seen, data position, counters, layout
+    latest                    text file naming the newest complete step directory
+    .tmp-step_00000060/       a checkpoint being written (or half-written by a killed job)
+
+A checkpoint is written into a ``.tmp-`` directory; rank 0 renames it to its final name only after
+every rank has finished, and writes ``latest`` (tmp file + rename) last. A job killed at any moment
+therefore leaves ``latest`` pointing at a complete checkpoint; leftover ``.tmp-`` directories are
+deleted when the next job starts. The root must be on a file system every rank sees (as for
+DeepSpeed and Megatron-LM checkpoints).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tc.distill import faults
+
+LATEST = "latest"
+ENGINE_TAG = "engine"
+STATE_FILE = "state.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (missing files, another layout)."""
+
+
+@dataclass
+class TrainState:
+    """Everything besides the engine that a resumed run needs to continue exactly."""
+
+    step: int = 0  # optimizer steps taken (skipped non-finite steps included)
+    tokens_seen: int = 0  # training tokens consumed over all data-parallel ranks
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient
+    data: dict[str, Any] = field(default_factory=dict)  # the sampler's state_dict()
+    layout: dict[str, int] = field(default_factory=dict)  # world_size, tp, pp, dp when written
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. best eval so far
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainState":
+        return cls(**json.loads(text))
+
+
+# ---- small atomic file helpers ---------------------------------------------------------------
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- the manager -------------------------------------------------------------------------------
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointManager:
+    """Save, find, load and prune checkpoints under `root`. Every method is collective."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the latest checkpoint is always kept")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    # -- queries
+    def complete_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        steps = [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+        return sorted(steps)
+
+    def latest(self) -> Path | None:
+        """The directory `latest` names, or None when no checkpoint was ever completed."""
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        path = self.root / name
+        if not _STEP_DIR.match(name) or not (path / STATE_FILE).is_file():
+            raise CheckpointError(
+                f"{pointer} names {name!r}, which is not a complete checkpoint (no {path / STATE_FILE}); "
+                f"complete ones here: {[step_dir_name(s) for s in self.complete_steps()] or 'none'}. "
+                f"Point {pointer} at one of them, or delete {self.root} to start over.")
+        return path
+
+    # -- writing
+    def clean_partial(self) -> list[Path]:
+        """Delete half-written checkpoints (rank 0) and return what was removed."""
+        removed: list[Path] = []
+        if _rank() == 0 and self.root.is_dir():
+            for p in self.root.iterdir():
+                if p.name.startswith(".tmp-") or (p.name.startswith(f".{LATEST}.tmp")):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                    removed.append(p)
+        _barrier()
+        return removed
+
+    def save(self, engine: Any, state: TrainState) -> Path:
+        """Write a checkpoint of `engine` (a DeepSpeed engine) and `state`; return its directory."""
+        name = step_dir_name(state.step)
+        tmp, final = self.root / f".tmp-{name}", self.root / name
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
+        _atomic_torch_save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+        _barrier()
+        if _rank() == 0:
+            atomic_write_text(tmp / STATE_FILE, state.to_json())
+            faults.maybe_kill("checkpoint", state.step)  # test hook: die before the rename
+            if final.exists():  # the same step saved again (e.g. a forced final save)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            atomic_write_text(self.root / LATEST, name + "\n")
+            self._prune(keep=final)
+        _barrier()
+        return final
+
+    def _prune(self, keep: Path) -> None:
+        steps = self.complete_steps()
+        for step in steps[: max(0, len(steps) - self.keep_last)]:
+            path = self.root / step_dir_name(step)
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- reading
+    def load(self, engine: Any, layout: dict[str, int], load_optimizer: bool = True) -> TrainState | None:
+        """Restore `engine`, this rank's RNG and the train state from `latest`; None if there is none.
+
+        `layout` (world_size, tp, pp, dp) must equal the one the checkpoint was written with: ZeRO
+        partitions and data positions are per rank.
+        """
+        self.clean_partial()
+        path = self.latest()
+        if path is None:
+            return None
+        state = TrainState.from_json((path / STATE_FILE).read_text())
+        if state.layout and state.layout != layout:
+            raise CheckpointError(
+                f"{path} was written with layout {state.layout} but this job has {layout}; resume with the "
+                "same world size / tp / pp, or start a new run directory")
+        load_path, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG, load_optimizer_states=load_optimizer,
+                                              load_lr_scheduler_states=load_optimizer, load_module_strict=True)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found no engine checkpoint under {path / ENGINE_TAG}; "
+                                  "the checkpoint is incomplete: delete it and point `latest` at an older one")
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        if not rng_file.is_file():
+            raise CheckpointError(f"{rng_file} is missing: the checkpoint is incomplete")
+        set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy state inside
+        _barrier()
+        return state
+
+
+def load_or_init(manager: CheckpointManager, engine: Any, layout: dict[str, int],
+                 on_resume: Callable[[TrainState], None] | None = None) -> TrainState:
+    """The state to start from: resumed from the latest checkpoint, else a fresh one."""
+    state = manager.load(engine, layout)
+    if state is None:
+        return TrainState(layout=dict(layout))
+    if on_resume is not None:
+        on_resume(state)
+    return state

@@ -1,0 +1,97 @@
+"""Periodic evaluation during training: perplexity, KL(teacher || student) and top-1 agreement,
+spread over data-parallel ranks, with the conventions of `megatron_tc.eval.perplexity` (every
+window an independent forward; the token at t+1 predicted from positions <= t; sums in fp64).
+
+Under ZeRO-3 a forward gathers parameters collectively, so every rank must run the same number of
+forwards: windows are dealt round-robin and ranks that run out repeat a window whose scores they
+drop.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def window_rows(windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Windows ([n, T] tensors, as eval.perplexity.make_windows gives) -> rows [1, T]."""
+    return [w[i:i + 1] for w in windows for i in range(w.shape[0])]
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+
+
+@torch.no_grad()
+def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Tensor], dp_rank: int, dp_size: int,
+               dp_group=None, device: torch.device | str = "cpu") -> dict[str, float]:
+    """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T])."""
+    if not rows:
+        raise ValueError("no evaluation windows: data.eval_tokens is too small for the sequence length")
+    # sums: nll, kl, teacher_nll, agree, tokens
+    sums = torch.zeros(5, dtype=torch.float64)
+    rounds = math.ceil(len(rows) / dp_size)
+    for r in range(rounds):
+        index = r * dp_size + dp_rank
+        real = index < len(rows)
+        ids = rows[index if real else 0].to(device)
+        s_logits = student(ids)
+        t_logits = teacher(ids) if teacher is not None else None
+        if not real:
+            continue
+        targets = ids[0, 1:]
+        lps = _log_probs(s_logits[0, :-1])
+        sums[0] += -lps.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
+        if t_logits is not None:
+            lpt = _log_probs(t_logits[0, :-1])
+            sums[1] += (lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu()
+            sums[2] += -lpt.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
+            sums[3] += float((lps.argmax(-1) == lpt.argmax(-1)).sum())
+        sums[4] += targets.numel()
+    if dp_size > 1:
+        dist.all_reduce(sums, group=dp_group)
+    tokens = float(sums[4])
+    out = {"ppl": math.exp(float(sums[0]) / tokens), "nll": float(sums[0]) / tokens, "tokens": int(tokens)}
+    if teacher is not None:
+        out.update(kl=float(sums[1]) / tokens, top1_agree=float(sums[3]) / tokens,
+                   teacher_ppl=math.exp(float(sums[2]) / tokens))
+    return out
+
+
+# ---- the eval log: one JSON object per evaluation --------------------------------------------------
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record, sort_keys=True) + "\n")
+        fh.flush()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything after it is unreliable
+    return records
+
+
+def truncate_jsonl(path: Path, key: str, keep_up_to: float) -> None:
+    """Drop records whose `key` exceeds `keep_up_to` (a resumed run rewrites them), atomically."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_jsonl(path) if r.get(key, 0) <= keep_up_to]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    tmp.replace(path)

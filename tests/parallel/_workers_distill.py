@@ -1,0 +1,143 @@
+"""Workers for the stage-2 distillation tests (spawned gloo processes must import them).
+
+A tiny random teacher (every layer attention) and a student converted from it (half the layers
+Gated DeltaNet, matching tensors copied), random packed documents, ZeRO-3 over 2 ranks with
+every parameter partitioned (persistence threshold 0), the project's configs/tiny.yaml.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_tc.model.config import ArchConfig
+from megatron_tc.model.transformer import HybridLM
+
+VOCAB, SEQ = 96, 16
+
+
+def tiny_arch(pattern: str = "AAAA") -> ArchConfig:
+    return ArchConfig(family="llama", vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=64, layer_pattern=pattern, tie_embeddings=True,
+                      gdn_chunk_size=8)
+
+
+def teacher_and_student(seed: int = 0) -> tuple[HybridLM, HybridLM]:
+    torch.manual_seed(seed)
+    teacher = HybridLM(tiny_arch(), init_std=0.1)  # peaked enough to give a KL worth lowering
+    student = HybridLM(tiny_arch("AGAG"))
+    own = student.state_dict()
+    copied = {k: v for k, v in teacher.state_dict().items() if k in own and own[k].shape == v.shape}
+    student.load_state_dict(copied, strict=False)
+    return teacher, student
+
+
+def zipf_tokens(rng: np.random.Generator, size) -> np.ndarray:
+    """Token ids 1..VOCAB-1 with Zipf-like frequencies (learnable in a few steps, unlike uniform)."""
+    p = 1.0 / np.arange(1, VOCAB) ** 1.2
+    return rng.choice(np.arange(1, VOCAB), size=size, p=p / p.sum())
+
+
+def packed(num_docs: int, seed: int):
+    from megatron_tc.data.packing import PackedSequences, TokenStream
+
+    rng = np.random.default_rng(seed)
+    docs = [zipf_tokens(rng, int(rng.integers(5, 40))).tolist() + [0] for _ in range(num_docs)]
+    return PackedSequences(TokenStream.from_token_lists(docs), SEQ, pad_id=0, fingerprint=f"random{seed}")
+
+
+def tiny_config(out: Path, steps: int, **extra: str):
+    from megatron_tc.config.loader import load_config
+
+    ds_json = out / "ds_zero3.json"
+    if int(os.environ.get("RANK", "0")) == 0:
+        template = json.loads((Path(__file__).resolve().parents[2] / "configs/deepspeed/zero3.json").read_text())
+        template["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition everything
+        ds_json.parent.mkdir(parents=True, exist_ok=True)
+        ds_json.write_text(json.dumps(template))
+    torch.distributed.barrier()
+    overrides = [f"distill.stage2.steps={steps}", "distill.stage2.lr=3.0e-3", "distill.stage2.warmup_steps=1",
+                 "distill.eval_interval=2", "distill.checkpoint_interval=2", "data.global_batch_size=4",
+                 "data.micro_batch_size=1", f"data.seq_len={SEQ}", f"parallel.deepspeed_config={ds_json}",
+                 "logging.progress_bar=false"]
+    overrides += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+    return load_config(Path(__file__).resolve().parents[2] / "configs/tiny.yaml", overrides)
+
+
+def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0, **extra: str):
+    """Build everything from scratch (as a new job would) and run stage 2 in `out`."""
+    from megatron_tc.data.loader import DistributedBatchLoader
+    from megatron_tc.distill.evaluation import window_rows
+    from megatron_tc.distill.stage2 import build_stage2
+    from megatron_tc.monitor import TBWriter
+    from megatron_tc.parallel.state import init_parallel
+
+    ctx = init_parallel(1, 1)
+    cfg = tiny_config(out, steps, **extra)
+    teacher, student = teacher_and_student(seed)
+    loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
+                                    ctx.dp_rank, ctx.dp_size, seed=7)
+    eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (6, SEQ)))
+    tb = TBWriter(out / "tb")
+    trainer = build_stage2(cfg, ctx, student, teacher, loader, window_rows([eval_ids]), out, tb, torch.device("cpu"))
+    result = trainer.run(stop_after=stop_after)
+    tb.close()
+    return result
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_resume_matches_uninterrupted(rank: int, world_size: int, root: str) -> None:
+    root = Path(root)
+    steps = 6
+    full = run_once(root / "full", steps)
+    # the same run, stopped after 3 steps (checkpoint), then resumed by a fresh engine
+    first = run_once(root / "split", steps, stop_after=3)
+    assert first.stopped_early and first.steps == 3 and first.student_state is None
+    second = run_once(root / "split", steps)
+    assert second.steps == steps and not second.stopped_early
+    if rank == 0:
+        a, b = _records(root / "full/train_log.jsonl"), _records(root / "split/train_log.jsonl")
+        assert [r["step"] for r in b] == list(range(1, steps + 1)), [r["step"] for r in b]
+        assert [r["loss"] for r in a] == [r["loss"] for r in b], ([r["loss"] for r in a], [r["loss"] for r in b])
+        assert [r["lr"] for r in a] == [r["lr"] for r in b]
+        assert full.student_state.keys() == second.student_state.keys()
+        for name, value in full.student_state.items():
+            assert torch.equal(value, second.student_state[name]), name
+        evals = _records(root / "full/eval_log.jsonl")
+        assert [e["step"] for e in evals] == [0, 2, 4, 6] and evals[-1]["tokens"] == steps * 4 * SEQ
+        assert evals[-1]["kl"] < 0.7 * evals[0]["kl"], evals  # distillation lowers the KL
+        assert _records(root / "split/eval_log.jsonl") == evals
+        kept = sorted(p.name for p in (root / "full/checkpoints").iterdir())
+        assert kept == ["latest", "step_00000004", "step_00000006"], kept  # keep_last=2
+
+
+def nan_policies(rank: int, world_size: int, root: str) -> None:
+    from megatron_tc.distill.numerics import NonFiniteError
+
+    root = Path(root)
+    os.environ["MEGATRON_TC_FAULTS"] = "nan_loss@1,nan_grad@3"
+    result = run_once(root / "skip", 4)
+    assert result.skipped_steps == 2 and result.steps == 4
+    if rank == 0:
+        log = _records(root / "skip/train_log.jsonl")
+        assert [r["applied"] for r in log] == [1.0, 0.0, 1.0, 0.0]
+        assert [r["skipped_steps"] for r in log] == [0, 1, 1, 2]
+        assert all(np.isfinite(v) for v in result.student_state["layers.1.mixer.A_log"].tolist())
+    os.environ["MEGATRON_TC_FAULTS"] = "nan_loss@2"
+    try:
+        run_once(root / "abort", 4, distill__nan_policy="abort")
+    except NonFiniteError as err:
+        assert "step 2" in str(err) and "nan_policy" in str(err)
+    else:
+        raise AssertionError("nan_policy=abort did not stop the run")
+    finally:
+        del os.environ["MEGATRON_TC_FAULTS"]
+    # the abort left the checkpoint of step 2 (interval 2) and nothing later
+    if rank == 0:
+        assert (root / "abort/checkpoints/latest").read_text().strip() == "step_00000002"
