@@ -1,0 +1,238 @@
+"""Timing, error metrics, device ceilings and result files shared by tools/bench_*.py.
+
+Timing follows the device README's METHOD.md: a warm-up call first (kernel compilation and
+autotuning stay out of the numbers), then the median of repeated calls timed on the device.
+Short functions go through `triton.testing.do_bench` (CUDA events, L2 flushed between calls);
+long ones (a second or more per call) through CUDA events around each call, a few repeats.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+# ---- devices and timing ----------------------------------------------------------------------
+def pick_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda asked for but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _do_bench() -> Callable | None:
+    try:
+        from triton.testing import do_bench
+    except Exception:  # triton missing (CPU machines) or broken
+        return None
+    return do_bench
+
+
+@dataclass
+class Timing:
+    ms: float  # median milliseconds per call
+    reps: int  # timed calls (do_bench: its own count, reported as -1)
+    method: str  # "do_bench" | "events" | "wall"
+    first_ms: float  # the first call (warm-up: includes compilation/autotuning)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ms": round(self.ms, 4), "reps": self.reps, "timer": self.method, "first_call_ms": round(self.first_ms, 1)}
+
+
+def _one_call(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: torch.device,
+    budget_ms: float = 500.0,
+    max_reps: int = 100,
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> Timing:
+    """Median milliseconds of `fn()` after one warm-up call.
+
+    budget_ms bounds the timed part; at least one timed call is always made. On CUDA, functions
+    shorter than budget_ms / 10 use do_bench (median); longer ones are timed call by call with
+    CUDA events. On CPU, wall clock around each call.
+    """
+    first = _one_call(fn, device)
+    estimate = _one_call(fn, device)
+    do_bench = _do_bench() if device.type == "cuda" else None
+    if do_bench is not None and estimate * 10 < budget_ms:
+        try:
+            ms = do_bench(fn, warmup=min(25.0, budget_ms / 4), rep=budget_ms, grad_to_none=grad_to_none,
+                          return_mode="median")
+            return Timing(float(ms), -1, "do_bench", first)
+        except TypeError:  # an older do_bench without return_mode
+            pass
+    reps = int(max(1, min(max_reps, budget_ms // max(estimate, 1e-3))))
+    times = []
+    for _ in range(reps):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append(_one_call(fn, device))
+    return Timing(statistics.median(times), reps, "events" if device.type == "cuda" else "wall", first)
+
+
+# ---- errors --------------------------------------------------------------------------------
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out holds NaN/inf (NaN never passes)."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return math.inf
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-300))
+
+
+# ---- device ceilings -------------------------------------------------------------------------
+def measure_peaks(device: torch.device, quick: bool = False) -> dict[str, float]:
+    """Measured bf16 matmul rate (TFLOP/s; fp32 on CPU) and device copy bandwidth (GB/s,
+    bytes read + written), random data (never zeros)."""
+    n = 256 if quick else (8192 if device.type == "cuda" else 1024)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm = time_fn(lambda: a @ b, device, budget_ms=50 if quick else 300)
+    numel = (1 << 16) if quick else ((1 << 29) if device.type == "cuda" else (1 << 24))  # 1 GiB bf16 on CUDA
+    src = torch.randn(numel, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    cp = time_fn(lambda: dst.copy_(src), device, budget_ms=50 if quick else 300)
+    return {
+        "matmul_tflops": 2 * n**3 / (mm.ms * 1e-3) / 1e12,
+        "matmul_size": n,
+        "matmul_dtype": str(dtype).replace("torch.", ""),
+        "copy_gbps": 2 * src.numel() * src.element_size() / (cp.ms * 1e-3) / 1e9,
+    }
+
+
+# ---- environment and results ---------------------------------------------------------------------
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and machine, recorded with every result file."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "device": str(device), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+    from importlib import metadata
+
+    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention"), ("deepspeed", "deepspeed"),
+                      ("tilelang", "tilelang")):
+        try:  # metadata only: importing deepspeed alone takes seconds
+            info[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[key] = None
+    return info
+
+
+def default_out(name: str) -> Path:
+    """$OUT/bench_<name>.json on the device machine, else runs/bench/<name>.json."""
+    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("runs") / "bench"
+    return base / f"bench_{name}.json"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isinf(value) or math.isnan(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        if abs(value) >= 1e5 or abs(value) < 1e-3:
+            return f"{value:.2e}"
+        return f"{value:.4g}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+class Report:
+    """Rows of one benchmark, written (atomically) to JSON after every row, so a run killed at
+    its time limit still leaves what it measured; `finish()` prints the markdown tables."""
+
+    def __init__(self, name: str, out: str | os.PathLike | None, device: torch.device, args: Any = None):
+        self.name = name
+        self.path = Path(out) if out else default_out(name)
+        self.data: dict[str, Any] = {"benchmark": name, "env": environment(device), "args": vars(args) if args else {},
+                                     "rows": [], "checks": [], "notes": [], "errors": []}
+
+    def add(self, section: str, row: dict[str, Any]) -> None:
+        self.data.setdefault(section, []).append(row)
+        self.save()
+
+    def note(self, text: str) -> None:
+        print(f"note: {text}", flush=True)
+        self.add("notes", text)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        text = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
+        print(f"ERROR {text}", flush=True)
+        self.add("errors", text)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+    def finish(self, tables: list[tuple[str, str, list[str]]]) -> str:
+        """tables: (title, section, columns). Prints and writes <out>.md; returns the text."""
+        parts = [f"## {self.name} ({self.data['env'].get('gpu', self.data['env']['device'])}, "
+                 f"{self.data['env']['date']})", f"`{self.data['env']['command']}`"]
+        for title, section, columns in tables:
+            rows = self.data.get(section, [])
+            if rows:
+                parts += [f"### {title}", markdown_table(rows, columns)]
+        for key in ("notes", "errors"):
+            if self.data[key]:
+                parts.append(f"**{key}:**\n" + "\n".join(f"- {x}" for x in self.data[key]))
+        text = "\n\n".join(parts) + "\n"
+        print(text, flush=True)
+        md = self.path.with_suffix(".md")
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(text)
+        self.save()
+        return text
