@@ -18,12 +18,12 @@ from .packing import (
 from .pipeline import DataConfig, PreparedData, dedupe_documents, prepare_data
 from .sources import SourceConfig, load_documents
 from .tokenize import cached_token_stream, tokenize_documents
-from .tokenizer import check_vocab_fits, load_tokenizer, resolve_eos_id, tokenizer_fingerprint
+from .tokenizer import check_same_tokenizer, check_vocab_fits, load_tokenizer, resolve_eos_id, tokenizer_fingerprint
 
 __all__ = [
     "DataConfig", "DataError", "DistributedBatchLoader", "Document", "IGNORE_INDEX", "MANIFEST_NAME", "Manifest",
     "PackedSequences", "PreparedData", "SPLITS", "SourceConfig", "SplitConfig", "TokenStream", "assign_splits",
-    "attention_mask_from_doc_ids", "cached_token_stream", "check_vocab_fits", "dedupe_documents",
+    "attention_mask_from_doc_ids", "cached_token_stream", "check_same_tokenizer", "check_vocab_fits", "dedupe_documents",
     "default_cache_dir", "document_starts", "fetch_shakespeare", "load_documents", "load_or_create_manifest",
     "load_tokenizer", "position_ids_from_doc_ids", "prepare_data", "resolve_eos_id", "shakespeare_cached",
     "shakespeare_documents", "tokenize_documents", "tokenizer_fingerprint",

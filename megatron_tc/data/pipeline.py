@@ -12,7 +12,7 @@ calling it on rank 0 first and then on the others after a barrier avoids tokeniz
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +43,25 @@ class DataConfig:
     dedupe: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+    def from_dict(cls, d: dict[str, Any], strict: bool = True) -> "DataConfig":
+        """From a dict (YAML's `data:` section). strict=False ignores top-level keys that are not
+        the pipeline's (the run config's data section also holds batch sizes and token budgets)."""
         d = dict(d)
         unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
+        if not strict:
+            d = {k: v for k, v in d.items() if k not in unknown}
+        elif unknown:
             raise DataError(f"unknown data config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         source = SourceConfig.from_dict(d.pop("source", {}) or {})
         split = SplitConfig.from_dict(d.pop("split", {}) or {})
         return cls(source=source, split=split, **d)
+
+    @classmethod
+    def from_config(cls, section: Any) -> "DataConfig":
+        """From the run config's data section (a dataclass such as `megatron_tc.config`'s, or a dict)."""
+        if is_dataclass(section) and not isinstance(section, type):
+            section = asdict(section)
+        return cls.from_dict(section, strict=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -80,6 +80,17 @@ def check_vocab_fits(tok: Any, model_vocab_size: int, what: str = "model") -> No
         )
 
 
+def check_same_tokenizer(a: Any, b: Any, what_a: str = "teacher", what_b: str = "student") -> None:
+    """Refuse two tokenizers that would map text to different ids (teacher vs student vs data)."""
+    fa, fb = tokenizer_fingerprint(a), tokenizer_fingerprint(b)
+    if fa != fb:
+        raise DataError(
+            f"tokenizer mismatch: the {what_a}'s tokenizer ({len(a)} tokens, fingerprint {fa[:12]}) differs "
+            f"from the {what_b}'s ({len(b)} tokens, fingerprint {fb[:12]}); logits and labels would refer to "
+            "different tokens. Use one tokenizer for both (the teacher's)."
+        )
+
+
 def check_token_ids_fit(max_token_id: int, model_vocab_size: int, where: str) -> None:
     if max_token_id >= model_vocab_size:
         raise DataError(

@@ -13,6 +13,7 @@ from megatron_tc.data import (
     MANIFEST_NAME,
     DataConfig,
     DataError,
+    check_same_tokenizer,
     check_vocab_fits,
     load_tokenizer,
     prepare_data,
@@ -37,8 +38,11 @@ def test_sentencepiece_model_and_hf_dir_tokenize_like_sentencepiece(tok_dir, tmp
     assert from_dir(text, add_special_tokens=False)["input_ids"] == ref
     assert len(from_model) == len(from_dir) == 320 and from_dir.eos_token_id == 2
     assert tokenizer_fingerprint(from_model) == tokenizer_fingerprint(from_dir)
-    other = train_tiny_tokenizer(tmp_path / "other", seed=1)
-    assert tokenizer_fingerprint(load_tokenizer(other)) != tokenizer_fingerprint(from_dir)
+    check_same_tokenizer(from_model, from_dir)
+    other = load_tokenizer(train_tiny_tokenizer(tmp_path / "other", seed=1))
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(from_dir)
+    with pytest.raises(DataError, match="tokenizer mismatch: the teacher's tokenizer"):
+        check_same_tokenizer(from_dir, other)
 
 
 def test_bad_tokenizer_paths(tmp_path):
@@ -68,11 +72,14 @@ def test_vocab_mismatch_is_refused(tok_dir, tmp_path):
 
 def test_prepare_data_end_to_end(tok_dir, tmp_path):
     write_synthetic_corpus(tmp_path / "corpus", n_docs=12, seed=1)
-    cfg = DataConfig.from_dict({
+    section = {
         "source": {"kind": "text", "paths": [str(tmp_path / "corpus")]},
         "split": {"seed": 5, "calibration_fraction": 0.1, "eval_fraction": 0.2},
-        "tokenizer": str(tok_dir), "seq_len": 32,
-    })
+        "tokenizer": str(tok_dir), "seq_len": 32, "global_batch_size": 8,  # a run-config key
+    }
+    with pytest.raises(DataError, match="unknown data config keys \\['global_batch_size'\\]"):
+        DataConfig.from_dict(section)
+    cfg = DataConfig.from_config(section)
     run = tmp_path / "run"
     data = prepare_data(cfg, run, model_vocab_size=320)
     tok = data.tokenizer
