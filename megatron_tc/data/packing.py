@@ -3,6 +3,9 @@
 The documents of a split are tokenized, each followed by EOS, and concatenated into one token
 stream. Sequence i covers the stream window [i*T, i*T + T + 1): inputs are its first T tokens and
 the label of input t is token t+1 of the window (windows overlap by one token, as in Megatron-LM).
+Labels are already shifted: the loss is `cross_entropy(logits[:, t], labels[:, t])` position by
+position, with no further shift (unlike HF models' `labels=` argument). Mask KL and hidden-state
+losses with `labels != IGNORE_INDEX` as well, which also excludes padding.
 
 Boundary rules (the model masks attention across documents and resets the GDN state where
 `doc_ids` changes):
