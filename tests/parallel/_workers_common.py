@@ -37,3 +37,16 @@ def batches(steps: int, micro: int, batch: int, seq: int, seed: int = 1) -> list
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
              for _ in range(micro)] for _ in range(steps)]
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """All weights together within TOL (relative), and every tensor within 10 x TOL.
+
+    Per tensor, fp32 after a few AdamW steps cannot promise 1e-5: a tensor that starts at zero
+    (b_proj.bias) holds nothing but Adam updates, and Adam turns reduction-order rounding of
+    near-zero gradients into update differences (measured: 1.2e-5 on such a bias)."""
+    assert sorted(got) == sorted(want), f"{what}: different tensor names"
+    err = rel_err(torch.cat([got[k].flatten() for k in sorted(want)]), torch.cat([want[k].flatten() for k in sorted(want)]))
+    assert err <= TOL, f"{what} weights: relative error {err:.3g} > {TOL:g}"
+    for name in sorted(want):
+        assert_close(got[name], want[name], f"{what} weight {name}", 10 * TOL)

@@ -1,0 +1,199 @@
+"""DeepSpeed engines: the student under ZeRO (1-3) over the data-parallel group, the frozen teacher.
+
+- `build_deepspeed_config(...)` turns our settings into a DeepSpeed JSON dict, or completes the
+  user's JSON (our values fill only what it leaves out or sets to "auto").
+- `build_student_engine(model, ds_config, ctx)` = `deepspeed.initialize(..., mpu=DeepSpeedMPU(ctx))`.
+- `build_teacher(teacher, ds_config, mode)`: the frozen teacher either in its own DeepSpeed engine
+  without optimizer (ZeRO-3 parameter partitioning for inference, the pattern TRL uses) or as a
+  plain replicated copy. Either way it is in eval mode, its parameters do not require gradients,
+  and `assert_no_grads` proves after a step that none arrived.
+
+On CPU, DeepSpeed's first collective would compile its shared-memory all-reduce op (about 90 s
+of C++ build per fresh cache). That op serves only `inference_all_reduce` (AutoTP inference),
+which nothing here calls, so `avoid_cpu_shm_build()` marks it unavailable; training collectives go
+through torch.distributed (gloo) either way.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import torch
+from torch import nn
+
+from .compat import make_module_apply_safe
+from .state import DeepSpeedMPU, ParallelContext
+
+TeacherMode = Literal["engine", "replicated"]
+_LARGE = 10**9  # "never" for DeepSpeed's print intervals
+
+
+def avoid_cpu_shm_build() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce op (see module doc)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.comm.comm as ds_comm
+    if ds_comm.cdb is not None:  # already initialized: nothing left to avoid
+        return
+    # deepspeed.ops caches its compatibility probe in this dict and reads it before building.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_deepspeed_comm() -> None:
+    """Point deepspeed.comm at the already-initialized torch.distributed group (same backend)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    avoid_cpu_shm_build()
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call parallel.state.init_parallel first")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+
+
+# ---- config -------------------------------------------------------------------------------------
+def _fill(target: dict, key: str, value: Any) -> None:
+    """Set target[key] unless the user's JSON already gives a concrete value."""
+    if target.get(key, "auto") == "auto":
+        target[key] = value
+
+
+def build_deepspeed_config(
+    *, zero_stage: int, micro_batch_size: int, global_batch_size: int, dp_size: int,
+    bf16: bool = False, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+    weight_decay: float = 0.0, grad_clip: float = 1.0, pipeline: bool = False,
+    base: dict | str | Path | None = None,
+) -> dict:
+    """A DeepSpeed config dict for the student.
+
+    gradient_accumulation_steps = global_batch_size / (micro_batch_size * dp_size) must be a whole
+    number. bf16 on GPUs; fp32 (bf16=False) on CPU. The optimizer is AdamW from torch
+    (`torch_adam`: DeepSpeed's fused CPU Adam would compile a C++ op first). `base` is the user's
+    JSON (dict or path): its concrete values win, its "auto" values are filled from ours.
+    """
+    if pipeline and zero_stage > 1:
+        raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; "
+                         "set parallel.zero_stage=1 with parallel.pp > 1")
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x data-parallel "
+            f"size = {micro_batch_size} x {dp_size}; pick a global batch divisible by {per_step}")
+    if isinstance(base, (str, Path)):
+        base = json.loads(Path(base).read_text())
+    cfg = copy.deepcopy(base) if base else {}
+    _fill(cfg, "train_batch_size", global_batch_size)
+    _fill(cfg, "train_micro_batch_size_per_gpu", micro_batch_size)
+    _fill(cfg, "gradient_accumulation_steps", global_batch_size // per_step)
+    _fill(cfg, "gradient_clipping", grad_clip)
+    _fill(cfg, "steps_per_print", _LARGE)
+    _fill(cfg, "wall_clock_breakdown", False)
+    zero = cfg.setdefault("zero_optimization", {})
+    _fill(zero, "stage", zero_stage)
+    bf16_cfg = cfg.setdefault("bf16", {})
+    _fill(bf16_cfg, "enabled", bf16)
+    if "optimizer" not in cfg:
+        cfg["optimizer"] = {"type": "AdamW", "params": {}}
+    params = cfg["optimizer"].setdefault("params", {})
+    for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps), ("weight_decay", weight_decay),
+                       ("torch_adam", True)):
+        _fill(params, key, value)
+    _check_batch_sizes(cfg, dp_size)
+    if pipeline and zero["stage"] > 1:
+        raise ValueError(f"the DeepSpeed JSON asks for ZeRO stage {zero['stage']}, but DeepSpeed's pipeline engine "
+                         "supports stage 0 or 1 only; set zero_optimization.stage to 1 (or 'auto') with pp > 1")
+    return cfg
+
+
+def _check_batch_sizes(cfg: dict, dp_size: int) -> None:
+    total = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp_size
+    if total != cfg["train_batch_size"]:
+        raise ValueError(
+            f"DeepSpeed config: train_batch_size={cfg['train_batch_size']} != micro batch "
+            f"{cfg['train_micro_batch_size_per_gpu']} x accumulation {cfg['gradient_accumulation_steps']} x "
+            f"data-parallel {dp_size}; fix the JSON or leave these keys out (or 'auto')")
+
+
+def deepspeed_config_from(config: Any, ctx: ParallelContext, on_gpu: bool | None = None) -> dict:
+    """The student's DeepSpeed config from our run `Config` (megatron_tc.config.schema.Config)."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    stage2 = config.distill.stage2
+    return build_deepspeed_config(
+        zero_stage=config.parallel.zero_stage, micro_batch_size=config.data.micro_batch_size,
+        global_batch_size=config.data.global_batch_size, dp_size=ctx.dp_size,
+        bf16=on_gpu and config.run.precision == "bf16", lr=stage2.lr, weight_decay=stage2.weight_decay,
+        grad_clip=stage2.grad_clip, pipeline=ctx.pp_size > 1, base=config.parallel.deepspeed_config,
+    )
+
+
+def teacher_deepspeed_config(student_config: dict) -> dict:
+    """The teacher engine's config: the student's batch and precision, ZeRO-3 partitioning, no optimizer."""
+    cfg = {key: copy.deepcopy(student_config[key]) for key in
+           ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")
+           if key in student_config}
+    cfg.update(steps_per_print=_LARGE, wall_clock_breakdown=False, zero_optimization={"stage": 3})
+    return cfg
+
+
+# ---- engines ------------------------------------------------------------------------------------
+def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext,
+                         params: Iterable[nn.Parameter] | None = None, lr_scheduler: Any = None):
+    """`deepspeed.initialize` the student over the DP group with TP groups from `ctx`.
+
+    params: the trainable parameters (default: those with requires_grad). Returns the engine;
+    its `.optimizer` and `.lr_scheduler` are DeepSpeed's.
+    """
+    import deepspeed
+
+    init_deepspeed_comm()
+    if ctx.pp_size > 1:
+        raise ValueError("build_student_engine is the ZeRO path (pp == 1); use parallel.pipeline for pp > 1")
+    trainable = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
+    if not trainable:
+        raise ValueError("the student has no trainable parameters (all requires_grad=False)")
+    make_module_apply_safe(model)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
+                                      mpu=DeepSpeedMPU(ctx), lr_scheduler=lr_scheduler,
+                                      dist_init_required=False)
+    return engine
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """Eval mode, no parameter requires a gradient."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def build_teacher(teacher: nn.Module, student_config: dict, ctx: ParallelContext,
+                  mode: TeacherMode = "replicated") -> nn.Module:
+    """The frozen teacher: 'engine' = its own ZeRO-3 DeepSpeed engine without optimizer,
+    'replicated' = the module itself on every rank. Call it under torch.no_grad()."""
+    freeze(teacher)
+    if mode == "replicated":
+        return teacher
+    if mode != "engine":
+        raise ValueError(f"teacher mode {mode!r}: use 'engine' or 'replicated'")
+    import deepspeed
+
+    init_deepspeed_comm()
+    make_module_apply_safe(teacher)
+    engine, *_ = deepspeed.initialize(model=teacher, config=teacher_deepspeed_config(student_config),
+                                      mpu=DeepSpeedMPU(ctx), dist_init_required=False)
+    engine.eval()
+    return engine
+
+
+def assert_no_grads(teacher: nn.Module) -> None:
+    """Raise if any teacher parameter requires or holds a gradient (engine or plain module)."""
+    module = getattr(teacher, "module", teacher)
+    bad = [name for name, p in module.named_parameters() if p.requires_grad or p.grad is not None]
+    if bad:
+        raise AssertionError(f"the frozen teacher has gradients or trainable parameters: {bad[:5]}")
+    optimizer = getattr(teacher, "optimizer", None)
+    if optimizer is not None and isinstance(optimizer, torch.optim.Optimizer):
+        raise AssertionError(f"the teacher engine has an optimizer ({type(optimizer).__name__})")
