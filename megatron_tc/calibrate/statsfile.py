@@ -104,7 +104,9 @@ class TaylorStats:
             n = self.sums[k].numel()
             self.sums[k] = flat[offset: offset + n].view_as(self.sums[k]).clone()
             offset += n
-        self.meta["tokens"] = int(self.sums[f"layers.{self.layers[0]}.count"].item()) if self.layers else 0
+        key = f"layers.{self.layers[0]}.count" if self.layers else None
+        if key in self.sums:
+            self.meta["tokens"] = int(self.sums[key].item())
         return self
 
     # ---- io ----------------------------------------------------------------------------------

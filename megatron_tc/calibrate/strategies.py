@@ -50,8 +50,8 @@ class AlignSettings:
     lr_gates: float = 1e-2
     lr_proj: float = 1e-4
     weight_decay: float = 0.0
-    batch_rows: int = 2
-    eval_every: int = 20
+    batch_rows: int = 1
+    eval_every: int = 10
     best_on: str = "heldout"
 
 

@@ -1,0 +1,189 @@
+"""Command lines behind tools/stats.py, tools/calibrate.py and tools/select_layers.py."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .policies import POLICIES, select_layers, uniform
+from .stats import collect_stats, describe, log_stats
+from .statsfile import TaylorStats
+from .strategies import REGISTRY, get_strategy
+from .student import calibrate_student, converted_layers, pattern_from_keep
+from .teacher_io import load_teacher, text_batches
+
+PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-bias", "taylor_fit-sinkfree", "taylor_fit-gatefit")
+
+
+def _layers(text: str, num_layers: int) -> list[int]:
+    if text in ("all", ""):
+        return list(range(num_layers))
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"error: layers must be comma-separated integers or 'all', got {text!r}") from None
+
+
+def _data_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--teacher", required=True, help="megatron_tc checkpoint, HF directory or .gguf")
+    ap.add_argument("--text", required=True, help="calibration text file (never the evaluation text)")
+    ap.add_argument("--tokens", type=int, default=2048, help="calibration tokens (whole rows of --seq-len)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    ap.add_argument("--tb", default=None, help="TensorBoard log directory")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def _writer(path):
+    if not path:
+        return None
+    from megatron_tc.monitor import TBWriter
+
+    return TBWriter(path)
+
+
+def _meta(args, teacher, tokens_used: int) -> dict:
+    return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), "text": os.path.abspath(args.text),
+            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem]}
+
+
+def stats_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Taylor statistics pass over calibration text -> stats file")
+    _data_args(ap)
+    ap.add_argument("--layers", default="all", help="layers to measure (comma list or 'all')")
+    ap.add_argument("--readout", default=",".join(PAPER_STRATEGIES),
+                    help="strategies whose readout sums to accumulate ('' for none)")
+    ap.add_argument("--chunk-size", type=int, default=128, help="queries per attention-probability chunk")
+    ap.add_argument("--out", required=True, help="stats file to write")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    teacher = load_teacher(args.teacher)
+    layers = _layers(args.layers, teacher.model.arch.num_layers)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    strategies = [get_strategy(s) for s in args.readout.split(",") if s]
+    student_arch = teacher.model.arch.with_pattern("G" * teacher.model.arch.num_layers)
+    t0 = time.time()
+    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, 0), readout_strategies=strategies,
+                          student_arch=student_arch, chunk_size=args.chunk_size, progress=not args.no_progress)
+    stats.meta["num_layers"] = teacher.model.arch.num_layers
+    stats.meta["seconds"] = round(time.time() - t0, 1)
+    stats.save(args.out)
+    writer = _writer(args.tb)
+    if writer is not None:
+        log_stats(stats, writer)
+    print(json.dumps({"out": args.out, "tokens": stats.meta["tokens"], "seconds": stats.meta["seconds"],
+                      "layers": describe(stats)}, indent=1))
+    return 0
+
+
+def _keep(args, teacher, stats, batches) -> tuple[list[int], dict | None]:
+    arch = teacher.model.arch
+    if args.keep is not None:
+        return _layers(args.keep, arch.num_layers), None
+    num_keep = args.num_keep or max(1, round(arch.num_layers / 4))
+    if args.policy == "uniform":
+        sel = uniform(arch.num_layers, num_keep)
+    else:
+        sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches,
+                            **({"teacher_sha256": teacher.sha256} if args.policy in ("ar", "ga") else {}))
+    return sel.keep, sel.to_json()
+
+
+def calibrate_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="teacher -> zero-shot hybrid student checkpoint (no training)")
+    _data_args(ap)
+    ap.add_argument("--init", required=True, choices=sorted(REGISTRY))
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--keep", help="layers kept as softmax attention (comma list)")
+    group.add_argument("--policy", choices=POLICIES, help="choose the kept layers with a policy")
+    ap.add_argument("--num-keep", type=int, default=0, help="kept layers for --policy (default: a quarter)")
+    ap.add_argument("--stats", default=None, help="reuse a stats file from tools/stats.py")
+    ap.add_argument("--heldout-tokens", type=int, default=512,
+                    help="calibration tokens after --tokens kept for best-step selection")
+    ap.add_argument("--align-steps", type=int, default=None, help="override the strategy's alignment steps")
+    ap.add_argument("--no-align", action="store_true")
+    ap.add_argument("--eval-text", default=None, help="also report zero-shot perplexity on this text")
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="checkpoint directory to write")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.eval_text and os.path.abspath(args.eval_text) == os.path.abspath(args.text):
+        print("warning: --eval-text is the calibration text; the numbers will be flattered", file=sys.stderr)
+    teacher = load_teacher(args.teacher)
+    strategy = get_strategy(args.init)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
+    keep, selection = _keep(args, teacher, stats, batches)
+    heldout = None
+    if args.heldout_tokens >= args.seq_len:
+        heldout = text_batches(args.text, teacher.tokenizer, args.heldout_tokens, args.seq_len, skip_tokens=args.tokens)
+    align = False if args.no_align else True
+    if align and strategy.align is not None and args.align_steps is not None:
+        from dataclasses import replace
+
+        align = replace(strategy.align, steps=args.align_steps)
+    student, report = calibrate_student(
+        teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
+        teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
+        seed=args.seed, meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text)},
+    )
+    report.update(teacher_sha256=teacher.sha256, text=os.path.abspath(args.text), tokens=args.tokens,
+                  seq_len=args.seq_len, selection=selection, converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
+    if args.eval_text:
+        from megatron_tc.eval.perplexity import evaluate_text
+
+        result = evaluate_text(lambda ids: student(ids), args.eval_text, teacher.tokenizer, args.seq_len,
+                               args.eval_tokens, progress=not args.no_progress)
+        report["eval"] = {"text": os.path.abspath(args.eval_text), "ppl": result.ppl, "tokens": result.tokens}
+    if args.out:
+        from megatron_tc.convert.checkpoint import save_checkpoint
+
+        source = {"calibrate": {k: v for k, v in report.items() if k != "align"}, "teacher": teacher.path}
+        save_checkpoint(student.state_dict(), student.arch, args.out, source=source,
+                        tokenizer_files=teacher.tokenizer_files, overwrite=True)
+        (Path(args.out) / "calibrate_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report if args.out is None else {k: report[k] for k in report if k != "align"}, indent=1))
+    return 0
+
+
+def select_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="choose the layers kept as softmax attention; writes JSON")
+    _data_args(ap)
+    ap.add_argument("--policy", required=True, choices=POLICIES)
+    ap.add_argument("--num-keep", type=int, default=0, help="default: a quarter of the layers")
+    ap.add_argument("--stats", default=None, help="stats file (readout_gap; optional init stats for ar/ga)")
+    ap.add_argument("--init", default="taylor_fit-closed", help="closed-form init of the students ar/ga measure")
+    ap.add_argument("--rounds", type=int, default=1, help="ga: 1 = one ranking, K = forward greedy")
+    ap.add_argument("--out", required=True, help="JSON file: keep, scores, details")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    teacher = load_teacher(args.teacher)
+    stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    num_keep = args.num_keep or max(1, round(teacher.model.arch.num_layers / 4))
+    extra = {}
+    if args.policy in ("ar", "ga"):
+        extra = {"init": args.init, "teacher_sha256": teacher.sha256}
+        if args.policy == "ga":
+            extra["rounds"] = args.rounds
+        if not args.no_progress:
+            from tqdm.auto import tqdm
+
+            extra["progress"] = lambda xs: tqdm(xs, desc=args.policy, unit="student")
+    sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
+    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens}
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    print(json.dumps({"policy": sel.policy, "keep": sel.keep}))
+    return 0

@@ -1,0 +1,141 @@
+"""Retained-layer policies (docs/method.md section 6): which layers stay softmax attention.
+
+Every policy returns a `Selection`: the kept layers (sorted) and one score per layer (higher =
+more worth keeping as attention), plus how the scores were obtained. `ar` and `ga` measure
+perplexity of students built with a closed-form init (no alignment) on calibration batches;
+`readout_gap` reads the statistics pass only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_tc.model import HybridLM
+
+from .readout import solve_joint_scales
+from .statsfile import TaylorStats
+from .strategies import get_strategy
+
+POLICIES = ("uniform", "ar", "ga", "readout_gap")
+
+
+@dataclass
+class Selection:
+    policy: str
+    keep: list[int]
+    scores: dict[int, float]
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["scores"] = {str(k): v for k, v in self.scores.items()}
+        return out
+
+
+def uniform(num_layers: int, num_keep: int) -> Selection:
+    """Evenly spread; the last layer is always kept: round((i+1) L / K) - 1."""
+    if not 0 < num_keep <= num_layers:
+        raise ValueError(f"num_keep={num_keep} must be in 1..{num_layers}")
+    keep = sorted({round((i + 1) * num_layers / num_keep) - 1 for i in range(num_keep)})
+    return Selection("uniform", keep, {l: float(l in keep) for l in range(num_layers)})
+
+
+@torch.no_grad()
+def perplexity(model: HybridLM, batches: Sequence[dict]) -> float:
+    """Token-level perplexity of next-token prediction over the rows of `batches`."""
+    nll, count = 0.0, 0
+    for batch in batches:
+        ids = batch["input_ids"]
+        logits = model(ids, doc_ids=batch.get("doc_ids")).float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        nll -= float(logp.gather(-1, ids[:, 1:, None]).double().sum())
+        count += ids[:, 1:].numel()
+    return math.exp(nll / max(count, 1))
+
+
+def _build(teacher, keep, init, stats, sha, seed):
+    from .student import build_student, pattern_from_keep
+
+    return build_student(teacher, pattern_from_keep(teacher.arch.num_layers, keep), init, stats, seed, sha)
+
+
+def attention_removal(
+    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_fit-closed",
+    stats: TaylorStats | None = None, teacher_sha256: str | None = None, seed: int = 0, progress=None,
+) -> Selection:
+    """`ar`: convert one layer at a time; score = perplexity increase over the teacher."""
+    layers = list(range(teacher.arch.num_layers))
+    base = perplexity(teacher, batches)
+    scores = {}
+    for layer in (progress(layers) if progress else layers):
+        student = _build(teacher, [l for l in layers if l != layer], init, stats, teacher_sha256, seed)
+        scores[layer] = perplexity(student, batches) - base
+    keep = sorted(sorted(layers, key=lambda l: -scores[l])[:num_keep])
+    return Selection("ar", keep, scores, {"init": init, "teacher_ppl": base})
+
+
+def greedy_addition(
+    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_fit-closed",
+    stats: TaylorStats | None = None, teacher_sha256: str | None = None, rounds: int = 1, seed: int = 0,
+    progress=None,
+) -> Selection:
+    """`ga`: from all layers converted, add the attention layer that lowers perplexity most.
+    rounds=1: one ranking of one-layer-kept students (L evaluations); rounds=num_keep: forward
+    greedy selection (about K*L evaluations). Score = -perplexity of the student with the layer
+    added in the round that chose it (or of the single ranking)."""
+    layers = list(range(teacher.arch.num_layers))
+    keep: list[int] = []
+    scores: dict[int, float] = {}
+    history = []
+    for round_index in range(max(1, min(rounds, num_keep))):
+        candidates = [l for l in layers if l not in keep]
+        ppl = {}
+        for layer in (progress(candidates) if progress else candidates):
+            ppl[layer] = perplexity(_build(teacher, keep + [layer], init, stats, teacher_sha256, seed), batches)
+        order = sorted(candidates, key=lambda l: ppl[l])
+        history.append({str(l): ppl[l] for l in order})
+        if rounds <= 1:
+            scores = {l: -ppl[l] for l in candidates}
+            keep = order[:num_keep]
+            break
+        keep.append(order[0])
+        scores[order[0]] = -ppl[order[0]]
+    for layer in layers:
+        scores.setdefault(layer, -math.inf)
+    return Selection("ga", sorted(keep), scores, {"init": init, "rounds": rounds, "history": history})
+
+
+def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit") -> Selection:
+    """Ours: the attention output energy the initialized recurrence cannot explain, relative to
+    the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales."""
+    scores = {}
+    for layer in stats.layers:
+        readout = stats.readout(get_strategy(strategy).readout_name, layer)
+        explained = readout["uy"].pow(2) / readout["uu"].clamp_min(1e-30)
+        h = readout["uy"].shape[1]
+        index = explained.argmax(dim=0) * h + torch.arange(h)
+        scales = solve_joint_scales(readout["G"][index][:, index], readout["r"][index])
+        residual = float(readout["YY"] - readout["r"][index] @ scales)
+        scores[layer] = residual / float(stats.layer(layer)["resid_energy"].clamp_min(1e-30))
+    keep = sorted(sorted(scores, key=lambda l: -scores[l])[:num_keep])
+    return Selection("readout_gap", keep, scores, {"strategy": strategy})
+
+
+def select_layers(policy: str, num_keep: int, *, teacher: HybridLM | None = None, stats: TaylorStats | None = None,
+                  batches: Sequence[dict] | None = None, **kwargs) -> Selection:
+    """Dispatch by name; `uniform` needs only the teacher's depth."""
+    if policy == "uniform":
+        return uniform(teacher.arch.num_layers if teacher is not None else stats.meta["num_layers"], num_keep)
+    if policy == "readout_gap":
+        if stats is None:
+            raise ValueError("policy readout_gap needs a stats file with taylor_fit readout sums over all layers")
+        return readout_gap(stats, num_keep, kwargs.get("strategy", "taylor_fit"))
+    if policy in ("ar", "ga"):
+        if teacher is None or not batches:
+            raise ValueError(f"policy {policy} needs the teacher and calibration batches")
+        fn: Callable = attention_removal if policy == "ar" else greedy_addition
+        return fn(teacher, num_keep, batches, stats=stats, **kwargs)
+    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")

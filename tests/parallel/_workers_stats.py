@@ -1,0 +1,37 @@
+"""Workers of tests/parallel/test_stats_dp.py (spawned processes import them from here)."""
+import torch
+import torch.distributed as dist
+
+from megatron_tc.calibrate.stats import collect_stats
+from megatron_tc.calibrate.strategies import get_strategy
+from megatron_tc.model import ArchConfig, HybridLM
+
+READOUT = ("taylor", "taylor_fit")
+
+
+def tiny_teacher_and_rows():
+    """A seeded 3-layer GQA teacher and 4 rows of 24 tokens with packed documents."""
+    arch = ArchConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model = HybridLM(arch).eval()
+        ids = torch.randint(0, 97, (4, 24))
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 24, [5] * 3 + [6] * 21, [2] * 24])
+    return model, ids, doc_ids
+
+
+def stats_of_rows(rows, dp_group=None):
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in rows]
+    return collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
+                         readout_strategies=[get_strategy(s) for s in READOUT],
+                         student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=dp_group, progress=False)
+
+
+def dp_stats(rank: int, world_size: int, out_path: str) -> None:
+    rows = [r for r in range(4) if r % world_size == rank]
+    stats = stats_of_rows(rows)
+    if rank == 0:
+        stats.save(out_path)
+    dist.barrier()
