@@ -57,12 +57,18 @@ class Timing:
         return {"ms": round(self.ms, 4), "reps": self.reps, "timer": self.method, "first_call_ms": round(self.first_ms, 1)}
 
 
-def _one_call(fn: Callable[[], Any], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events around it on CUDA, wall clock after a sync elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
     fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - start_s) * 1e3
 
 
 def time_fn(
@@ -75,11 +81,13 @@ def time_fn(
     """Median milliseconds of `fn()` after one warm-up call.
 
     budget_ms bounds the timed part; at least one timed call is always made. On CUDA, functions
-    shorter than budget_ms / 10 use do_bench (median); longer ones are timed call by call with
-    CUDA events. On CPU, wall clock around each call.
+    shorter than budget_ms / 10 use do_bench (median, L2 flushed between calls); longer ones are
+    timed call by call with CUDA events (the call after the warm-up counts as the first sample).
+    On CPU, wall clock around each call.
     """
-    first = _one_call(fn, device)
-    estimate = _one_call(fn, device)
+    sync(device)
+    first = time_once(fn, device)
+    estimate = time_once(fn, device)
     do_bench = _do_bench() if device.type == "cuda" else None
     if do_bench is not None and estimate * 10 < budget_ms:
         try:
@@ -88,22 +96,13 @@ def time_fn(
             return Timing(float(ms), -1, "do_bench", first)
         except TypeError:  # an older do_bench without return_mode
             pass
-    reps = int(max(1, min(max_reps, budget_ms // max(estimate, 1e-3))))
-    times = []
-    for _ in range(reps):
+    times = [estimate]
+    for _ in range(int(min(max_reps, budget_ms // max(estimate, 1e-3))) - 1):
         if grad_to_none:
             for t in grad_to_none:
                 t.grad = None
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            times.append(_one_call(fn, device))
-    return Timing(statistics.median(times), reps, "events" if device.type == "cuda" else "wall", first)
+        times.append(time_once(fn, device))
+    return Timing(statistics.median(times), len(times), "events" if device.type == "cuda" else "wall", first)
 
 
 # ---- errors --------------------------------------------------------------------------------

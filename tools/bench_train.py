@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Stage-2 distillation step on one device: teacher forward (no grad) + student forward/backward
+on the KL loss + optimizer step, bf16, GDN layers on fla's kernels; tokens/s and MFU.
+
+    python tools/bench_train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
+        [--batch 8 --seq 2048] [--steps 5] [--deepspeed] [--trainable all] [--profile]
+
+Plain torch (default): fp32 student weights under bf16 autocast, fused AdamW; the teacher in
+bf16. --deepspeed: the student through `megatron_tc.parallel.deepspeed_engine` (ZeRO-3 on one
+rank, bf16, fp32 master weights), as stage 2 runs it. The loss is `distill.losses.distill_loss`
+(KL at temperature 1) on random token ids.
+
+Check before timing: one forward/backward at [1, 512] with the GDN layers on fla under bf16
+autocast against the PyTorch chunked backend in fp32 (same weights, same teacher logits):
+relative error of the loss and the largest relative error of any parameter gradient.
+
+MFU = model FLOPs per step / step time / measured bf16 matmul rate (8192^3 bf16 product, this
+run). Model FLOPs (megatron_tc/bench/models.py): student 3 x forward (trainable=all; else
+2 x forward + 2 N_trainable per token) + teacher 1 x forward, forward = 2 N per token + causal
+attention 4 H D (T+1)/2 per token and layer + GDN chunk terms; embeddings excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_tc.bench.common import Report, measure_peaks, pick_device, rel_err, sync, time_once  # noqa: E402
+from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
+from megatron_tc.distill.losses import LossWeights, distill_loss  # noqa: E402
+from megatron_tc.distill.stage2 import select_trainable  # noqa: E402
+from megatron_tc.model import HybridLM  # noqa: E402
+
+
+def step_flops(student_arch, teacher_arch, trainable: str, batch: int, seq: int) -> dict[str, float]:
+    tokens = batch * seq
+    fwd = forward_flops(student_arch, tokens, seq)
+    student = 3 * fwd if trainable == "all" else 2 * fwd + 2 * matmul_params(student_arch, trainable) * tokens
+    teacher = forward_flops(teacher_arch, tokens, seq)
+    return {"student_flops": student, "teacher_flops": teacher, "flops": student + teacher}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_context():
+    """One-process torch.distributed + megatron-core groups (TP = PP = DP = 1)."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+    from megatron_tc.parallel.state import init_parallel
+
+    return init_parallel(1, 1)
+
+
+class Trainer:
+    """The student (plain module + AdamW, or a DeepSpeed engine) and the frozen teacher."""
+
+    def __init__(self, student: HybridLM, teacher: HybridLM, args, device: torch.device, ctx=None):
+        self.teacher, self.device, self.args = teacher, device, args
+        self.vocab = student.arch.vocab_size
+        self.weights = LossWeights(temperature=1.0)
+        self.amp = device.type == "cuda"
+        if ctx is not None:
+            from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config, build_student_engine
+
+            ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch, global_batch_size=args.batch,
+                                        dp_size=1, bf16=device.type == "cuda", lr=1e-5)
+            self.engine, self.student, self.optimizer = build_student_engine(student, ds, ctx), None, None
+        else:
+            self.engine, self.student = None, student
+            params = [p for p in student.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = self.teacher(ids)
+        if self.engine is not None:
+            loss, _ = distill_loss(self.engine(ids), t_logits, ids, self.vocab, self.weights)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.detach()
+        with torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext():
+            s_logits = self.student(ids)
+        loss, _ = distill_loss(s_logits, t_logits, ids, self.vocab, self.weights)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> dict:
+    """fla + bf16 autocast vs the PyTorch chunked backend in fp32: loss and gradients."""
+    ids = torch.randint(0, student.arch.vocab_size, (1, seq), device=device)
+    with torch.no_grad():
+        t_logits = teacher(ids)
+    results = {}
+    for label, backend, amp in (("ref", "chunk", False), ("test", "auto", device.type == "cuda")):
+        student.set_gdn_backend(backend)
+        student.zero_grad(set_to_none=True)
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else nullcontext()
+        with ctx:
+            logits = student(ids)
+        loss, _ = distill_loss(logits, t_logits, ids, student.arch.vocab_size, LossWeights())
+        loss.backward()
+        results[label] = (loss.detach(), {n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None})
+    student.set_gdn_backend("auto")
+    student.zero_grad(set_to_none=True)
+    ref_loss, ref_grads = results["ref"]
+    test_loss, test_grads = results["test"]
+    errs = {n: rel_err(test_grads[n], g) for n, g in ref_grads.items() if g.norm() > 0}
+    worst = max(errs, key=errs.get)
+    return {"loss_ref": float(ref_loss), "loss_rel_err": rel_err(test_loss, ref_loss), "max_grad_rel_err": errs[worst],
+            "worst_param": worst, "median_grad_rel_err": sorted(errs.values())[len(errs) // 2]}
+
+
+def profile_steps(trainer: Trainer, make_ids, device, rows: int = 20) -> tuple[str, list[dict], float]:
+    """Two steps under torch.profiler. Returns (torch's table, the top `rows` kernels (CUDA) or
+    ops (CPU) by self time per step, kernel time per step in ms: GPU busy time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            trainer.step(make_ids())
+        sync(device)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows,
+                           max_name_column_width=70)
+    if cuda:  # kernels only: an op's self device time is its kernels' time, counted again
+        events, attr = [e for e in averages if e.device_type == DeviceType.CUDA], "self_device_time_total"
+    else:
+        events, attr = list(averages), "self_cpu_time_total"
+    busy = sum(getattr(e, attr) for e in events) / 1e3 / 2
+    top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:rows]
+    out = [{"kernel": e.key[:90], "calls": e.count // 2, "ms_per_step": getattr(e, attr) / 1e3 / 2,
+            "share": getattr(e, attr) / 1e3 / 2 / max(busy, 1e-9)} for e in top]
+    return table, out, busy
+
+
+def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
+    arch = PRESETS[name]()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        teacher = HybridLM(arch)
+        student = HybridLM(arch.with_pattern(quarter_pattern(arch.num_layers)))
+    teacher = teacher.to(dtype).eval().requires_grad_(False)
+    select_trainable(student, args.trainable)
+    base = {"model": name, "mode": "deepspeed-zero3" if ctx is not None else "torch-amp", "B": args.batch, "T": args.seq,
+            "trainable": args.trainable, "student_params_M": sum(p.numel() for p in student.parameters()) / 1e6}
+    try:
+        report.add("checks", {"model": name, **gradient_check(student, teacher, device, args.check_t)})
+    except Exception as exc:
+        report.error(f"{name} gradient check", exc)
+    trainer = Trainer(student, teacher, args, device, ctx)
+    make_ids = lambda: torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device)  # noqa: E731
+    row = dict(base)
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        warm = [time_once(lambda: trainer.step(make_ids()), device) for _ in range(args.warmup)]
+        times, losses = [], []
+        for _ in range(args.steps):
+            ids = make_ids()
+            holder = {}
+            times.append(time_once(lambda: holder.setdefault("loss", trainer.step(ids)), device))
+            losses.append(float(holder["loss"]))
+        times.sort()
+        ms = times[len(times) // 2]
+        flops = step_flops(student.arch, arch, args.trainable, args.batch, args.seq)
+        row.update(step_ms=ms, first_step_ms=warm[0] if warm else None, tok_per_s=args.batch * args.seq / (ms * 1e-3),
+                   tflops=flops["flops"] / (ms * 1e-3) / 1e12, mfu=flops["flops"] / (ms * 1e-3) / (peaks["matmul_tflops"] * 1e12),
+                   loss_first=losses[0], loss_last=losses[-1], finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+                   **{k: v / 1e12 for k, v in flops.items()})
+        if device.type == "cuda":
+            row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"{name}: {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
+    except Exception as exc:
+        row["note"] = f"failed: {type(exc).__name__}"
+        report.error(f"{name} train step", exc)
+    report.add("rows", row)
+    if args.profile and "step_ms" in row:
+        try:
+            table, top, busy = profile_steps(trainer, make_ids, device)
+            print(f"profile {name} (2 steps):\n{table}", flush=True)
+            row["busy_ms"] = busy  # kernel time per step (CUDA) / op time (CPU); step_ms - busy_ms: idle
+            report.save()
+            for entry in top:
+                report.add("profile", {"model": name, **entry})
+        except Exception as exc:
+            report.error(f"{name} profile", exc)
+    del trainer, student, teacher
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="tiny model on CPU (seconds)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--models", default="smollm2-135m,llama-1b", help=f"presets: {', '.join(PRESETS)}")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation)")
+    p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
+    p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
+    p.add_argument("--check-t", type=int, default=512)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.batch, args.seq, args.steps, args.warmup, args.check_t = "tiny", 2, 64, 2, 1, 48
+    device = pick_device(args.device)
+    torch.manual_seed(0)
+    report = Report("train", args.out, device, args)
+    peaks = measure_peaks(device, quick=args.quick)
+    report.data["peaks"] = peaks
+    report.note(f"measured peak: {peaks['matmul_tflops']:.1f} TFLOP/s ({peaks['matmul_dtype']} {peaks['matmul_size']}^3 matmul), "
+                f"copy {peaks['copy_gbps']:.0f} GB/s")
+    ctx = None
+    if args.deepspeed:
+        try:
+            ctx = deepspeed_context()
+        except Exception as exc:
+            report.error("deepspeed set-up (falling back to plain torch)", exc)
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name not in PRESETS:
+            raise SystemExit(f"error: unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+        bench_model(name, args, device, peaks, report, ctx)
+    report.finish([
+        ("Check: fla + bf16 autocast vs PyTorch chunked fp32 (one fwd/bwd)", "checks",
+         ["model", "loss_ref", "loss_rel_err", "max_grad_rel_err", "worst_param", "median_grad_rel_err"]),
+        ("Distillation step", "rows", ["model", "mode", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
+                                       "flops", "peak_mem_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
+        ("Profile: top kernels per step", "profile", ["model", "kernel", "calls", "ms_per_step", "share"]),
+    ])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
