@@ -37,43 +37,44 @@ def _pos(v: torch.Tensor) -> torch.Tensor:
 def test_packing_never_crosses_a_document_boundary(lengths, seq_len, drop_last):
     stream = _stream(lengths)
     ds = PackedSequences(stream, seq_len, pad_id=PAD, drop_last=drop_last)
-    total = len(stream.tokens)
-    expected_n = (total - 1) // seq_len if drop_last else -(-(total - 1) // seq_len)
-    assert len(ds) == expected_n
-    predicted = []
-    for i in range(len(ds)):
-        s = ds[i]
-        real = s["input_ids"] != PAD
-        n = int(real.sum())
-        x, lab, doc_ids, pos = (s[k] for k in ("input_ids", "labels", "doc_ids", "position_ids"))
-        # inputs are the stream in order
-        assert torch.equal(x[:n], torch.as_tensor(stream.tokens[i * seq_len : i * seq_len + n], dtype=torch.long))
-        assert bool(real[:n].all()) and not bool(real[n:].any())
-        # doc_ids: 0-based, +1 exactly where the source document changes, padding its own segment
-        src = _doc(x[:n])
-        assert doc_ids[0] == 0
-        assert torch.equal(doc_ids[1:n] - doc_ids[: n - 1], (src[1:] != src[:-1]).long())
-        if n < seq_len:
-            assert bool((doc_ids[n:] == doc_ids[n - 1] + 1).all())
-        # positions restart at every segment start; a continued document restarts at 0 too
-        first_pos = {}
-        for t in range(n):
-            first_pos.setdefault(int(doc_ids[t]), int(_pos(x[t])))
-            assert pos[t] == _pos(x[t]) - first_pos[int(doc_ids[t])]
-        assert torch.equal(position_ids_from_doc_ids(doc_ids[None])[0], pos)
-        # labels: the next token of the same document, else ignored
-        nxt = torch.as_tensor(stream.tokens[i * seq_len + 1 : i * seq_len + n + 1], dtype=torch.long)
-        same = _doc(nxt) == src
-        assert torch.equal(lab[:n], torch.where(same, nxt, torch.full_like(nxt, IGNORE_INDEX)))
-        assert bool((lab[n:] == IGNORE_INDEX).all())
-        # the attention mask is causal and within one document of the stream
-        mask = attention_mask_from_doc_ids(doc_ids[None])[0]
-        full_doc = torch.cat([src, torch.full((seq_len - n,), -1)])
-        ref = (full_doc[:, None] == full_doc[None, :]) & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-        ref[n:, n:] = torch.ones(seq_len - n, seq_len - n, dtype=torch.bool).tril()
-        assert torch.equal(mask, ref)
-        predicted += lab[lab != IGNORE_INDEX].tolist()
+    total, T = len(stream.tokens), seq_len
+    N = (total - 1) // T if drop_last else -(-(total - 1) // T)
+    assert len(ds) == N
+    if N == 0:
+        return
+    b = ds.batch(range(N))
+    x, lab, doc_ids, pos = (b[k] for k in ("input_ids", "labels", "doc_ids", "position_ids"))
+    real = x != PAD
+    n_real = int(real.sum())
+    # inputs are the stream in order; padding only at the end of the last sequence
+    assert torch.equal(x[real], torch.as_tensor(stream.tokens[:n_real], dtype=torch.long))
+    assert bool(real.flatten()[:n_real].all())
+    # doc_ids: 0 at each sequence start, +1 exactly where the source document changes (padding too)
+    src = torch.where(real, _doc(x), torch.full_like(x, -1))
+    assert bool((doc_ids[:, 0] == 0).all())
+    assert torch.equal(doc_ids[:, 1:] - doc_ids[:, :-1], (src[:, 1:] != src[:, :-1]).long())
+    # positions: distance to the segment start, which is the within-document position minus that
+    # of the segment's first token (a continued document restarts at 0)
+    t = torch.arange(T).expand(N, T)
+    starts = torch.ones_like(real)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(starts, t, torch.zeros_like(t)).cummax(1).values
+    assert torch.equal(pos, t - start_idx)
+    first_tok = x.gather(1, start_idx)
+    assert torch.equal(pos[real], (_pos(x) - _pos(first_tok))[real])
+    assert torch.equal(position_ids_from_doc_ids(doc_ids), pos)
+    assert torch.equal(document_starts(doc_ids), starts)
+    # labels: the next stream token if it is in the same document, else ignored
+    nxt_idx = (torch.arange(N)[:, None] * T + torch.arange(T)[None, :] + 1).clamp(max=total - 1)
+    nxt = torch.as_tensor(stream.tokens, dtype=torch.long)[nxt_idx]
+    want = torch.where(real & (_doc(nxt) == src), nxt, torch.full_like(nxt, IGNORE_INDEX))
+    assert torch.equal(lab, want)
+    # the attention mask: causal and within one source document (padding: its own block)
+    mask = attention_mask_from_doc_ids(doc_ids)
+    same = (src[:, :, None] == src[:, None, :]) & (real[:, :, None] == real[:, None, :])
+    assert torch.equal(mask, same & torch.ones(T, T, dtype=torch.bool).tril())
     # every token except document first tokens is predicted exactly once (all of them if padded)
+    predicted = lab[lab != IGNORE_INDEX].tolist()
     targets = [d * 1000 + p for d, n in enumerate(lengths) for p in range(1, n)]
     if drop_last:
         assert len(predicted) == len(set(predicted)) and set(predicted) <= set(targets)
