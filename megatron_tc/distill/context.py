@@ -1,0 +1,132 @@
+"""What every pipeline stage needs: the config, the run paths, process groups, the device, the
+TensorBoard writer, and (loaded once, on first use) the teacher and the prepared data."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_tc.distill.rundir import RunPaths
+from megatron_tc.monitor import get_logger
+
+log = get_logger(__name__)
+
+
+def ensure_process_group_env() -> None:
+    """A plain `python tools/distill.py` (no launcher) runs as a world of one process."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    from megatron_tc.testing import free_port
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
+def pick_device(cfg: Any) -> torch.device:
+    want = cfg.run.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass
+class RunContext:
+    cfg: Any
+    paths: RunPaths
+    par: Any  # megatron_tc.parallel.state.ParallelContext
+    device: torch.device
+    tb: Any  # megatron_tc.monitor.TBWriter
+    _teacher: Any = field(default=None, repr=False)
+    _data: Any = field(default=None, repr=False)
+
+    @property
+    def rank0(self) -> bool:
+        return self.par.rank == 0
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def rank0_first(self, fn):
+        """Run `fn()` on rank 0, then on the others (they find its cached files); return its value."""
+        result = fn() if self.rank0 else None
+        self.barrier()
+        if not self.rank0:
+            result = fn()
+        return result
+
+    # ---- the teacher (megatron_tc checkpoint written by the convert stage) ------------------------
+    def teacher(self):
+        """calibrate.teacher_io.Teacher: model (HybridLM, fp32, eval), sha256, tokenizer, files."""
+        if self._teacher is None:
+            from megatron_tc.calibrate.teacher_io import load_teacher
+
+            if not self.paths.teacher.is_dir():
+                raise FileNotFoundError(f"{self.paths.teacher} does not exist: run the convert stage first "
+                                        "(add 'convert' to run.stages)")
+            self._teacher = load_teacher(self.paths.teacher)
+        return self._teacher
+
+    # ---- data ----------------------------------------------------------------------------------------
+    def data(self):
+        """megatron_tc.data.PreparedData over the run directory (manifest, cached token streams)."""
+        if self._data is None:
+            from megatron_tc.data import DataConfig, prepare_data
+
+            d = self.cfg.data
+            dcfg = DataConfig.from_dict({
+                "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer,
+                "seq_len": d.seq_len, "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens,
+                "dedupe": d.dedupe})
+            teacher = self.teacher()
+            tokenizer = None if d.tokenizer else teacher.tokenizer
+            vocab = teacher.model.arch.vocab_size
+
+            def prepare():
+                data = prepare_data(dcfg, self.paths.root, tokenizer=tokenizer, model_vocab_size=vocab)
+                for split in ("calibration", "eval", "train"):
+                    data.token_stream(split)  # tokenize (cached in the run dir) before the others read it
+                return data
+
+            self._data = self.rank0_first(prepare)
+        return self._data
+
+    def calibration_batches(self, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
+        """This DP rank's share of the first calibration sequences (rows dealt round-robin), one
+        row per batch. Sums over all ranks' rows equal a single process's over all rows."""
+        seq = self.cfg.data.seq_len
+        rows = self.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
+        first = skip_tokens // seq
+        picked = range(first + self.par.dp_rank, rows["input_ids"].shape[0], self.par.dp_size)
+        return [{k: v[i:i + 1] for k, v in rows.items() if k in ("input_ids", "doc_ids")} for i in picked]
+
+    def eval_windows(self) -> list[torch.Tensor]:
+        """The held-out evaluation text as windows [n, T] (eval.perplexity's convention)."""
+        from megatron_tc.eval.perplexity import make_windows
+
+        tokens = self.cfg.eval.tokens or self.cfg.data.eval_tokens
+        seq = self.cfg.eval.seq_len or self.cfg.data.seq_len
+        return make_windows(self.data().token_ids("eval", tokens), seq)
+
+
+def _as_dict(section: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(section) if is_dataclass(section) else dict(section)
+
+
+def rank0_save_student(ctx: RunContext, model_or_state: Any, arch: Any, out: Path, source: dict) -> None:
+    """Write a single-device student as a megatron_tc checkpoint (rank 0), with the teacher's tokenizer."""
+    if ctx.rank0:
+        from megatron_tc.convert.checkpoint import save_checkpoint
+
+        state = model_or_state.state_dict() if hasattr(model_or_state, "state_dict") else model_or_state
+        save_checkpoint(state, arch, out, source=source, tokenizer_files=ctx.teacher().tokenizer_files,
+                        overwrite=True)
+    ctx.barrier()

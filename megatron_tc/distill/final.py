@@ -1,0 +1,120 @@
+"""The closing stages: eval (the comparison table) and export (HF + megatron_tc).
+
+eval scores, on the held-out evaluation windows, the teacher, the naive zero-shot conversion, the
+configured init's zero-shot student and each trained student that exists (after stage 1, after
+stage 2): perplexity, KL(teacher || student) per token and top-1 agreement. Windows are spread
+over data-parallel ranks (plain replicated modules; sums all-reduced).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_tc.distill.context import RunContext
+from megatron_tc.distill.evaluation import score_rows, window_rows
+from megatron_tc.distill.rundir import write_json
+from megatron_tc.monitor import get_logger
+
+log = get_logger(__name__)
+
+
+def final_student_dir(ctx: RunContext) -> Path:
+    """The most trained student that exists: stage 2, else stage 1, else the zero-shot init."""
+    for stage in ("stage2", "stage1"):
+        if (ctx.paths.student(stage) / "manifest.json").is_file():
+            return ctx.paths.student(stage)
+    if (ctx.paths.init_student / "manifest.json").is_file():
+        return ctx.paths.init_student
+    raise FileNotFoundError(f"no student in {ctx.paths.root}: run the init stage (and stage2) first")
+
+
+def _load(path: Path, device: torch.device):
+    from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
+
+    return load_hybrid_lm(path, device=device)
+
+
+def run_eval(ctx: RunContext) -> dict[str, Any]:
+    """-> eval/results.json and eval/results.md: one row per model."""
+    from megatron_tc.distill.stages import build_naive_student
+
+    cfg, device = ctx.cfg, ctx.device
+    teacher = ctx.teacher().model.to(device)
+    rows = window_rows(ctx.eval_windows())
+    candidates: list[tuple[str, Any]] = [("naive zero-shot", None)]
+    init_name = _init_name(ctx)
+    if init_name != "naive":
+        candidates.append((f"{init_name} zero-shot", ctx.paths.init_student))
+    for stage, label in (("stage1", "after stage 1"), ("stage2", "after distillation")):
+        if (ctx.paths.student(stage) / "manifest.json").is_file():
+            candidates.append((label, ctx.paths.student(stage)))
+    results = []
+    par = ctx.par
+    teacher_fn = lambda ids: teacher(ids)  # noqa: E731
+    first = score_rows(teacher_fn, None, rows, par.dp_rank, par.dp_size, par.dp_group, device)
+    results.append({"model": "teacher", "ppl": first["ppl"], "kl": 0.0, "top1_agree": 1.0, "path": str(ctx.paths.teacher)})
+    for label, path in candidates:
+        model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
+        scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device)
+        results.append({"model": label, "ppl": scores["ppl"], "kl": scores["kl"], "top1_agree": scores["top1_agree"],
+                        "path": str(path) if path else "(built in memory)"})
+        del model
+    summary = {"eval_tokens": first["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
+               "documents": ctx.data().manifest.names("eval"), "rows": results}
+    if ctx.rank0:
+        write_json(ctx.paths.results, summary)
+        table = format_table(summary)
+        (ctx.paths.results.parent / "results.md").write_text(table + "\n")
+        ctx.tb.text("eval/results", table.replace("\n", "  \n"))
+        for i, row in enumerate(results):
+            log.info("eval %-28s ppl %10.3f  kl %.4f", row["model"], row["ppl"], row["kl"])
+    ctx.barrier()
+    return {"rows": {r["model"]: round(r["ppl"], 3) for r in results}}
+
+
+def _init_name(ctx: RunContext) -> str:
+    import json
+
+    report = ctx.paths.init_student.parent / "report.json"
+    if report.is_file():
+        return json.loads(report.read_text()).get("init", ctx.cfg.calibrate.init)
+    return ctx.cfg.calibrate.init
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"Held-out evaluation: {summary['eval_tokens']} predicted tokens in {summary['windows']} windows of "
+             f"{summary['seq_len']} tokens",
+             "",
+             "| model | perplexity | KL(teacher‖student) | top-1 agreement |",
+             "|---|---:|---:|---:|"]
+    for row in summary["rows"]:
+        ppl = f"{row['ppl']:.2f}" if math.isfinite(row["ppl"]) else "inf"
+        lines.append(f"| {row['model']} | {ppl} | {row['kl']:.4f} | {row['top1_agree']:.3f} |")
+    return "\n".join(lines)
+
+
+def run_export(ctx: RunContext) -> dict[str, Any]:
+    """The final student -> export/hf (AutoModelForCausalLM after `import megatron_tc`) and
+    export/megatron_tc (sharded for parallel.tp x parallel.pp)."""
+    from megatron_tc.convert.checkpoint import reshard
+    from megatron_tc.convert.export import export_to_hf
+
+    source = final_student_dir(ctx)
+    out: dict[str, Any] = {"source": str(source)}
+    if ctx.rank0:
+        formats = ctx.cfg.export.formats
+        if "hf" in formats:
+            out["hf"] = str(export_to_hf(source, ctx.paths.export / "hf", overwrite=True))
+        if "megatron_tc" in formats:
+            out["megatron_tc"] = str(reshard(source, ctx.paths.export / "megatron_tc", ctx.cfg.parallel.tp,
+                                             ctx.cfg.parallel.pp, overwrite=True))
+        log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))
+    ctx.barrier()
+    return out
+
+
+def export_outputs(ctx_paths: Any, formats: list[str]) -> list[Path]:
+    return [ctx_paths.export / f for f in formats]

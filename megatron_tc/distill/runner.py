@@ -1,0 +1,234 @@
+"""The pipeline the config's `run.stages` names: convert -> select -> stats -> init -> stage1 ->
+stage2 -> eval -> export, every stage reading and writing files in the run directory.
+
+    result = run_pipeline(cfg, force=["stage2"])
+
+A stage whose outputs are complete for the current config (manifest fingerprint) is skipped unless
+forced; a forced training stage starts over (its checkpoints are deleted), an unforced one resumes
+from its latest checkpoint. Runs on every rank of the job; rank 0 decides and writes the
+bookkeeping, and the decisions are broadcast so ranks never diverge.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_tc.config.names import STAGES
+from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
+from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
+from megatron_tc.monitor import TBWriter, get_logger
+
+log = get_logger(__name__)
+
+
+class StageStopped(Exception):
+    """A training stage stopped early on request (stop_after); the pipeline ends there."""
+
+
+# ---- the training stages (thin wrappers that load inputs and save the student) ----------------------
+
+def _training_student_source(ctx: RunContext, stage: str) -> Path:
+    if stage == "stage2" and (ctx.paths.student("stage1") / "manifest.json").is_file() and "stage1" in ctx.cfg.run.stages:
+        return ctx.paths.student("stage1")
+    if not (ctx.paths.init_student / "manifest.json").is_file():
+        raise FileNotFoundError(f"{ctx.paths.init_student} does not exist: run the init stage first")
+    return ctx.paths.init_student
+
+
+def _loader(ctx: RunContext):
+    d = ctx.cfg.data
+    return ctx.data().loader("train", global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
+                             dp_rank=ctx.par.dp_rank, dp_size=ctx.par.dp_size, seed=ctx.cfg.run.seed)
+
+
+def run_stage1(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]:
+    from megatron_tc.calibrate.student import converted_layers
+    from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
+    from megatron_tc.distill.context import rank0_save_student
+    from megatron_tc.distill.stage1 import build_stage1, merged_student_state
+
+    source = _training_student_source(ctx, "stage1")
+    student = load_hybrid_lm(source)
+    layers = converted_layers(student.arch.layer_pattern)
+    trainer, _ = build_stage1(ctx.cfg, ctx.par, student, ctx.teacher().model, _loader(ctx), layers,
+                              ctx.paths.stage_dir("stage1"), ctx.tb, ctx.device)
+    state, stopped = trainer.run(stop_after)
+    if stopped:
+        raise StageStopped(f"stage1 stopped at step {state.step}")
+    merged = merged_student_state(student, trainer)
+    rank0_save_student(ctx, merged, student.arch, ctx.paths.student("stage1"),
+                       {"stage": "stage1", "from": str(source), "steps": state.step})
+    return {"steps": state.step, "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps}
+
+
+def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]:
+    from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
+    from megatron_tc.distill.context import rank0_save_student
+    from megatron_tc.distill.evaluation import window_rows
+    from megatron_tc.distill.stage2 import build_stage2
+
+    source = _training_student_source(ctx, "stage2")
+    student = load_hybrid_lm(source)
+    arch = student.arch
+    rows = window_rows(ctx.eval_windows()) if ctx.cfg.distill.eval_interval else []
+    if ctx.rank0:
+        write_json(ctx.paths.root / "run.json", {"name": ctx.paths.root.name, "init": ctx.cfg.calibrate.init,
+                                                 "policy": ctx.cfg.model.policy, "teacher": ctx.cfg.model.teacher,
+                                                 "student": str(source)})
+    trainer = build_stage2(ctx.cfg, ctx.par, student, ctx.teacher().model, _loader(ctx), rows,
+                           ctx.paths.stage_dir("stage2"), ctx.tb, ctx.device,
+                           tensorboard_dir=str(ctx.paths.tensorboard), eval_log=ctx.paths.eval_log)
+    result = trainer.run(stop_after)
+    if result.stopped_early:
+        raise StageStopped(f"stage2 stopped at step {result.steps}")
+    rank0_save_student(ctx, result.student_state, arch, ctx.paths.student("stage2"),
+                       {"stage": "stage2", "from": str(source), "steps": result.steps, "tokens": result.tokens})
+    return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
+            "last_eval": result.last_eval}
+
+
+# ---- the table of stages -----------------------------------------------------------------------------
+
+def _stage_table() -> dict[str, tuple[Callable[..., dict], Callable[[RunPaths, Any], list[Path]]]]:
+    from megatron_tc.distill import final, stages
+
+    return {
+        "convert": (stages.run_convert, lambda p, c: [p.teacher / "manifest.json"]),
+        "select": (stages.run_select, lambda p, c: [p.selection]),
+        "stats": (stages.run_stats, lambda p, c: [p.stats]),
+        "init": (stages.run_init, lambda p, c: [p.init_student / "manifest.json"]),
+        "stage1": (run_stage1, lambda p, c: [p.student("stage1") / "manifest.json"]),
+        "stage2": (run_stage2, lambda p, c: [p.student("stage2") / "manifest.json"]),
+        "eval": (final.run_eval, lambda p, c: [p.results]),
+        "export": (final.run_export, lambda p, c: [p.export / f for f in c.export.formats]),
+    }
+
+
+def _forget_outputs(ctx: RunContext, stage: str) -> None:
+    """A forced stage starts from nothing: training stages lose their checkpoints and logs."""
+    if not ctx.rank0:
+        return
+    if stage in ("stage1", "stage2"):
+        shutil.rmtree(ctx.paths.stage_dir(stage), ignore_errors=True)
+        if stage == "stage2":
+            ctx.paths.eval_log.unlink(missing_ok=True)
+
+
+def _broadcast(value: Any) -> Any:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _setup(cfg: Any) -> RunContext:
+    from megatron_tc.config import resolve_config, save_config
+    from megatron_tc.monitor import setup_logging
+    from megatron_tc.parallel.state import init_distributed, init_parallel
+
+    ensure_process_group_env()
+    setup_logging(cfg.logging.level)
+    device = pick_device(cfg)
+    init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+    cfg = resolve_config(cfg, dist.get_world_size())  # checks, and fills parallel.dp
+    par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    torch.manual_seed(cfg.run.seed)
+    paths = RunPaths.from_config(cfg)
+    if par.rank == 0:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, paths.root)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    return RunContext(cfg, paths, par, device, TBWriter(paths.tensorboard))
+
+
+def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: int | None = None) -> dict[str, Any]:
+    """Run cfg.run.stages in order; returns {stage: summary or 'skipped'}. `force`: stage names
+    (or 'all') to rerun from scratch. `stop_after`: stop a training stage after that many steps
+    (checkpointed; the next invocation resumes)."""
+    unknown = [s for s in force if s not in STAGES and s != "all"]
+    if unknown:
+        raise ValueError(f"--force {unknown}: not a stage; stages are {', '.join(STAGES)} (or 'all')")
+    ctx = _setup(cfg)
+    cfg = ctx.cfg
+    from megatron_tc.config import config_to_dict
+
+    fingerprints = stage_fingerprints(config_to_dict(cfg), list(STAGES))
+    manifest = RunManifest(ctx.paths.root) if ctx.rank0 else None
+    if ctx.rank0:
+        manifest.data["run"] = run_info() | {"stages": list(cfg.run.stages)}
+        manifest.save()
+    table = _stage_table()
+    results: dict[str, Any] = {}
+    started = time.time()
+    try:
+        for stage in cfg.run.stages:
+            fn, outputs = table[stage]
+            forced = stage in force or "all" in force
+            skip = None
+            if ctx.rank0:
+                skip = not forced and manifest.is_complete(stage, fingerprints[stage], outputs(ctx.paths, cfg))
+            if _broadcast(skip):
+                log.info("stage %s: complete for this config, skipped (--force %s reruns it)", stage, stage)
+                results[stage] = "skipped"
+                continue
+            if forced:
+                _forget_outputs(ctx, stage)
+            if ctx.rank0:
+                manifest.mark(stage, "running", fingerprints[stage])
+            ctx.barrier()
+            log.info("stage %s: running", stage)
+            t0 = time.time()
+            kwargs = {"stop_after": stop_after} if stage in ("stage1", "stage2") else {}
+            try:
+                summary = fn(ctx, **kwargs)
+            except StageStopped as stop:
+                if ctx.rank0:
+                    manifest.mark(stage, "stopped", fingerprints[stage], seconds=round(time.time() - t0, 1))
+                log.info("%s; run the same command again to resume", stop)
+                results[stage] = "stopped"
+                break
+            except BaseException:
+                if ctx.rank0:
+                    manifest.mark(stage, "failed", fingerprints[stage], seconds=round(time.time() - t0, 1))
+                raise
+            if stage == "convert":
+                from megatron_tc.config import validate_against_arch
+
+                validate_against_arch(cfg, ctx.teacher().model.arch, dist.get_world_size())
+            seconds = round(time.time() - t0, 1)
+            if ctx.rank0:
+                manifest.mark(stage, "complete", fingerprints[stage], outputs(ctx.paths, cfg), seconds=seconds,
+                              summary=summary)
+            log.info("stage %s: done in %.1f s", stage, seconds)
+            results[stage] = summary
+    finally:
+        ctx.tb.close()
+    if ctx.rank0:
+        manifest.data["run"]["seconds"] = round(time.time() - started, 1)
+        manifest.save()
+        print_closing_note(ctx)
+    return results
+
+
+def print_closing_note(ctx: RunContext) -> None:
+    """The table of the eval stage and where to look next."""
+    from megatron_tc.distill.final import format_table
+
+    lines = []
+    if ctx.paths.results.is_file():
+        lines += ["", format_table(json.loads(ctx.paths.results.read_text()))]
+    lines += ["", f"Run directory:     {ctx.paths.root}",
+              f"TensorBoard logs:  tensorboard --logdir {ctx.paths.tensorboard}"]
+    if ctx.paths.export.is_dir():
+        for fmt in sorted(p.name for p in ctx.paths.export.iterdir() if p.is_dir()):
+            lines.append(f"Exported model:    {ctx.paths.export / fmt}" + (
+                "  (transformers: import megatron_tc; AutoModelForCausalLM.from_pretrained(...))" if fmt == "hf" else ""))
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,192 @@
+"""Stage 1: every converted layer aligned at once, teacher-forced, by MSE to the teacher's attention.
+
+Per micro-batch the frozen teacher runs up to its last converted layer (calibrate.capture hooks)
+and hands over, for each converted layer l, its mixer input x_l and attention output y_l (after
+o_proj). The student's GDN mixers — the only trainable parameters, wrapped in one module under a
+DeepSpeed engine (ZeRO over the data-parallel group) — map x_l to o_l, and the loss is
+
+    loss = mean_l  mean|o_l - y_l|^2 / mean|y_l|^2        (relative MSE, averaged over layers)
+
+so layers with large and small attention outputs weigh alike. Per-layer relative MSE goes to
+TensorBoard (`stage1/mse/L{l}`); checkpoints, NaN policy and the schedule are those of stage 2.
+At the end the aligned mixers are merged into the student, saved by the caller.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_tc.distill import faults
+from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
+from megatron_tc.distill.evaluation import append_jsonl, truncate_jsonl
+from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
+from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
+from megatron_tc.distill.stage2 import gather_full_state
+from megatron_tc.monitor import get_logger, progress
+
+log = get_logger(__name__)
+TRAIN_LOG = "train_log.jsonl"
+
+
+class ConvertedMixers(nn.Module):
+    """The student's GDN mixers of the converted layers, trained together.
+
+    forward(xs: tuple of [B, T, hidden] per layer (sorted layer order), doc_ids [B, T]) -> tuple of
+    [B, T, hidden] outputs."""
+
+    def __init__(self, student: nn.Module, layers: list[int]):
+        super().__init__()
+        self.layer_ids = sorted(layers)
+        self.mixers = nn.ModuleDict({str(l): student.layers[l].mixer for l in self.layer_ids})
+
+    def forward(self, xs: tuple[torch.Tensor, ...], doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        return tuple(self.mixers[str(l)](x, doc_ids=doc_ids) for l, x in zip(self.layer_ids, xs))
+
+
+def relative_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean|out - target|^2 / mean|target|^2 (fp32)."""
+    out, target = out.float(), target.float()
+    return (out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
+
+
+def teacher_io(teacher: nn.Module, batch: dict[str, torch.Tensor], layers: list[int]):
+    """(xs, ys): the teacher's mixer inputs and attention outputs of `layers` for one batch."""
+    from megatron_tc.calibrate.capture import capture_layers
+
+    xs: dict[int, torch.Tensor] = {}
+    ys: dict[int, torch.Tensor] = {}
+
+    def keep(index, io):
+        xs[index], ys[index] = io.x.detach(), io.out.detach()
+
+    capture_layers(teacher, batch["input_ids"], batch.get("doc_ids"), layers, keep)
+    return tuple(xs[l] for l in sorted(layers)), tuple(ys[l] for l in sorted(layers))
+
+
+class Stage1Trainer:
+    def __init__(self, cfg: Any, ctx: Any, engine: Any, teacher: nn.Module, loader: Any, layers: list[int],
+                 out_dir: Path, tb: Any, device: torch.device):
+        self.cfg, self.ctx, self.engine, self.teacher, self.loader = cfg, ctx, engine, teacher, loader
+        self.layers, self.out_dir, self.tb, self.device = sorted(layers), out_dir, tb, device
+        s1 = cfg.distill.stage1
+        self.steps = s1.steps
+        self.schedule = LRSchedule(max(1, s1.steps), min(s1.warmup_steps, max(1, s1.steps)), "cosine", 0.1)
+        self.manager = CheckpointManager(out_dir / "checkpoints", cfg.distill.keep_last)
+        self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size}
+        self.rank0 = ctx.rank == 0
+        remember_peak_lr(engine.optimizer.param_groups)
+
+    def _resume(self) -> TrainState:
+        state = self.manager.load(self.engine, self.layout)
+        if state is None:
+            if self.rank0:
+                (self.out_dir / TRAIN_LOG).unlink(missing_ok=True)
+            return TrainState(layout=dict(self.layout))
+        self.loader.load_state_dict(state.data)
+        if self.rank0:
+            truncate_jsonl(self.out_dir / TRAIN_LOG, "step", state.step)
+        log.info("stage1: resumed at step %d", state.step)
+        return state
+
+    def _step(self, state: TrainState, guard: NonFiniteGuard) -> dict[str, float]:
+        step = state.step
+        lr = apply_lr(self.engine.optimizer.param_groups, self.schedule, step)
+        micro = self.loader.next_step()
+        per_layer = torch.zeros(len(self.layers), dtype=torch.float64)
+        finite = True
+        for batch in micro:
+            batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "doc_ids")}
+            xs, ys = teacher_io(self.teacher, batch, self.layers)
+            outs = self.engine(xs, batch.get("doc_ids"))
+            losses = torch.stack([relative_mse(o, y) for o, y in zip(outs, ys)])
+            loss = losses.mean()
+            if faults.active("nan_loss", step):
+                loss = loss * float("nan")
+            if not all_finite(loss):
+                finite = False
+                if guard.policy == "abort":
+                    guard.record(step, "loss")
+            self.engine.backward(loss)
+            self.engine.step()
+            per_layer += losses.detach().double().cpu() / len(micro)
+        applied = self.engine.was_step_applied()
+        if not finite and applied:
+            raise NonFiniteError(f"stage1 step {step}: an update from a non-finite loss was applied; use ZeRO >= 1")
+        if not finite or not applied:
+            guard.record(step, "loss" if not finite else "gradient")
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(per_layer, group=self.ctx.dp_group)
+            per_layer /= self.ctx.dp_size
+        grad_norm = self.engine.get_global_grad_norm() if applied else float("nan")
+        return {"loss": float(per_layer.mean()), "lr": lr, "applied": float(applied),
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                **{f"mse/L{l:02d}": float(v) for l, v in zip(self.layers, per_layer)}}
+
+    def run(self, stop_after: int | None = None) -> tuple[TrainState, bool]:
+        state = self._resume()
+        guard = NonFiniteGuard(self.cfg.distill.nan_policy, self.cfg.distill.max_skipped, state.skipped_steps)
+        every = self.cfg.distill.checkpoint_interval
+        bar = progress(total=self.steps, initial=state.step, desc="stage1", unit="step",
+                       enabled=self.cfg.logging.progress_bar)
+        stopped = False
+        while state.step < self.steps:
+            start = time.perf_counter()
+            scalars = self._step(state, guard)
+            state.step += 1
+            state.tokens_seen += self.loader.tokens_per_step
+            state.skipped_steps = guard.skipped
+            seconds = time.perf_counter() - start
+            scalars.update(tokens_seen=state.tokens_seen, tokens_per_s=self.loader.tokens_per_step / max(seconds, 1e-9),
+                           skipped_steps=state.skipped_steps)
+            if self.rank0:
+                append_jsonl(self.out_dir / TRAIN_LOG, {"step": state.step, **scalars})
+            self.tb.scalars(scalars, state.step, prefix="stage1")
+            bar.update(1)
+            bar.set_postfix(mse=f"{scalars['loss']:.4f}")
+            stopping = stop_after is not None and state.step >= stop_after and state.step < self.steps
+            if (every and state.step % every == 0) or stopping or state.step == self.steps:
+                state.data, state.layout = self.loader.state_dict(), dict(self.layout)
+                self.manager.save(self.engine, state)
+            faults.maybe_kill("step", state.step)
+            if stopping:
+                stopped = True
+                break
+        bar.close()
+        return state, stopped
+
+
+def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: Any, layers: list[int],
+                 out_dir: Path, tb: Any, device: torch.device) -> tuple[Stage1Trainer, ConvertedMixers]:
+    """The DeepSpeed engine over the converted mixers (stage-1 lr) and the trainer."""
+    from megatron_tc.distill.stage2 import stage2_deepspeed_config
+    from megatron_tc.parallel.deepspeed_engine import build_student_engine, freeze
+
+    if not layers:
+        raise ValueError("stage1 needs converted (Gated DeltaNet) layers; the layer pattern has none")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped = ConvertedMixers(student, layers)
+    wrapped.requires_grad_(True)
+    ds = stage2_deepspeed_config(cfg, ctx, device, None)
+    ds["optimizer"]["params"]["lr"] = cfg.distill.stage1.lr
+    ds["optimizer"]["params"]["weight_decay"] = 0.0
+    engine = build_student_engine(wrapped, ds, ctx)
+    freeze(teacher)
+    return Stage1Trainer(cfg, ctx, engine, teacher.to(device), loader, layers, out_dir, tb, device), wrapped
+
+
+def merged_student_state(student: nn.Module, trainer: Stage1Trainer) -> dict[str, torch.Tensor] | None:
+    """The student's full state with the trained mixers (rank 0; None elsewhere). Collective."""
+    mixers = gather_full_state(trainer.engine)
+    if mixers is None:
+        return None
+    state = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()
+             if not any(k.startswith(f"layers.{l}.mixer.") for l in trainer.layers)}
+    for name, value in mixers.items():  # "mixers.<l>.<param>" -> "layers.<l>.mixer.<param>"
+        _, layer, rest = name.split(".", 2)
+        state[f"layers.{layer}.mixer.{rest}"] = value
+    return state

