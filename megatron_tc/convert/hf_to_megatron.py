@@ -1,0 +1,65 @@
+"""HF model (teacher family, or an exported hybrid student) -> megatron_tc checkpoint."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_tc.convert import layout
+from megatron_tc.convert.checkpoint import StateDict, load_checkpoint, resolve_dtype, save_checkpoint
+from megatron_tc.convert.fsutil import check_output_dir
+from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
+from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
+from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
+from megatron_tc.model.config import ArchConfig
+
+
+def arch_of_hf_config(config: Any) -> ArchConfig:
+    """ArchConfig of a teacher-family config or of an exported student's config."""
+    if config.model_type == STUDENT_MODEL_TYPE:
+        return config.to_arch()
+    return arch_from_hf_config(config)
+
+
+def hybrid_state_from_hf(model: HFModel) -> tuple[ArchConfig, StateDict]:
+    """(arch, unsharded HybridLM state dict) of a model read by `read_hf`."""
+    arch = arch_of_hf_config(model.config)
+    if model.config.model_type == STUDENT_MODEL_TYPE:
+        prefix = "model."
+        bad = [k for k in model.state if not k.startswith(prefix)]
+        if bad:
+            raise ValueError(f"exported student has tensors outside `model.`: {bad[:5]}")
+        return arch, {k[len(prefix):]: v for k, v in model.state.items()}
+    return arch, hf_to_tc_state_dict(model.state, arch)
+
+
+def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, *,
+                           dtype: str | torch.dtype | None = None, overwrite: bool = False,
+                           progress: bool = False) -> Path:
+    """Read `hf` (HF dir, .gguf, or dir with one .gguf) and write a (tp, pp) checkpoint at `out`.
+
+    The output directory, the architecture and TP/PP are checked before any weight is read."""
+    check_output_dir(out, overwrite)
+    resolve_dtype(dtype)
+    config, _ = read_hf_config(hf)
+    arch = arch_of_hf_config(config)
+    layout.check_tp(arch, tp)
+    layout.stage_ranges(arch, pp)
+    model = read_hf(hf)
+    arch, state = hybrid_state_from_hf(model)
+    source = {"family": arch.family, **model.source}
+    return save_checkpoint(state, arch, out, tp, pp, dtype=dtype, source=source,
+                           tokenizer_files=model.tokenizer_files, overwrite=overwrite, progress=progress)
+
+
+def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A single-device `HybridLM` (eval mode) from a megatron_tc checkpoint (every shard verified)."""
+    from megatron_tc.model import HybridLM
+
+    arch, state = load_checkpoint(path)
+    model = HybridLM(arch)
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
