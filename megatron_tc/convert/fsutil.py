@@ -54,7 +54,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_dir(tmp)
+        _finalize_files(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -67,8 +67,13 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         os.rename(tmp, out)
 
 
-def _fsync_dir(directory: Path) -> None:
+def _finalize_files(directory: Path) -> None:
+    """fsync every file, and give it the usual umask mode (safetensors writes 0600, which would
+    hide a shared checkpoint from the rest of a cluster group)."""
+    mask = os.umask(0)
+    os.umask(mask)
     for path in directory.rglob("*"):
         if path.is_file():
+            os.chmod(path, 0o666 & ~mask)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())

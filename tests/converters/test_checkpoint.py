@@ -89,6 +89,9 @@ def test_save_load_pads_vocab_and_round_trips(tmp_path, tp, pp):
     first = files[ckpt.shard_filename(0, 0)]["tensors"]["embedding.word_embeddings.weight"]
     assert first == {"shape": [info.arch.padded_vocab_size // tp, 64], "dtype": "float32"}
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / ckpt.shard_filename(0, 0)).stat().st_mode & 0o777 == 0o666 & ~mask  # not safetensors' 0600
 
 
 def test_reshard_equals_direct_conversion(tmp_path):
