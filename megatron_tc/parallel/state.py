@@ -13,6 +13,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,26 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> N
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def setup_parallel(cfg: Any, arch: Any = None, world_size: int | None = None) -> ParallelContext:
+    """Check the run config, then join the process group and build the TP/PP/DP groups.
+
+    cfg: megatron_tc.config.Config; arch: the teacher's ArchConfig (adds the checks that TP divides
+    the heads and the MLP width, and that PP fits the layers). Every config error (e.g. pp > 1 with
+    ZeRO-3) is raised as ConfigError *before* any process group exists. world_size defaults to the
+    launcher's WORLD_SIZE (1 without a launcher).
+    """
+    from megatron_tc.config import validate_against_arch, validate_config
+
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if arch is not None:
+        validate_against_arch(cfg, arch, world_size)
+    else:
+        validate_config(cfg, world_size)
+    init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+    return init_parallel(cfg.parallel.tp, cfg.parallel.pp)
 
 
 def init_parallel(tp: int = 1, pp: int = 1) -> ParallelContext:
