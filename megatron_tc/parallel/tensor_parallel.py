@@ -164,7 +164,12 @@ class _Sharder:
             dist.all_reduce(grad, group=group)
             return grad
 
+        # Registered even on a frozen parameter (the hook survives requires_grad toggling), so
+        # unfreezing it later (trainable-subset selection) still gives the full gradient.
+        trainable = param.requires_grad
+        param.requires_grad_(True)
         param.register_hook(all_reduce)
+        param.requires_grad_(trainable)
         param.tp_partial_grad = True
 
 

@@ -12,7 +12,7 @@ from megatron_tc.parallel.losses import vocab_parallel_cross_entropy, vocab_para
 from megatron_tc.parallel.state import destroy_parallel, init_parallel
 from megatron_tc.parallel.tensor_parallel import (apply_tensor_parallel, full_grad_slice, gather_full,
                                                   gather_full_state_dict, gather_vocab_shards)
-from tests.parallel._workers_common import VOCAB, assert_close, rel_err, tiny_arch
+from tests.parallel._workers_common import VOCAB, assert_close, assert_same_weights, rel_err, tiny_arch
 
 # Two layouts that between them exercise every sharding rule: q/k norms, q/k/v biases, short convs,
 # tied and untied heads, GDN with its own GQA (gdn_expand_kv=False), Gemma's sandwich norms,
@@ -131,7 +131,52 @@ def vocab_parallel_losses_match_full(rank: int, world_size: int) -> None:
         destroy_parallel()
 
 
+def tp_zero3_training_matches_single_process(rank: int, world_size: int) -> None:
+    """TP=2 inside DeepSpeed ZeRO-3 (DP=1): gradient clipping over the TP group through the mpu,
+    the partial-gradient hooks of q/k/o norms under ZeRO-3, the tied vocab-parallel head, the
+    TP teacher engine. Three distillation steps == single-process AdamW."""
+    import deepspeed
+
+    from megatron_tc.parallel import deepspeed_engine as dse
+
+    ctx = init_parallel(tp=2, pp=1)
+    try:
+        arch = tiny_arch("AGGA", tp=2, qk_norm=True, tie_embeddings=True)
+        torch.manual_seed(0)
+        reference, teacher = HybridLM(arch, init_std=0.2), HybridLM(arch.with_pattern("AAAA"), init_std=0.2)
+        teacher.requires_grad_(False)
+        engine = dse.build_student_engine(
+            apply_tensor_parallel(copy.deepcopy(reference), ctx),
+            dse.build_deepspeed_config(zero_stage=3, micro_batch_size=2, global_batch_size=2, dp_size=1, lr=1e-3,
+                                       grad_clip=0.5), ctx)
+        teacher_engine = dse.build_teacher(apply_tensor_parallel(copy.deepcopy(teacher), ctx), engine.config, ctx,
+                                           mode="engine")
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        g = torch.Generator().manual_seed(1)
+        clipped = 0
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+            with torch.no_grad():
+                teacher_local, teacher_full = teacher_engine(ids), teacher(ids)
+            loss = vocab_parallel_kl(engine(ids), teacher_local, VOCAB, 2.0, ctx.tp_group).mean()
+            engine.backward(loss)
+            engine.step()
+            want = vocab_parallel_kl(reference(ids), teacher_full, VOCAB, 2.0).mean()
+            want.backward()
+            clipped += int(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5) > 0.5)
+            opt.step()
+            opt.zero_grad()
+            assert_close(loss.detach(), want.detach(), "TP+ZeRO-3 loss")
+        assert clipped, "clipping never engaged: the TP gradient norm would go untested"
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            got = {n: gather_full(p.detach(), p, ctx).clone() for n, p in engine.module.named_parameters()}
+        assert_same_weights(got, {n: p.detach() for n, p in reference.named_parameters()}, "TP+ZeRO-3")
+    finally:
+        destroy_parallel()
+
+
 def tp_worker(rank: int, world_size: int) -> None:
-    """Both TP checks in one pair of processes (start-up dominates their cost)."""
+    """Every TP check in one pair of processes (start-up dominates their cost)."""
     vocab_parallel_losses_match_full(rank, world_size)
     tp_model_matches_single_process(rank, world_size)
+    tp_zero3_training_matches_single_process(rank, world_size)

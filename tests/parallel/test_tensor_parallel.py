@@ -1,4 +1,5 @@
-"""TP=2 over 2 gloo processes == one process: logits, every parameter gradient, vocab-parallel losses."""
+"""TP=2 over 2 gloo processes == one process: logits, every parameter gradient, vocab-parallel
+losses, and three ZeRO-3 distillation steps of the tensor-parallel model."""
 from megatron_tc.testing import run_distributed
 from tests.parallel import _workers_tp
 
