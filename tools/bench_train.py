@@ -165,7 +165,11 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
         report.add("checks", {"model": name, **gradient_check(student, teacher, device, args.check_t)})
     except Exception as exc:
         report.error(f"{name} gradient check", exc)
-    trainer = Trainer(student, teacher, args, device, ctx)
+    try:
+        trainer = Trainer(student, teacher, args, device, ctx)
+    except Exception as exc:
+        report.error(f"{name} {base['mode']} set-up", exc)
+        return
     make_ids = lambda: torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device)  # noqa: E731
     row = dict(base)
     try:

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Statistics pass vs a plain teacher forward over the same tokens, and the calibration wall time
+of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
+
+    python tools/bench_stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
+        --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
+        [--align-steps N] [--no-calibrate]
+
+Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
+Tokens: random ids (the cost does not depend on them). The converted layers are those of the
+`uniform` policy keeping a quarter of the layers as attention.
+
+Rows (median ms over the same batches): plain forward `teacher(ids)` (full logits, no grad);
+sweep 1 `calibrate.stats.collect_attention_stats` (attention moments, probabilities chunk by
+chunk of queries); sweep 2 `collect_readout_stats` (readout sums of --readout); their ratios
+to the forward (goal: the statistics pass <= 1.5x). Check: sweep-1 sums of one [1, 256] batch
+on the device against the same pass of an fp32 copy of the teacher on the CPU.
+
+Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
+--calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels in fp32 (their
+first use compiles), timed wall clock; goal < 3 min on one H200.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_tc.bench.common import Report, pick_device, rel_err, sync, time_fn  # noqa: E402
+from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402
+from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats  # noqa: E402
+from megatron_tc.calibrate.strategies import get_strategy  # noqa: E402
+from megatron_tc.calibrate.student import calibrate_student, converted_layers  # noqa: E402
+from megatron_tc.model import HybridLM  # noqa: E402
+from megatron_tc.model.gdn import GatedDeltaNet  # noqa: E402
+
+STATS_GOAL, CALIBRATE_GOAL_S = 1.5, 180.0
+
+
+def random_batches(vocab: int, rows: int, seq: int, num: int, device) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.randint(0, vocab, (rows, seq), device=device)} for _ in range(num)]
+
+
+def stats_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
+    """Sweep-1 sums on the device (teacher dtype) vs an fp32 CPU copy, one [1, 256] batch."""
+    batch = random_batches(teacher.arch.vocab_size, 1, 256, 1, device)
+    got = collect_attention_stats(teacher, batch, layers, meta, chunk_size=chunk, progress=False)
+    ref_model = copy.deepcopy(teacher).float().cpu()
+    ref = collect_attention_stats(ref_model, [{"input_ids": batch[0]["input_ids"].cpu()}], layers, meta,
+                                  chunk_size=chunk, progress=False)
+    errors = {k: rel_err(got.sums[k].cpu(), v) for k, v in ref.sums.items() if v.abs().sum() > 0}
+    worst = max(errors, key=errors.get)
+    return {"check": "sweep-1 sums: device vs fp32 CPU", "max_rel_err": errors[worst], "worst": worst,
+            "median_rel_err": sorted(errors.values())[len(errors) // 2]}
+
+
+def warm_gdn_kernels(arch, layer: int, device, seq: int) -> float:
+    """First use of the fp32 GDN kernels (forward + backward) outside the timed calibration; seconds."""
+    start = time.perf_counter()
+    mixer = GatedDeltaNet(arch, layer).to(device)
+    x = torch.randn(2, seq, arch.hidden_size, device=device)
+    mixer(x).square().mean().backward()
+    with torch.no_grad():
+        mixer(x)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
+    batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
+    tokens = args.batch * args.seq * args.num_batches
+    meta = {"teacher_sha256": "bench", "seq_len": args.seq}
+    base = {"tokens": tokens, "B": args.batch, "T": args.seq, "layers": len(layers), "dtype": args.dtype}
+
+    def forward():
+        with torch.no_grad():
+            for batch in batches:
+                teacher(batch["input_ids"])
+
+    fwd = time_fn(forward, device, budget_ms=args.budget_ms, max_reps=10)
+    report.add("rows", {**base, "pass": "teacher forward", "ms": fwd.ms, "tok_per_s": tokens / (fwd.ms * 1e-3),
+                        "ratio": 1.0})
+    holder = {}
+
+    def sweep1():
+        holder["stats"] = collect_attention_stats(teacher, batches, layers, meta, chunk_size=args.chunk_size, progress=False)
+
+    rows = [("stats sweep 1 (attention moments)", sweep1)]
+    strategies = [get_strategy(s) for s in args.readout.split(",") if s]
+    if strategies:
+        def sweep2():
+            collect_readout_stats(holder["stats"], teacher, batches, strategies, student_arch, progress=False)
+
+        rows.append((f"stats sweep 2 (readout: {args.readout})", sweep2))
+    total = 0.0
+    for label, fn in rows:
+        row = {**base, "pass": label}
+        try:
+            timing = time_fn(fn, device, budget_ms=args.budget_ms, max_reps=5)
+            total += timing.ms
+            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
+        except Exception as exc:
+            row["note"] = f"failed: {type(exc).__name__}"
+            report.error(label, exc)
+        report.add("rows", row)
+    if all("ms" in r for r in report.data["rows"][-len(rows):]):
+        report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
+                            "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
+                            "goal": f"<= {STATS_GOAL}", "met": total / fwd.ms <= STATS_GOAL})
+
+
+def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
+    arch = teacher.arch
+    rows = args.calib_tokens // args.calib_seq
+    calib = random_batches(arch.vocab_size, 1, args.calib_seq, rows, device)
+    calib = [{"input_ids": torch.cat([b["input_ids"] for b in calib[i:i + 4]])} for i in range(0, rows, 4)]
+    strategy = get_strategy("taylor_calibrate")
+    align = strategy.align if args.align_steps is None else replace(strategy.align, steps=args.align_steps)
+    row = {"init": strategy.name, "tokens": rows * args.calib_seq, "seq": args.calib_seq,
+           "converted_layers": len(converted_layers(pattern)), "align_steps": align.steps}
+    try:
+        row["warmup_s"] = warm_gdn_kernels(arch.with_pattern(pattern), converted_layers(pattern)[0], device, args.calib_seq)
+        sync(device)
+        start = time.perf_counter()
+        _, result = calibrate_student(teacher, keep, strategy, calib_batches=calib, teacher_sha256=None, align=align,
+                                      progress=False, meta={"seq_len": args.calib_seq})
+        sync(device)
+        row["wall_s"] = time.perf_counter() - start
+        row.update(stats_s=result.get("stats_seconds"), align_s=result.get("align_seconds"),
+                   goal=f"< {CALIBRATE_GOAL_S:.0f} s", met=row["wall_s"] < CALIBRATE_GOAL_S)
+        best = [v["best"] for v in result.get("align", {}).values()]
+        if best:
+            row["mean_best_rel_mse"] = sum(best) / len(best)
+    except Exception as exc:
+        row["note"] = f"failed: {type(exc).__name__}"
+        report.error("calibrate_student", exc)
+    report.add("calibrate", row)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="tiny model on CPU (seconds)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--gguf", default=None, help="SmolLM2 GGUF (else random weights of its shape)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="teacher dtype (default bf16 on CUDA)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--num-batches", type=int, default=2)
+    p.add_argument("--chunk-size", type=int, default=128, help="queries per attention-probability chunk")
+    p.add_argument("--readout", default="taylor_calibrate", help="strategies of sweep 2 ('' for none)")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--calib-seq", type=int, default=512)
+    p.add_argument("--align-steps", type=int, default=None, help="override taylor_calibrate's 300 steps per layer")
+    p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--budget-ms", type=float, default=2000.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq, args.num_batches, args.chunk_size = 2, 64, 2, 16
+        args.calib_tokens, args.calib_seq, args.align_steps, args.budget_ms = 256, 32, 3, 50.0
+    device = pick_device(args.device)
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    torch.manual_seed(0)
+    report = Report("stats", args.out, device, args)
+    if args.gguf:
+        teacher, _ = load_gguf_teacher(args.gguf)
+        report.note(f"teacher weights from {args.gguf}")
+    else:
+        with torch.device(device):
+            teacher = HybridLM(PRESETS["tiny" if args.quick else "smollm2-135m"]())
+    teacher = teacher.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32).eval()
+    pattern = quarter_pattern(teacher.arch.num_layers)
+    keep = [i for i, kind in enumerate(pattern) if kind == "A"]
+    layers = converted_layers(pattern)
+    report.data["pattern"] = pattern
+    try:
+        report.add("checks", stats_check(teacher, layers, device, {"teacher_sha256": "bench", "seq_len": 256},
+                                         args.chunk_size))
+    except Exception as exc:
+        report.error("stats check", exc)
+    bench_stats(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
+    if not args.no_calibrate:
+        bench_calibrate(teacher, keep, pattern, args, device, report)
+    report.finish([
+        ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
+        ("Statistics pass vs teacher forward (same tokens)", "rows",
+         ["pass", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
+        ("Calibration wall time (taylor_calibrate)", "calibrate",
+         ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
+          "mean_best_rel_mse", "goal", "met", "note"]),
+    ])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
