@@ -97,3 +97,25 @@ def test_hybrid_model_fla_vs_chunk_backend():
     assert rel(grads["fla"][0], grads["chunk"][0]) < 5e-3
     for name, g in grads["chunk"][1].items():
         assert rel(grads["fla"][1][name], g) < 2e-2, name
+
+
+@pytest.mark.parametrize("conv", [0, 4], ids=["no_conv", "conv4"])
+def test_gdn_layer_matches_fla_layer(conv):
+    """Our GatedDeltaNet state dict loads into fla's `GatedDeltaNet` layer and gives its output."""
+    from fla.layers import GatedDeltaNet as FlaGatedDeltaNet
+
+    from megatron_tc.model import GatedDeltaNet
+
+    arch = ArchConfig(family="llama", vocab_size=10, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=64, intermediate_size=8, layer_pattern="G", gdn_conv_size=conv, gdn_b_bias=False)
+    torch.manual_seed(0)
+    ours = GatedDeltaNet(arch, 0).cuda().eval()
+    theirs = FlaGatedDeltaNet(hidden_size=128, expand_v=1, head_dim=64, num_heads=2, use_short_conv=conv > 0,
+                              conv_size=max(conv, 1), norm_eps=arch.norm_eps).cuda().eval()
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 40, 128, device="cuda")
+    with torch.no_grad():
+        ours.set_backend("chunk")
+        want = ours(x)
+        got = theirs(x)[0]
+    assert rel(got.double(), want.double()) < 5e-3
