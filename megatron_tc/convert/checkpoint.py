@@ -16,6 +16,7 @@ statistics files that must not be applied to another teacher.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from megatron_tc.convert import layout
@@ -109,8 +110,9 @@ def save_checkpoint(state: StateDict, arch: ArchConfig, out: str | os.PathLike, 
         for (t, p), tensors in tqdm(items, desc="writing shards", disable=not progress):
             name = shard_filename(t, p)
             tensors = {k: v.contiguous() for k, v in tensors.items()}
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            files[name] = _file_entry(tmp / name, tensors)
+            data = save(tensors, metadata={"format": "pt"})  # bytes: hashed without reading the file back
+            (tmp / name).write_bytes(data)
+            files[name] = _file_entry(tmp / name, tensors, data)
         for rel, data in (tokenizer_files or {}).items():
             target = tmp / TOKENIZER_DIR / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +125,9 @@ def save_checkpoint(state: StateDict, arch: ArchConfig, out: str | os.PathLike, 
     return Path(out)
 
 
-def _file_entry(path: Path, tensors: StateDict | None = None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+def _file_entry(path: Path, tensors: StateDict | None = None, data: bytes | None = None) -> dict[str, Any]:
+    digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_file(path)
+    entry: dict[str, Any] = {"sha256": digest, "size": path.stat().st_size}
     if tensors is not None:
         entry["tensors"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                             for k, v in sorted(tensors.items())}

@@ -3,6 +3,7 @@ verify_conversion.py and reshard.py. Bad input exits with status 2 and a one-lin
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -15,6 +16,12 @@ DTYPE_CHOICES = ["auto", *sorted(DTYPES)]
 
 def _run(work: Callable[[], int]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logger = logging.getLogger("megatron_tc.convert")
+    if not logger.handlers:  # phase timings on stdout, without changing other libraries' logging
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     from megatron_tc.convert.errors import CheckpointError, ConversionError
     from megatron_tc.convert.hf_mapping import HFMappingError
     from megatron_tc.model.config import ArchConfigError

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,11 @@ def _read_gguf(loc: HFLocation, config: Any) -> tuple[StateDict, dict[str, bytes
         state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained drops it
     del model
     with tempfile.TemporaryDirectory() as tmp:
-        AutoTokenizer.from_pretrained(str(loc.directory), gguf_file=loc.gguf_file).save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(str(loc.directory), gguf_file=loc.gguf_file).save_pretrained(tmp)
+        except Exception as err:  # noqa: BLE001 - the weights are still worth converting
+            warnings.warn(f"{loc.gguf_file}: its tokenizer could not be converted ({err!r}); "
+                          "the checkpoint will carry no tokenizer", stacklevel=2)
         tokenizer = _tokenizer_files(Path(tmp))
     return state, tokenizer
 

@@ -1,7 +1,9 @@
 """HF model (teacher family, or an exported hybrid student) -> megatron_tc checkpoint."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
 from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
 from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
 from megatron_tc.model.config import ArchConfig
+
+log = logging.getLogger(__name__)
 
 
 def arch_of_hf_config(config: Any) -> ArchConfig:
@@ -47,11 +51,16 @@ def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: in
     arch = arch_of_hf_config(config)
     layout.check_tp(arch, tp)
     layout.stage_ranges(arch, pp)
+    start = time.perf_counter()
     model = read_hf(hf)
     arch, state = hybrid_state_from_hf(model)
+    log.info("read %s (%s, %d tensors) in %.1f s", hf, model.source["format"], len(state), time.perf_counter() - start)
+    start = time.perf_counter()
     source = {"family": arch.family, **model.source}
-    return save_checkpoint(state, arch, out, tp, pp, dtype=dtype, source=source,
-                           tokenizer_files=model.tokenizer_files, overwrite=overwrite, progress=progress)
+    out = save_checkpoint(state, arch, out, tp, pp, dtype=dtype, source=source,
+                          tokenizer_files=model.tokenizer_files, overwrite=overwrite, progress=progress)
+    log.info("sharded and wrote %d files (sha256 included) in %.1f s", tp * pp, time.perf_counter() - start)
+    return out
 
 
 def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",

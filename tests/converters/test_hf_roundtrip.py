@@ -138,3 +138,15 @@ def test_export_without_recorded_hf_config_builds_an_equivalent_one(family, hf_d
     ids = torch.randint(0, 300, (1, 13))
     with torch.no_grad():
         assert (exported.eval()(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item() <= 1e-4
+
+
+def test_dtype_cast_is_recorded_and_kept_on_export(hf_dirs, tmp_path):
+    src, _ = hf_dirs["qwen3"]
+    ck = convert_hf_to_megatron(src, tmp_path / "ck", 2, 1, dtype="bfloat16")
+    assert ckpt.read_info(ck).dtype == "bfloat16"
+    manifest = json.loads((ck / "manifest.json").read_text())
+    assert {t["dtype"] for f in manifest["files"].values() for t in f.get("tensors", {}).values()} == {"bfloat16"}
+    back = load_file(export_to_hf(ck, tmp_path / "hf") / "model.safetensors")
+    original = load_file(src / "model.safetensors")
+    assert all(torch.equal(back[k], original[k].to(torch.bfloat16)) for k in original)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
