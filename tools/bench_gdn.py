@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tc.bench.common import Report, measure_peaks, pick_device, rel_err, sync, time_fn  # noqa: E402
+from megatron_tc.bench.common import Report, measure_peaks, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
 from megatron_tc.model.ops import gated_delta_rule  # noqa: E402
 from megatron_tc.model.ops.gated_delta_rule import fla_available  # noqa: E402
 
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the PyTorch chunked path above this T (T/64 sequential chunk steps)")
     p.add_argument("--check-t", type=int, default=300)
     p.add_argument("--budget-ms", type=float, default=400.0, help="timed milliseconds per row")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.heads, args.shapes, args.check_t, args.budget_ms = "2x16", "2x128,1x256", 100, 20.0
+    args = parse_args(p, argv, dict(heads="2x16", shapes="2x128,1x256", check_t=100, budget_ms=20.0))
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tc.bench.common import Report, measure_peaks, pick_device, rel_err, sync, time_fn, time_once  # noqa: E402
+from megatron_tc.bench.common import (  # noqa: E402
+    Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_fn, time_once,
+)  # noqa: E402
 from megatron_tc.bench.models import (  # noqa: E402
     PRESETS, cache_bytes, copy_shared_weights, forward_flops, load_gguf_teacher, parameter_bytes, quarter_pattern,
 )
@@ -250,19 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-t", type=int, default=300)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph decoding step")
     p.add_argument("--budget-ms", type=float, default=1500.0, help="timed milliseconds per row")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.models, args.prefill, args.decode_context, args.decode_batches = "tiny", "64,128", 64, "1,2"
-        args.decode_steps, args.check_t, args.budget_ms = 4, 40, 20.0
+    args = parse_args(p, argv, dict(models="tiny", prefill="64", decode_context=64, decode_batches="1,2",
+                                    decode_steps=4, check_t=40, budget_ms=20.0))
+    names = model_names(args.models, PRESETS)
     device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     report = Report("inference", args.out, device, args)
     peaks = measure_peaks(device, quick=args.quick)
     report.data["peaks"] = peaks
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if name not in PRESETS:
-            raise SystemExit(f"error: unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+    for name in names:
         arch = PRESETS[name]()
         teacher_cpu = None
         if args.gguf and name == "smollm2-135m":

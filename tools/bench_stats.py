@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tc.bench.common import Report, pick_device, rel_err, sync, time_fn  # noqa: E402
+from megatron_tc.bench.common import Report, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats  # noqa: E402
 from megatron_tc.calibrate.strategies import get_strategy  # noqa: E402
@@ -161,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--align-steps", type=int, default=None, help="override taylor_calibrate's 300 steps per layer")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--budget-ms", type=float, default=2000.0)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.seq, args.num_batches, args.chunk_size = 2, 64, 2, 16
-        args.calib_tokens, args.calib_seq, args.align_steps, args.budget_ms = 256, 32, 3, 50.0
+    args = parse_args(p, argv, dict(batch=2, seq=64, num_batches=2, chunk_size=16, calib_tokens=256, calib_seq=32,
+                                    align_steps=3, budget_ms=50.0))
     device = pick_device(args.device)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_tc.bench.common import Report, measure_peaks, pick_device, rel_err, sync, time_once  # noqa: E402
+from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_once  # noqa: E402
 from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
 from megatron_tc.distill.losses import LossWeights, distill_loss  # noqa: E402
 from megatron_tc.distill.stage2 import select_trainable  # noqa: E402
@@ -226,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
     p.add_argument("--check-t", type=int, default=512)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.models, args.batch, args.seq, args.steps, args.warmup, args.check_t = "tiny", 2, 64, 2, 1, 48
+    args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, steps=2, warmup=1, check_t=48))
+    names = model_names(args.models, PRESETS)
     device = pick_device(args.device)
     torch.manual_seed(0)
     report = Report("train", args.out, device, args)
@@ -242,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = deepspeed_context()
         except Exception as exc:
             report.error("deepspeed set-up (falling back to plain torch)", exc)
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if name not in PRESETS:
-            raise SystemExit(f"error: unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+    for name in names:
         bench_model(name, args, device, peaks, report, ctx)
     report.finish([
         ("Check: fla + bf16 autocast vs PyTorch chunked fp32 (one fwd/bwd)", "checks",

@@ -105,6 +105,24 @@ def time_fn(
     return Timing(statistics.median(times), len(times), "events" if device.type == "cuda" else "wall", first)
 
 
+def parse_args(parser, argv: list[str] | None, quick_defaults: dict[str, Any]):
+    """Parse argv; with --quick, `quick_defaults` replace the defaults (explicit flags still win)."""
+    known, _ = parser.parse_known_args(argv)
+    if getattr(known, "quick", False):
+        parser.set_defaults(**quick_defaults)
+    return parser.parse_args(argv)
+
+
+def model_names(text: str, presets: dict) -> list[str]:
+    """Comma list of preset names, checked before any work starts."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in presets]
+    if unknown or not names:
+        raise SystemExit(f"error: unknown model preset {unknown[0] if unknown else text!r}; "
+                         f"choose from {', '.join(presets)}")
+    return names
+
+
 # ---- errors --------------------------------------------------------------------------------
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; inf when out holds NaN/inf (NaN never passes)."""

@@ -1,0 +1,93 @@
+"""The benchmark scripts run end to end with --quick on CPU and write what they claim.
+
+Each script runs in-process (main(argv)) to share one torch import; the assertions check the
+numbers that must hold on any machine: reference errors of fp32 paths, cache sizes against the
+formula, FLOP counts against the model's own parameters. No timing is asserted.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_tc.bench.models import forward_flops, matmul_params, quarter_pattern, tiny
+from megatron_tc.bench.summary import summarize
+from megatron_tc.model import HybridLM
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    assert load_tool(name).main(["--quick", "--out", str(out), *extra]) == 0
+    data = json.loads(out.read_text())
+    assert data["errors"] == [], data["errors"]
+    assert out.with_suffix(".md").read_text().startswith("## ")
+    return data
+
+
+def test_matmul_params_match_the_model():
+    arch = tiny().with_pattern(quarter_pattern(4))
+    model = HybridLM(arch)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = arch.vocab_size * arch.hidden_size if arch.tie_embeddings else 0
+    assert matmul_params(arch) == linear + head
+    assert arch.layer_pattern == "GGGA"  # uniform keeps the last layer
+
+
+def test_bench_gdn_quick(tmp_path):
+    data = run("bench_gdn", tmp_path, "--chunk-max-t", "128")
+    assert {c["method"] for c in data["checks"]} == {"torch-chunk", "sdpa"}  # no fla on CPU
+    assert all(c["max_rel_err"] < 1e-5 for c in data["checks"])  # fp32 against float64
+    skipped = [r for r in data["rows"] if "note" in r]
+    assert skipped and all(r["method"] == "torch-chunk" and r["T"] > 128 for r in skipped)
+    assert all(r["ms"] > 0 for r in data["rows"] if "note" not in r)
+
+
+def test_bench_inference_quick(tmp_path):
+    data = run("bench_inference", tmp_path)
+    assert all(c["rel_err"] < 1e-4 for c in data["checks"])  # cached decoding == full forward (fp32)
+    arch = tiny()
+    for row in data["prefill"]:
+        n_attn = row["pattern"].count("A")
+        assert row["kv_bytes"] == n_attn * 2 * arch.num_kv_heads * row["T"] * arch.head_dim * 4
+        assert row["state_bytes"] == (arch.num_layers - n_attn) * arch.num_heads * arch.head_dim**2 * 4
+    assert {r["role"] for r in data["decode"]} == {"teacher", "student"}
+    assert any(r["metric"].startswith("decode") for r in data["summary"])
+
+
+def test_bench_train_quick(tmp_path):
+    data = run("bench_train", tmp_path, "--profile")
+    (row,) = data["rows"]
+    assert row["finite"] and row["mfu"] > 0
+    student, teacher = tiny().with_pattern(quarter_pattern(4)), tiny()
+    tokens = row["B"] * row["T"]
+    expected = 3 * forward_flops(student, tokens, row["T"]) + forward_flops(teacher, tokens, row["T"])
+    assert row["flops"] == pytest.approx(expected / 1e12)
+    assert data["profile"] and row["busy_ms"] > 0
+
+
+def test_bench_stats_quick(tmp_path):
+    data = run("bench_stats", tmp_path)
+    (check,) = data["checks"]
+    assert check["max_rel_err"] < 1e-6  # fp32 on CPU against the fp32 CPU reference
+    passes = [r["pass"] for r in data["rows"]]
+    assert passes[0] == "teacher forward" and passes[-1] == "statistics pass (both sweeps)"
+    (calib,) = data["calibrate"]
+    assert calib["wall_s"] > 0 and calib["converted_layers"] == 3
+    assert "bench_stats" in summarize(tmp_path)
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="unknown model preset 'gpt9'"):
+        load_tool("bench_inference").main(["--quick", "--models", "gpt9", "--out", str(tmp_path / "x.json")])
