@@ -141,9 +141,11 @@ def _read_gguf(loc: HFLocation, config: Any) -> tuple[StateDict, dict[str, bytes
     return state, tokenizer
 
 
-def read_hf(path: str | os.PathLike) -> HFModel:
-    """Config, HF-named state dict (dtype as stored; GGUF dequantized to fp32) and tokenizer files."""
-    config, loc = read_hf_config(path)
+def read_hf(path: str | os.PathLike, config_and_location: tuple[Any, HFLocation] | None = None) -> HFModel:
+    """Config, HF-named state dict (dtype as stored; GGUF dequantized to fp32) and tokenizer files.
+
+    `config_and_location`: what `read_hf_config(path)` returned, to skip reading it again."""
+    config, loc = config_and_location or read_hf_config(path)
     if loc.gguf_file is not None:
         state, tokenizer = _read_gguf(loc, config)
         digest, fmt = sha256_file(loc.directory / loc.gguf_file), "gguf"
