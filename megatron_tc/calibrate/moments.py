@@ -78,9 +78,9 @@ def _chunk_head_sums(
     log_n = torch.log(n.clamp_min(2))
     log_n1 = torch.log(n_ns.clamp_min(2))
     # logit variance over visible keys: log p differs from the logits by a per-row constant
-    logp = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask
+    logp = (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask).to(F64)  # fp64: E[l^2] - E[l]^2 cancels
     mean_lp = logp.sum(-1) / n
-    var_lp = (logp * logp).sum(-1) / n - mean_lp * mean_lp
+    var_lp = ((logp * logp).sum(-1) / n - mean_lp * mean_lp).float()
     y = p @ v  # [B, H, c, D]
     zero_err = (y - vbar).pow(2).sum(-1)
 

@@ -20,7 +20,7 @@ from torch import nn
 from megatron_tc.model.gdn import GatedDeltaNet
 
 from .capture import LayerIO, capture_layers
-from .moments import add_into, attention_sums, empty_layer_sums, layer_input_sums
+from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
 from .statsfile import TaylorStats
 from .strategies import LayerContext, Strategy, default_gdn_state, get_strategy
@@ -52,17 +52,22 @@ def collect_attention_stats(
     *,
     chunk_size: int = 128,
     dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     num_batches: int | None = None,
     progress: bool = True,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
-    share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes."""
+    share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
+    tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
+    rank measures its own heads and the result holds global heads."""
     arch = model.arch
     layers = sorted(layers)
     for index in layers:
         if arch.layer_kinds[index] != "A":
             raise ValueError(f"layer {index} of the teacher is not softmax attention (pattern {arch.layer_pattern!r})")
-    sums = {l: empty_layer_sums(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size) for l in layers}
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    heads, kv_heads = arch.num_heads // tp, arch.num_kv_heads // tp
+    sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size) for l in layers}
 
     def on_layer(index: int, io: LayerIO) -> None:
         mixer = io.mixer
@@ -87,9 +92,24 @@ def collect_attention_stats(
     full_meta.setdefault("readout", {})
     stats = TaylorStats(full_meta, flat)
     stats.all_reduce_(dp_group)
+    if tp > 1:
+        gather_tp_heads(stats, tp_group)
     if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
     return stats
+
+
+def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
+    """Concatenate every per-head / per-KV-head sum over the TP group (rank order = head order,
+    as the column-parallel q/k/v split heads); per-layer sums are identical on all TP ranks."""
+    world = dist.get_world_size(tp_group)
+    for key in sorted(stats.sums):
+        if key.split(".")[-1] in LAYER_KEYS:
+            continue
+        local = stats.sums[key].contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=tp_group)
+        stats.sums[key] = torch.cat(parts, dim=0)
 
 
 def build_readout_mixers(
@@ -171,11 +191,19 @@ def collect_stats(
     seed: int = 0,
     chunk_size: int = 128,
     dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     progress: bool = True,
 ) -> TaylorStats:
-    """Both sweeps over the same batches (a sequence: it is read twice)."""
+    """Both sweeps over the same batches (a sequence: it is read twice). The readout sweep needs
+    whole layers on each rank: it is not available for a tensor-parallel teacher yet."""
+    if readout_strategies and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        raise NotImplementedError(
+            "readout sums need the full teacher layer on each rank; run the readout sweep with TP=1 "
+            "(data parallel only) or pass readout_strategies=()"
+        )
     stats = collect_attention_stats(
-        model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, num_batches=len(batches), progress=progress
+        model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
+        num_batches=len(batches), progress=progress,
     )
     if readout_strategies:
         stats = collect_readout_stats(

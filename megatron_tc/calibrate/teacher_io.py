@@ -34,13 +34,14 @@ def load_teacher(path: str | os.PathLike) -> Teacher:
     from megatron_tc.eval.loading import detect_kind, load_tokenizer
 
     kind, directory, gguf = detect_kind(path)
-    tokenizer = load_tokenizer(path)
     if kind == "megatron_tc":
         from megatron_tc.convert.checkpoint import load_checkpoint
 
-        arch, state = load_checkpoint(directory)
+        arch, state = load_checkpoint(directory)  # verifies every file (tokenizer too) before use
+        tokenizer = load_tokenizer(path)
         files = _tokenizer_files(directory / "tokenizer")
     else:
+        tokenizer = load_tokenizer(path)
         from transformers import AutoModelForCausalLM
 
         from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict

@@ -12,7 +12,7 @@ READOUT = ("taylor", "taylor_fit")
 def tiny_teacher_and_rows():
     """A seeded 3-layer GQA teacher and 4 rows of 24 tokens with packed documents."""
     arch = ArchConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                      head_dim=8, intermediate_size=48)
+                      head_dim=8, intermediate_size=48, padded_vocab_size=128)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         model = HybridLM(arch).eval()
@@ -32,6 +32,23 @@ def stats_of_rows(rows, dp_group=None):
 def dp_stats(rank: int, world_size: int, out_path: str) -> None:
     rows = [r for r in range(4) if r % world_size == rank]
     stats = stats_of_rows(rows)
+    if rank == 0:
+        stats.save(out_path)
+    dist.barrier()
+
+
+def tp_stats(rank: int, world_size: int, out_path: str) -> None:
+    """The tiny teacher sharded over TP=2; attention sweep over all rows; rank 0 saves."""
+    from megatron_tc.calibrate.stats import collect_attention_stats
+    from megatron_tc.parallel.state import init_parallel
+    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
+
+    ctx = init_parallel(tp=2)
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    apply_tensor_parallel(model, ctx)
+    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    stats = collect_attention_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5,
+                                    dp_group=ctx.dp_group, tp_group=ctx.tp_group, progress=False)
     if rank == 0:
         stats.save(out_path)
     dist.barrier()

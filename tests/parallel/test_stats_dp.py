@@ -18,3 +18,17 @@ def test_dp2_stats_equal_single_process_on_union(tmp_path):
         got = dp2.sums[key]
         scale = want.abs().max().clamp_min(1e-300)
         assert float((got - want).abs().max() / scale) <= 1e-10, key
+
+
+def test_tp2_stats_equal_tp1(tmp_path):
+    from megatron_tc.calibrate.stats import collect_attention_stats
+
+    path = str(tmp_path / "tp2.pt")
+    run_distributed(_workers_stats.tp_stats, 2, path, timeout=240)
+    tp2 = TaylorStats.load(path)
+    model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
+    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    ref = collect_attention_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
+    assert sorted(tp2.sums) == sorted(ref.sums)
+    for key, want in ref.sums.items():
+        torch.testing.assert_close(tp2.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
