@@ -21,6 +21,7 @@ two stages; the embeddings go with the first stage, the heads with the last).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterator, Literal
 
 import torch
@@ -78,6 +79,7 @@ class StudentEmbedding(nn.Module):
 
 
 def embed_student(embedding: nn.Module, inputs, scale: float):
+    """(ids, pos, doc) -> (student hidden, ids, pos, doc); also the tied spec's forward_fn."""
     ids, pos, doc = inputs
     return _embed(embedding, ids, scale), ids, pos, doc
 
@@ -174,8 +176,6 @@ class Existing(nn.Module):
 
 def pipeline_layers(student: HybridLM, teacher: HybridLM, ctx: ParallelContext) -> list:
     """The layer list described in the module doc (nn.Modules and TiedLayerSpecs)."""
-    from functools import partial
-
     from deepspeed.pipe import TiedLayerSpec
 
     if student.arch.num_layers != teacher.arch.num_layers:
@@ -185,7 +185,7 @@ def pipeline_layers(student: HybridLM, teacher: HybridLM, ctx: ParallelContext) 
     arch = student.arch
     if student.lm_head is None:  # tied: one module, present on the first and the last stage
         first = TiedLayerSpec("student_embedding", Existing, student.embed_tokens,
-                              forward_fn=partial(_tied_embed, scale=arch.embed_scale), tied_weight_attr=["weight"])
+                              forward_fn=partial(embed_student, scale=arch.embed_scale), tied_weight_attr=["weight"])
         last = TiedLayerSpec("student_embedding", Existing, student.embed_tokens,
                              forward_fn=partial(tied_student_logits, cap=arch.final_logit_softcap, tp_group=tp_group),
                              tied_weight_attr=["weight"])
@@ -195,10 +195,6 @@ def pipeline_layers(student: HybridLM, teacher: HybridLM, ctx: ParallelContext) 
     pairs = [StudentTeacherLayer(s, t) for s, t in zip(student.layers, teacher.layers)]
     return [first, TeacherEmbedding(teacher.embed_tokens, teacher.arch.embed_scale), *pairs,
             FinalNorms(student, teacher), last]
-
-
-def _tied_embed(embedding: nn.Module, inputs, scale: float):
-    return embed_student(embedding, inputs, scale)
 
 
 def pattern_parts(layer_pattern: str, num_layers: int, pp: int) -> list[int]:

@@ -2,10 +2,9 @@
 == one process."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
+from megatron_tc.config import deepspeed_template_path
 from megatron_tc.model import HybridLM
 from megatron_tc.parallel import pipeline as pipe
 from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config
@@ -55,7 +54,8 @@ def check_setup(ctx, tied: bool, partition: str, checkpointing: bool) -> None:
 
     student, teacher = models(tied)
     cfg = build_deepspeed_config(zero_stage=1, micro_batch_size=BATCH, global_batch_size=BATCH * MICRO,
-                                 dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, pipeline=True)
+                                 dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, pipeline=True,
+                                 base=deepspeed_template_path(ctx.pp_size))
     loss_fn = pipe.DistillLoss(VOCAB, TEMPERATURE, CE_WEIGHT, tp_group=ctx.tp_group)
     engine = pipe.build_pipeline_engine(student, teacher, cfg, ctx, loss_fn, partition, checkpointing)
     what = f"PP=2 tied={tied} partition={partition} checkpointing={checkpointing}"

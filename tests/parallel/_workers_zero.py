@@ -1,10 +1,11 @@
 """Workers for tests/parallel/test_zero3.py: ZeRO-3 over DP=2 == one process."""
 from __future__ import annotations
 
-import copy
+import json
 
 import torch
 
+from megatron_tc.config import deepspeed_template_path
 from megatron_tc.model import HybridLM
 from megatron_tc.parallel import deepspeed_engine as dse
 from megatron_tc.parallel.losses import vocab_parallel_kl
@@ -63,10 +64,17 @@ def zero3_matches_single_process(rank: int, world_size: int) -> None:
         assert ctx.dp_size == 2
         student, teacher = models()
         teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+        # the shipped template, with persistence off: this tiny model's tensors would otherwise all
+        # stay whole on every rank (below stage3_param_persistence_threshold) and nothing be sharded
+        base = json.loads(deepspeed_template_path(1).read_text())
+        base["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         cfg = dse.build_deepspeed_config(zero_stage=3, micro_batch_size=1, global_batch_size=GLOBAL_BATCH,
-                                         dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP)
+                                         dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, base=base)
         engine = dse.build_student_engine(student, cfg, ctx)
         teacher_engine = dse.build_teacher(teacher, cfg, ctx, mode="engine")
+        for what, eng in (("student", engine), ("teacher", teacher_engine)):
+            sharded = [p for p in eng.module.parameters() if p.ds_tensor.numel() < p.ds_numel]
+            assert len(sharded) == len(list(eng.module.parameters())), f"ZeRO-3 left {what} tensors whole"
         assert engine.zero_optimization_stage() == 3 and teacher_engine.zero_optimization_stage() == 3
         assert type(teacher_engine.optimizer).__name__ == "DeepSpeedZeRoOffload", "teacher engine must have no optimizer"
 
