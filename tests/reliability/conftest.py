@@ -1,9 +1,21 @@
 import pytest
 
-from tests.reliability._rundir import build_template
+from tests.reliability._rundir import Job, build_template, clone
 
 
 @pytest.fixture(scope="session")
 def template(tmp_path_factory):
     """The tiny run directory every stage-2 scenario copies (teacher, init student, corpus, tokenizer)."""
     return build_template(tmp_path_factory.mktemp("template"))
+
+
+@pytest.fixture(scope="session")
+def reference(template, tmp_path_factory):
+    """An uninterrupted stage-2 run, started at once (it overlaps the first test that uses it);
+    call the fixture's value to wait for it and get its base directory."""
+    base = clone(template, tmp_path_factory.mktemp("reference"))
+    job = Job(base, name="reference")
+    yield lambda: job.finished_ok() and base
+    if job.proc.poll() is None:
+        job.proc.kill()
+        job.proc.wait()

@@ -9,22 +9,9 @@ import random
 import re
 import signal
 
-import pytest
-
 from tests.reliability._rundir import STEPS, Job, assert_same_run, checkpoints, clone, wait_for_records
 
 SEED = int(os.environ.get("RELIABILITY_SEED", random.randrange(1_000_000)))
-
-
-@pytest.fixture(scope="module")
-def reference(template, tmp_path_factory):
-    """The uninterrupted run, started at once so that it overlaps the first killed run."""
-    base = clone(template, tmp_path_factory.mktemp("reference"))
-    job = Job(base, name="reference")
-    yield lambda: job.finished_ok() and base
-    if job.proc.poll() is None:
-        job.proc.kill()
-        job.proc.wait()
 
 
 def latest_name(base) -> str:
