@@ -112,7 +112,7 @@ def test_single_device_losses_match_torch_and_pass_gradcheck():
     ce = vocab_parallel_cross_entropy(s, target, 10)
     want_ce = torch.nn.functional.cross_entropy(s[:, :10], target, reduction="none")
     assert torch.allclose(ce, want_ce, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: vocab_parallel_kl(a, b, 10, temperature=0.7), (s, t))
-    assert torch.autograd.gradcheck(lambda a: vocab_parallel_cross_entropy(a, target, 10), (s,))
+    assert torch.autograd.gradcheck(lambda a, b: vocab_parallel_kl(a, b, 10, temperature=0.7), (s, t), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda a: vocab_parallel_cross_entropy(a, target, 10), (s,), fast_mode=True)
     with pytest.raises(ValueError, match=r"target ids must be in \[0, 10\)"):
         vocab_parallel_cross_entropy(s, torch.tensor([3, 10, 1]), 10)
