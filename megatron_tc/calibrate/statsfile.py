@@ -132,7 +132,11 @@ class TaylorStats:
         """Load a stats file; with `teacher_sha256` / `converted_layers` refuse a mismatch."""
         if not os.path.exists(path):
             raise FileNotFoundError(f"stats file {path} does not exist; create it with tools/stats.py")
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # truncated, empty or not a torch file: torch does not name it
+            raise StatsMismatchError(f"stats file {path} cannot be read ({type(err).__name__}: {err}); it is "
+                                     "truncated or corrupted: recompute it with tools/stats.py") from err
         if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:
             raise StatsMismatchError(f"{path} is not a megatron_tc stats file (format {FORMAT_VERSION})")
         stats = cls(meta=blob["meta"], sums=blob["sums"])

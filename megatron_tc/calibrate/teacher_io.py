@@ -62,7 +62,15 @@ def load_teacher(path: str | os.PathLike) -> Teacher:
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
         raise ValueError(f"teacher {path}: state dict does not fit HybridLM (missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.eval()
-    return Teacher(model, state_dict_sha256(model.state_dict()), tokenizer, files, str(path))
+    return Teacher(model, weights_sha256(model), tokenizer, files, str(path))
+
+
+def weights_sha256(model: HybridLM) -> str:
+    """state_dict_sha256 of the weights without the vocabulary padding rows: the padding depends on
+    TP and on the file format (HF has none), so the same teacher must hash the same without it."""
+    vocab = model.arch.vocab_size
+    state = {k: v[:vocab] if k in ("embed_tokens.weight", "lm_head.weight") else v for k, v in model.state_dict().items()}
+    return state_dict_sha256(state)
 
 
 def text_batches(
