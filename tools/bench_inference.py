@@ -4,7 +4,7 @@
 
     python tools/bench_inference.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--gguf SmolLM2.gguf] [--prefill 4096,32768,131072] [--decode-context 32768]
-        [--decode-batches 1,8] [--decode-steps 32] [--no-graph]
+        [--decode-batches 1,8,32] [--decode-steps 32] [--no-graph]
 
 Both models are `HybridLM` with `HybridCache`, bf16, the GDN layers on fla's kernels (chunked
 for prefill, fused recurrent for decoding). Random weights unless --gguf gives the SmolLM2
@@ -138,7 +138,8 @@ def run_check(model: HybridLM, device, vocab: int, t: int) -> float:
 
 def bench_role(name, role, model, args, device, peaks, report) -> None:
     arch = model.arch
-    base = {"model": name, "role": role, "pattern": arch.layer_pattern, "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    base = {"model": name, "role": role, "pattern": arch.layer_pattern,
+            "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
     try:
         err = run_check(model, device, arch.vocab_size, args.check_t)
         report.add("checks", {**base, "check": f"prefill {args.check_t} + 4 cached steps vs full forward", "rel_err": err})
@@ -167,7 +168,9 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
             report.error(f"{name} {role} prefill T={t}", exc)
         report.add("prefill", row)
         _free(device)
-    weight_bytes = parameter_bytes(model) - (0 if arch.tie_embeddings else model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size())
+    embed = model.embed_tokens.weight
+    # a decoding step reads every weight once, except the embedding table (B rows) unless it is the LM head
+    weight_bytes = parameter_bytes(model) - (0 if arch.tie_embeddings else embed.numel() * embed.element_size())
     ctx = args.decode_context
     for b in ints(args.decode_batches):
         row = {**base, "B": b, "context": ctx}
@@ -192,10 +195,10 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
                 except Exception as exc:
                     row["note"] = f"graph failed: {type(exc).__name__}"
                     report.error(f"{name} {role} decode graph B={b}", exc)
-            del cache, logits, token
         except Exception as exc:
-            row["note"] = f"failed: {type(exc).__name__}"
+            row["note"] = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else f"failed: {type(exc).__name__}"
             report.error(f"{name} {role} decode B={b}", exc)
+        cache = logits = token = ids = None  # noqa: F841  (free the KV before the next batch size)
         report.add("decode", row)
         print(f"{name} {role} decode B={b}: {row.get('eager_ms')} ms/step eager, {row.get('graph_ms')} graph", flush=True)
         _free(device)
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", default="4096,32768,131072", help="prefill lengths (batch 1)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of N tokens (0: one pass)")
     p.add_argument("--decode-context", type=int, default=32768)
-    p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--decode-batches", default="1,8,32", help="decode batch sizes (OOM is recorded, not fatal)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--check-t", type=int, default=300)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph decoding step")

@@ -96,6 +96,8 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     if strategies:
         def sweep2():
+            if "stats" not in holder:
+                raise RuntimeError("sweep 2 needs the statistics of sweep 1, which failed")
             collect_readout_stats(holder["stats"], teacher, batches, strategies, student_arch, progress=False)
 
         rows.append((f"stats sweep 2 (readout: {args.readout})", sweep2))
