@@ -9,7 +9,8 @@
 #
 # Environment: OUT (default runs/bench), GGUF (SmolLM2 .gguf for the stats/calibration step;
 # default /tmp/teacher/smollm2.gguf when present), BENCH_TOTAL_S (wall budget of the whole
-# script, default 540 s; every step gets min(its limit, what is left)), LIMIT_<STEP> (seconds).
+# script, default 540 s; every step gets min(its limit, what is left)), LIMIT_<STEP> (seconds),
+# ARGS_<STEP> (extra arguments of that step, e.g. ARGS_GDN="--heads 9x64"), BENCH_ARGS (all steps).
 # Kernel caches: fla compiles and autotunes about a minute per new kernel shape. Triton's and
 # TileLang's caches live in /tmp/kcache (kept while the machine stays warm); at the end they are
 # packed into $OUT/kernel_cache.tgz. Unpacked into .kernel_cache/ of the repository and carried
@@ -36,13 +37,13 @@ fi
 # run NAME LIMIT ARGS...: python ARGS --out $OUT/bench_NAME.json, log in $OUT/bench_NAME.log
 run() {
   local name=$1 limit=$2; shift 2
-  local var="LIMIT_${name^^}"; limit=${!var:-$limit}
+  local var="LIMIT_${name^^}" extra="ARGS_${name^^}"; limit=${!var:-$limit}
   local left=$(( TOTAL - ($(date +%s) - START) - 10 ))
   (( left < limit )) && limit=$left
   if (( limit < 20 )); then echo "=== $name: skipped (wall budget BENCH_TOTAL_S=$TOTAL spent)" | tee -a "$OUT/steps.txt"; return; fi
-  echo "=== $name (limit ${limit}s): python $*"
+  echo "=== $name (limit ${limit}s): python $* ${!extra:-} ${BENCH_ARGS:-}"
   local t0=$(date +%s)
-  timeout -k 10 "$limit" python "$@" ${BENCH_ARGS:-} --out "$OUT/bench_$name.json" > "$OUT/bench_$name.log" 2>&1
+  timeout -k 10 "$limit" python "$@" ${!extra:-} ${BENCH_ARGS:-} --out "$OUT/bench_$name.json" > "$OUT/bench_$name.log" 2>&1
   local rc=$?
   echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s$( ((rc==124||rc==137)) && echo ' (TIME LIMIT: partial results in the JSON)')" | tee -a "$OUT/steps.txt"
   if [ -f "$OUT/bench_$name.md" ] && (( rc == 0 )); then :; else tail -n 15 "$OUT/bench_$name.log"; fi
