@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 from typing import Any, Iterable, Sequence
 
@@ -23,6 +22,8 @@ from megatron_tc.eval.tokens_to_target import (DEFAULT_KS, RunCurve, Target, loa
 def fmt_tokens(t: float | None) -> str:
     if t is None:
         return "not reached"
+    if t == 0:
+        return "0 (zero-shot)"
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
         if t >= div:
             return f"{t / div:.3g}{unit}"
@@ -32,7 +33,9 @@ def fmt_tokens(t: float | None) -> str:
 def fmt_ratio(r: dict[str, Any] | None) -> str:
     if r is None:
         return "—"
-    value = "inf" if math.isinf(r["value"]) else f"{r['value']:.2f}x"
+    if r["bound"] == "zero-shot":
+        return "∞ (met zero-shot)"
+    value = f"{r['value']:.2f}x"
     return {"=": value, ">=": f"≥ {value}", "<=": f"≤ {value}"}[r["bound"]]
 
 

@@ -222,11 +222,14 @@ def make_targets(teacher_ppl: float | None, naive: RunCurve | None, ks: Iterable
 
 
 def ratio(run: RunCurve, run_tokens: float | None, base: RunCurve, base_tokens: float | None) -> dict[str, Any] | None:
-    """{'value': tokens(base)/tokens(run), 'bound': '=' | '>=' | '<='} or None (neither reached)."""
+    """{'value': tokens(base)/tokens(run), 'bound': '=' | '>=' | '<='}; {'value': None, 'bound': 'zero-shot'}
+    when the run meets the target before training; None when neither reaches it."""
+    if run_tokens == 0:  # target met zero-shot: no finite ratio (JSON has no inf)
+        return {"value": None, "bound": "zero-shot"}
     if run_tokens is not None and base_tokens is not None:
-        return {"value": base_tokens / run_tokens if run_tokens > 0 else math.inf, "bound": "="}
+        return {"value": base_tokens / run_tokens, "bound": "="}
     if run_tokens is not None:
-        return {"value": base.final_tokens / run_tokens if run_tokens > 0 else math.inf, "bound": ">="}
+        return {"value": base.final_tokens / run_tokens, "bound": ">="}
     if base_tokens is not None:
         return {"value": base_tokens / run.final_tokens, "bound": "<="}
     return None
