@@ -6,8 +6,8 @@
 #
 # Modes, chosen from the environment:
 #   workstation  plain shell: starts the `deepspeed` launcher over the local GPUs (or NPROC gloo
-#                ranks on CPU, OMP_NUM_THREADS = cores / ranks), each rank re-entering this script.
-#                NPROC=N or --num_gpus N picks the number of ranks.
+#                ranks on CPU, default 2, OMP_NUM_THREADS = cores / ranks), each rank re-entering
+#                this script. NPROC=N or --num_gpus N picks the number of ranks.
 #   per-rank     RANK and LOCAL_RANK already set (`deepspeed --no_python [--hostfile F]
 #                launch/distill.sh ...`, torchrun --no-python, or the workstation mode above):
 #                runs one rank of `python tools/distill.py`.
@@ -119,13 +119,15 @@ main() {
       local nproc=""
       if [[ "${1:-}" == "--num_gpus" ]]; then nproc="$2"; shift 2; fi
       local gpus; gpus="$(count_gpus)"
+      local cores; cores="$(nproc 2>/dev/null || echo 1)"
       nproc="${nproc:-${NPROC:-}}"
       if [[ -z "$nproc" ]]; then
-        if (( gpus > 0 )); then nproc="$gpus"; else nproc=1; fi
+        # GPUs: one rank each. CPU: two gloo ranks (data-parallel statistics, layers aligned in
+        # parallel, ZeRO-3 over both) beat one rank whose small kernels use two threads poorly.
+        if (( gpus > 0 )); then nproc="$gpus"; elif (( cores >= 2 )); then nproc=2; else nproc=1; fi
       fi
       if (( gpus == 0 )); then
         # Gloo ranks share the cores; more threads than cores per rank only thrash.
-        local cores; cores="$(nproc 2>/dev/null || echo 1)"
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}"
         export LOCAL_SIZE="$nproc"  # DeepSpeed's CPU accelerator counts "devices" from it
       fi

@@ -28,32 +28,59 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
 
 
+class TeacherCache:
+    """The teacher's log-probabilities of this rank's evaluation rows, kept between evaluations
+    (the teacher is frozen) when they fit in `max_bytes`; else the teacher runs every time."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.rows: dict[int, torch.Tensor] | None = None  # filled by the first evaluation
+        self.enabled = True
+
+    def plan(self, num_rows: int, seq_len: int, vocab: int) -> None:
+        if self.rows is None and num_rows * max(seq_len - 1, 1) * vocab * 4 > self.max_bytes:
+            self.enabled = False
+
+
 @torch.no_grad()
 def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Tensor], dp_rank: int, dp_size: int,
-               dp_group=None, device: torch.device | str = "cpu") -> dict[str, float]:
-    """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T])."""
+               dp_group=None, device: torch.device | str = "cpu", cache: TeacherCache | None = None) -> dict[str, float]:
+    """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T]).
+
+    With a `cache`, the teacher runs only in the first call; later calls reuse its log-probs."""
     if not rows:
         raise ValueError("no evaluation windows: data.eval_tokens is too small for the sequence length")
     # sums: nll, kl, teacher_nll, agree, tokens
     sums = torch.zeros(5, dtype=torch.float64)
     rounds = math.ceil(len(rows) / dp_size)
+    cached = cache is not None and cache.enabled and cache.rows is not None
+    filling = cache is not None and cache.enabled and cache.rows is None
+    store: dict[int, torch.Tensor] = {}
     for r in range(rounds):
         index = r * dp_size + dp_rank
         real = index < len(rows)
         ids = rows[index if real else 0].to(device)
         s_logits = student(ids)
-        t_logits = teacher(ids) if teacher is not None else None
+        if teacher is not None and not cached:
+            t_logits = teacher(ids)
+            if filling and r == 0:
+                cache.plan(rounds, ids.shape[1], t_logits.shape[-1])
+                filling = cache.enabled
         if not real:
             continue
         targets = ids[0, 1:]
         lps = _log_probs(s_logits[0, :-1])
         sums[0] += -lps.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
-        if t_logits is not None:
-            lpt = _log_probs(t_logits[0, :-1])
+        if teacher is not None:
+            lpt = cache.rows[index] if cached else _log_probs(t_logits[0, :-1])
+            if filling:
+                store[index] = lpt
             sums[1] += (lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu()
             sums[2] += -lpt.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
             sums[3] += float((lps.argmax(-1) == lpt.argmax(-1)).sum())
         sums[4] += targets.numel()
+    if filling:
+        cache.rows = store
     if dp_size > 1:
         dist.all_reduce(sums, group=dp_group)
     tokens = float(sums[4])

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_tc.distill.context import RunContext
-from megatron_tc.distill.evaluation import score_rows, window_rows
+from megatron_tc.distill.evaluation import TeacherCache, score_rows, window_rows
 from megatron_tc.distill.rundir import write_json
 from megatron_tc.monitor import get_logger
 
@@ -53,16 +53,19 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             candidates.append((label, ctx.paths.student(stage)))
     results = []
     par = ctx.par
+    cache = TeacherCache()
     teacher_fn = lambda ids: teacher(ids)  # noqa: E731
-    first = score_rows(teacher_fn, None, rows, par.dp_rank, par.dp_size, par.dp_group, device)
-    results.append({"model": "teacher", "ppl": first["ppl"], "kl": 0.0, "top1_agree": 1.0, "path": str(ctx.paths.teacher)})
     for label, path in candidates:
         model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
-        scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device)
+        scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device,
+                            cache)
+        if not results:  # the teacher's own perplexity comes with the first comparison
+            results.append({"model": "teacher", "ppl": scores["teacher_ppl"], "kl": 0.0, "top1_agree": 1.0,
+                            "path": str(ctx.paths.teacher)})
         results.append({"model": label, "ppl": scores["ppl"], "kl": scores["kl"], "top1_agree": scores["top1_agree"],
                         "path": str(path) if path else "(built in memory)"})
         del model
-    summary = {"eval_tokens": first["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
+    summary = {"eval_tokens": scores["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
                "documents": ctx.data().manifest.names("eval"), "rows": results}
     if ctx.rank0:
         write_json(ctx.paths.results, summary)

@@ -32,7 +32,7 @@ from torch import nn
 
 from megatron_tc.distill import faults
 from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
-from megatron_tc.distill.evaluation import append_jsonl, score_rows, truncate_jsonl
+from megatron_tc.distill.evaluation import TeacherCache, append_jsonl, score_rows, truncate_jsonl
 from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
@@ -127,6 +127,7 @@ class Stage2Trainer:
     def __init__(self, cfg: Any, ctx: Any, engine: Any, teacher: nn.Module, loader: Any, eval_rows: list[torch.Tensor],
                  out_dir: Path, tb: Any, device: torch.device, vocab_size: int, eval_log: Path | None = None):
         self.eval_log = eval_log or out_dir / EVAL_LOG
+        self.teacher_cache = TeacherCache()
         self.cfg, self.ctx, self.engine, self.teacher, self.loader = cfg, ctx, engine, teacher, loader
         self.eval_rows, self.out_dir, self.tb, self.device, self.vocab_size = eval_rows, out_dir, tb, device, vocab_size
         s2 = cfg.distill.stage2
@@ -216,7 +217,8 @@ class Stage2Trainer:
         self.engine.eval()
         try:
             result = score_rows(lambda x: self.engine(x), lambda x: self.teacher(x), self.eval_rows,
-                                self.ctx.dp_rank, self.ctx.dp_size, self.ctx.dp_group, self.device)
+                                self.ctx.dp_rank, self.ctx.dp_size, self.ctx.dp_group, self.device,
+                                self.teacher_cache)
         finally:
             self.engine.train()
         result["eval_tokens"] = result.pop("tokens")
