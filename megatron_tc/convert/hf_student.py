@@ -82,17 +82,13 @@ class MegatronTCPreTrainedModel(PreTrainedModel):
 
 
 def reset_rope_buffers(model: torch.nn.Module) -> None:
-    """Recompute every attention layer's `rope.inv_freq` from the architecture (as Attention does)."""
+    """Recompute every attention layer's RoPE table (`RotaryEmbedding.reset_buffers`, fp32) on
+    the device of that layer's weights."""
     from megatron_tc.model.attention import Attention
-    from megatron_tc.model.rope import rope_inv_freq
 
-    arch = model.arch
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         if isinstance(layer.mixer, Attention):
-            local = arch.layer_type(i) == "sliding" and arch.rope_local_theta is not None
-            theta = arch.rope_local_theta if local else arch.rope_theta
-            inv_freq = rope_inv_freq(arch.head_dim, theta, None if local else arch.rope_scaling)
-            layer.mixer.rope.inv_freq = inv_freq.to(layer.mixer.q_proj.weight.device)
+            layer.mixer.rope.reset_buffers(layer.mixer.q_proj.weight.device)
 
 
 class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):

@@ -9,13 +9,15 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32.
+    """Inverse frequencies [head_dim // 2] in fp32, always computed on the CPU (the same bits on
+    every device, and usable inside a `torch.device("meta")` context).
 
     scaling: None / {"rope_type": "default"}, {"rope_type": "linear", "factor"} or
     {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
@@ -45,15 +47,38 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions; `apply(x [B,H,T,D], position_ids [B,T])` rotates x."""
+    """cos/sin tables for given positions; `apply(x [B,H,T,D], position_ids [B,T])` rotates x.
+
+    `inv_freq` [head_dim // 2] is a non-persistent fp32 buffer and stays fp32 whatever the module
+    is cast to (`model.to(torch.bfloat16)`, `.half()`, a DeepSpeed bf16 engine): in bf16 the
+    angle at position 32k would be off by tens of radians. Every `_apply` (cast, move,
+    `to_empty`) recomputes it from the stored (head_dim, theta, scaling).
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.head_dim, self.theta = head_dim, float(theta)
+        self.scaling = dict(scaling) if scaling else None
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.reset_buffers(torch.empty(0).device)  # the default device (a `with torch.device(...)` context)
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute `inv_freq` in fp32 on `device` (default: where it is now); for models built
+        on the meta device and then materialized (`to_empty`, transformers' loading)."""
+        device = self.inv_freq.device if device is None else torch.device(device)
+        if device.type == "meta":
+            self.inv_freq = torch.empty(self.head_dim // 2, dtype=torch.float32, device=device)
+        else:
+            self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.reset_buffers()  # undo a dtype cast (or to_empty's garbage): always fp32, exact
+        return self
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] for position_ids [B, T] (computed in fp32 like HF, then cast)."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device, torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
