@@ -5,6 +5,7 @@ Layout under a stage's checkpoint root (e.g. ``<run_dir>/stage2/checkpoints``)::
     step_00000040/
         engine/...            engine.save_checkpoint(tag="engine"): ZeRO partitions, optimizer
         rng/rank_00000.pt     python / numpy / torch (and CUDA) RNG states of each rank
+        files.json            size and sha256 of every file above (verified before anything loads)
         state.json            TrainState: step, tokens seen, data position, counters, layout
     latest                    text file naming the newest complete step directory
     .tmp-step_00000060/       a checkpoint being written (or half-written by a killed job)
@@ -12,12 +13,15 @@ Layout under a stage's checkpoint root (e.g. ``<run_dir>/stage2/checkpoints``)::
 A checkpoint is written into a ``.tmp-`` directory; rank 0 renames it to its final name only after
 every rank has finished, and writes ``latest`` (tmp file + rename) last. A job killed at any moment
 therefore leaves ``latest`` pointing at a complete checkpoint; leftover ``.tmp-`` directories are
-deleted when the next job starts. The root must be on a file system every rank sees (as for
+deleted when the next job starts. Before a resume touches the engine, every file is checked against
+files.json (size, sha256; the hashing is spread over the ranks), so a truncated or corrupted
+partition is named and nothing is partially loaded. The root must be on a file system every rank sees (as for
 DeepSpeed and Megatron-LM checkpoints).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -36,6 +40,7 @@ from megatron_tc.distill import faults
 LATEST = "latest"
 ENGINE_TAG = "engine"
 STATE_FILE = "state.json"
+FILES = "files.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -92,6 +97,56 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def hash_files(root: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, sha256}} of every file under `root`, the hashing dealt over ranks."""
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name not in (STATE_FILE, FILES))
+    rank, world = _world()
+    mine = {n: {"size": (root / n).stat().st_size, "sha256": _sha256(root / n)} for n in names[rank::world]}
+    merged: dict[str, dict[str, Any]] = {}
+    for part in _gather(mine):
+        merged.update(part)
+    return merged
+
+
+def verify_files(path: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
+    """Problems (one line per file) of checkpoint `path` against its files.json; [] when intact."""
+    names = sorted(expected)
+    rank, world = _world()
+    problems = []
+    for name in names[rank::world]:
+        file, want = path / name, expected[name]
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != want["size"]:
+            problems.append(f"{file} has {file.stat().st_size} bytes, {FILES} says {want['size']}: truncated")
+        elif _sha256(file) != want["sha256"]:
+            problems.append(f"{file} is corrupted: sha256 differs from {FILES}")
+    return sorted(p for part in _gather(problems) for p in part)
 
 
 # ---- RNG ---------------------------------------------------------------------------------------
@@ -180,7 +235,9 @@ class CheckpointManager:
         engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
         _atomic_torch_save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
         _barrier()
+        files = hash_files(tmp)
         if _rank() == 0:
+            atomic_write_text(tmp / FILES, json.dumps(files, indent=1, sort_keys=True))
             atomic_write_text(tmp / STATE_FILE, state.to_json())
             faults.maybe_kill("checkpoint", state.step)  # test hook: die before the rename
             if final.exists():  # the same step saved again (e.g. a forced final save)
@@ -200,6 +257,26 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- reading
+    @staticmethod
+    def _read_state(path: Path) -> TrainState:
+        file = path / STATE_FILE
+        try:
+            return TrainState.from_json(file.read_text())
+        except (OSError, ValueError, TypeError) as err:
+            raise CheckpointError(f"{file} cannot be read ({err}); the checkpoint is damaged: point "
+                                  f"{path.parent / LATEST} at an older step_* directory, or delete it") from None
+
+    @staticmethod
+    def _verify(path: Path) -> list[str]:
+        listing = path / FILES
+        if not listing.is_file():  # written by an older version: nothing to verify against
+            return []
+        try:
+            expected = json.loads(listing.read_text())
+        except (OSError, ValueError) as err:
+            return [f"{listing} cannot be read ({err})"]
+        return verify_files(path, expected)
+
     def load(self, engine: Any, layout: dict[str, int], load_optimizer: bool = True) -> TrainState | None:
         """Restore `engine`, this rank's RNG and the train state from `latest`; None if there is none.
 
@@ -210,19 +287,22 @@ class CheckpointManager:
         path = self.latest()
         if path is None:
             return None
-        state = TrainState.from_json((path / STATE_FILE).read_text())
+        state = self._read_state(path)
         if state.layout and state.layout != layout:
             raise CheckpointError(
                 f"{path} was written with layout {state.layout} but this job has {layout}; resume with the "
                 "same world size / tp / pp, or start a new run directory")
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        missing_rng = [] if rng_file.is_file() else [f"{rng_file} is missing"]
+        problems = sorted(set(self._verify(path) + [p for part in _gather(missing_rng) for p in part]))
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded:\n  " + "\n  ".join(problems)
+                                  + f"\nPoint {self.root / LATEST} at an older step_* directory, or delete it.")
         load_path, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG, load_optimizer_states=load_optimizer,
                                               load_lr_scheduler_states=load_optimizer, load_module_strict=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no engine checkpoint under {path / ENGINE_TAG}; "
                                   "the checkpoint is incomplete: delete it and point `latest` at an older one")
-        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-        if not rng_file.is_file():
-            raise CheckpointError(f"{rng_file} is missing: the checkpoint is incomplete")
         set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy state inside
         _barrier()
         return state

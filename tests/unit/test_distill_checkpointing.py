@@ -86,6 +86,13 @@ def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path)
     assert resumed["weights"] == straight["weights"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
 
+    # a damaged partition is named, and refused before the engine loads anything
+    optim = next((root / "step_00000006" / "engine").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:-100])
+    damaged = run_job(root)
+    assert damaged.returncode != 0
+    assert "CheckpointError" in damaged.stderr and f"{optim} has" in damaged.stderr and "truncated" in damaged.stderr
+
 
 def test_latest_pointing_at_an_incomplete_checkpoint_is_refused_with_the_file_named(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
