@@ -47,6 +47,6 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     near-zero gradients into update differences (measured: 1.2e-5 on such a bias)."""
     assert sorted(got) == sorted(want), f"{what}: different tensor names"
     err = rel_err(torch.cat([got[k].flatten() for k in sorted(want)]), torch.cat([want[k].flatten() for k in sorted(want)]))
-    assert err <= TOL, f"{what} weights: relative error {err:.3g} > {TOL:g}"
+    assert err <= TOL, f"{what}: all tensors together, relative error {err:.3g} > {TOL:g}"
     for name in sorted(want):
-        assert_close(got[name], want[name], f"{what} weight {name}", 10 * TOL)
+        assert_close(got[name], want[name], f"{what}: {name}", 10 * TOL)
