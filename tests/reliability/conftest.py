@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.reliability._rundir import Job, build_template, clone
 
@@ -19,3 +20,13 @@ def reference(template, tmp_path_factory):
     if job.proc.poll() is None:
         job.proc.kill()
         job.proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread, as in the subprocesses: tests/conftest.py sets OMP_NUM_THREADS only after
+    torch is imported, so the pytest process would otherwise use every core (and spin under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -69,6 +69,9 @@ def chunk_gated_delta_rule_torch(
     out_dtype = v.dtype
     dt = compute_dtype(q)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    # exp(-1e4) is exactly 0 in fp32 and fp64, so no decay factor changes; the floor only keeps -inf
+    # (exp(A_log) overflowed) out of the cumulative sums below, where -inf - -inf would be NaN
+    g = g.clamp_min(-1e4)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     b, t, h, dk = q.shape
