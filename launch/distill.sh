@@ -100,6 +100,8 @@ run_rank() {
   local args=() a
   for a in "$@"; do [[ "$a" == --local_rank=* ]] || args+=("$a"); done
   cd "$ROOT"
+  # this checkout's package, also when it is not pip-installed (or another copy is)
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   exec "$PYTHON" "$ROOT/tools/distill.py" "${args[@]}"
 }
 
