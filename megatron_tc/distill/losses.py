@@ -1,8 +1,12 @@
 """The stage-2 objective: KL(teacher || student) on logits, optional CE and hidden-state terms.
 
     loss = T^2 * mean_t KL(softmax(z_t / T) || softmax(z_s / T))
-         + ce_weight * mean_t CE(z_s, next token)            (within a document only)
+         + ce_weight * mean_t CE(z_s, next token)
          + hidden_weight * mean ||h_s - h_t||^2 / d          (final-norm hidden states)
+
+Both means run over the positions t that have a next token in the same document (labels != -100:
+not the last position, not a document's last token, not padding), as the pipeline-parallel loss
+(`megatron_tc.parallel.pipeline.DistillLoss`) does, so PP=1 and PP>1 optimize the same objective.
 
 The T^2 factor keeps gradient magnitudes comparable across temperatures (Hinton et al.). Logits
 may be vocabulary shards under tensor parallelism: the vocab-parallel losses of
@@ -49,14 +53,17 @@ def distill_loss(student_logits: Tensor, teacher_logits: Tensor, input_ids: Tens
     "kl" in the parts is the per-token KL at the temperature, without the T^2 factor.
     """
     temp = weights.temperature
-    kl = vocab_parallel_kl(student_logits, teacher_logits.detach(), vocab_size, temp, tp_group).mean()
+    if labels is None:
+        labels = next_token_labels(input_ids, doc_ids)
+    keep = (labels != IGNORE).to(torch.float32)
+    count = keep.sum().clamp(min=1.0)
+    per_token_kl = vocab_parallel_kl(student_logits, teacher_logits.detach(), vocab_size, temp, tp_group)
+    kl = (per_token_kl * keep).sum() / count
     loss = kl * temp**2
     parts = {"kl": kl.detach()}
     if weights.ce_weight:
-        if labels is None:
-            labels = next_token_labels(input_ids, doc_ids)
         per_token = vocab_parallel_cross_entropy(student_logits, labels, vocab_size, IGNORE, tp_group)
-        ce = per_token.sum() / (labels != IGNORE).sum().clamp(min=1)
+        ce = per_token.sum() / count
         loss = loss + weights.ce_weight * ce
         parts["ce"] = ce.detach()
     if weights.hidden_weight:
