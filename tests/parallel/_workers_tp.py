@@ -44,8 +44,9 @@ def _loss_tp(local: torch.Tensor, teacher_local: torch.Tensor, target: torch.Ten
 def check_model(variant: str, ctx, dtype: torch.dtype) -> None:
     """fp32: logits within 1e-5 and all gradients together within 1e-5 (relative). Per tensor,
     fp32 cannot resolve 1e-5: the single-process model's own fp32 gradients differ from its fp64
-    ones by up to ~3e-5 on small tensors such as A_log (summation order). So fp64 checks every
-    tensor (values and gradients) to 1e-10, which any sharding mistake would miss by far."""
+    ones by up to ~3e-5 on small tensors such as A_log (summation order). So the fp64 run checks
+    every tensor's gradient to 1e-5 (the model keeps GDN gates and output norm in fp32 even
+    then, which leaves ~1e-6 of rounding); sharding mistakes show up as 1e-2 or more."""
     opts = dict(VARIANTS[variant])
     arch = tiny_arch(opts.pop("pattern"), tp=ctx.tp_size, **opts)
     torch.manual_seed(0)
@@ -66,7 +67,7 @@ def check_model(variant: str, ctx, dtype: torch.dtype) -> None:
     _loss_full(want, teacher, target).backward()
     local = model(ids, doc_ids=doc_ids)
     assert local.shape[-1] == arch.padded_vocab_size // ctx.tp_size
-    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    tol = 1e-5 if dtype == torch.float32 else 1e-7  # fp64 logits: only the fp32 GDN islands round
     assert_close(gather_vocab_shards(local, VOCAB, ctx), want, f"{variant} {dtype} logits", tol)
     teacher_local = teacher.chunk(ctx.tp_size, -1)[ctx.tp_rank]
     _loss_tp(local, teacher_local, target, ctx).backward()
@@ -79,10 +80,10 @@ def check_model(variant: str, ctx, dtype: torch.dtype) -> None:
         got_all.append(gather_full(param.grad, param, ctx).flatten())
         want_all.append(want_grad.flatten())
         if dtype == torch.float64:
-            assert_close(param.grad, full_grad_slice(want_grad, param, ctx), f"{variant} grad of {name}", tol)
+            assert_close(param.grad, full_grad_slice(want_grad, param, ctx), f"{variant} grad of {name}", 1e-5)
     assert len(got_all) == len(ref_params)
     err = rel_err(torch.cat(got_all), torch.cat(want_all))
-    assert err <= tol, f"{variant} {dtype}: all gradients, relative error {err:.3g} > {tol:g}"
+    assert err <= 1e-5, f"{variant} {dtype}: all gradients, relative error {err:.3g} > 1e-5"
 
 
 def tp_model_matches_single_process(rank: int, world_size: int) -> None:
