@@ -71,7 +71,7 @@ def snapshot(cache: HybridCache) -> list:
     state = [cache.seen_tokens]
     for e in cache.layers:
         if isinstance(e, AttentionCache):
-            state.append((e.k, e.v, e.seen))
+            state.append(e.snapshot())
         elif isinstance(e, GDNCache):
             state.append((e.state, dict(e.conv), e.seen))
         else:
@@ -80,11 +80,12 @@ def snapshot(cache: HybridCache) -> list:
 
 
 def restore(cache: HybridCache, state: list) -> None:
-    """Undo decoding steps: the cache tensors are replaced, never written in place, by a step."""
+    """Undo decoding steps: GDN tensors are replaced, never written in place, by a step; attention
+    KV is written in place where no query from the snapshot on reads (AttentionCache.snapshot)."""
     cache.seen_tokens = state[0]
     for e, s in zip(cache.layers, state[1:]):
         if isinstance(e, AttentionCache):
-            e.k, e.v, e.seen = s
+            e.restore(s)
         elif isinstance(e, GDNCache):
             e.state, e.conv, e.seen = s[0], dict(s[1]), s[2]
 

@@ -63,16 +63,32 @@ class Attention(nn.Module):
         q_index: torch.Tensor,
         k_index: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
+        all_visible: bool = False,
     ) -> torch.Tensor:
-        """SDPA over q [B,Hq,Tq,D], k/v [B,Hkv,Tk,D] -> [B,Hq,Tq,D]; indices are absolute positions."""
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        simple = doc_ids is None and self.sliding_window is None and q.shape[2] == k.shape[2]
-        if simple:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        """SDPA over q [B,Hq,Tq,D], k/v [B,Hkv,Tk,D] -> [B,Hq,Tq,D]; indices are absolute positions.
+
+        all_visible: every query may see every key (one decoding step over the cache), no mask.
+        """
+        if all_visible and doc_ids is None:
+            return self._sdpa(q, k, v, None, is_causal=False)
+        if doc_ids is None and self.sliding_window is None and q.shape[2] == k.shape[2]:
+            return self._sdpa(q, k, v, None, is_causal=True)
         mask = attention_mask(q_index, k_index, self.sliding_window, doc_ids, doc_ids)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self._sdpa(q, k, v, mask, is_causal=False)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              is_causal: bool) -> torch.Tensor:
+        """GQA through SDPA's enable_gqa (no copy of K/V per query head) wherever the kernel SDPA
+        would pick reads grouped heads: on CUDA that is flash attention (fp16/bf16, no mask), so
+        other CUDA calls keep the explicit repeat (else SDPA may fall back to its O(T^2) math path)."""
+        group = self.num_heads // self.num_kv_heads
+        flash_ok = mask is None and q.dtype in (torch.float16, torch.bfloat16)
+        if group > 1 and q.is_cuda and not flash_ok:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            group = 1
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=group > 1
+        )
 
     def forward(
         self,
@@ -91,5 +107,5 @@ class Attention(nn.Module):
             k, v, k_index = cache.update(k, v)
         else:
             q_index = k_index = torch.arange(t, device=x.device)
-        out = self.attend(q, k, v, q_index, k_index, doc_ids)
+        out = self.attend(q, k, v, q_index, k_index, doc_ids, all_visible=cache is not None and t == 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))

@@ -54,7 +54,7 @@ def generate(
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got {list(input_ids.shape)}")
-    cache = HybridCache(model.arch)
+    cache = HybridCache(model.arch, max_length=input_ids.shape[1] + max_new_tokens)
     logits = model(input_ids, cache=cache)[:, -1]
     out = [input_ids]
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tc.model import ArchConfig, HybridCache, HybridLM, generate, sample_next
+from megatron_tc.model import ArchConfig, AttentionCache, HybridCache, HybridLM, generate, sample_next
 
 
 def hybrid(conv: int = 4) -> HybridLM:
@@ -39,9 +39,58 @@ def test_cached_steps_equal_full_forward(conv):
             start += size
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
     assert cache.seen_tokens == ids.shape[1]
-    assert cache.layer(0).k.shape[2] == 4  # sliding layer keeps window - 1 keys
+    assert cache.layer(0).k.shape[2] == 5  # sliding layer: a ring of `window` keys
     assert cache.layer(2).k.shape[2] == ids.shape[1]
     assert cache.layer(1).state.shape == (2, 4, 16, 16)
+
+
+@pytest.mark.parametrize("max_length", [None, 42], ids=["grow", "hint"])
+def test_token_by_token_decoding_writes_in_place(max_length):
+    """40 single-token steps after a 2-token prompt: logits equal one full forward; full-attention
+    KV buffers are reallocated only O(log T) times without a hint and never with one; the
+    sliding layer's ring stays at `window` slots."""
+    model = hybrid()
+    ids = torch.randint(0, 97, (2, 42))
+    buffers = set()
+    with torch.no_grad():
+        full = model(ids)
+        cache = HybridCache(model.arch, max_length=max_length)
+        pieces = [model(ids[:, :2], cache=cache)]
+        for i in range(2, 42):
+            pieces.append(model(ids[:, i : i + 1], cache=cache))
+            buffers.add(cache.layer(2).k.untyped_storage().data_ptr())
+            assert cache.layer(0).k.shape[2] == min(i + 1, 5)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert cache.layer(2).k.shape[2] == 42
+    assert len(buffers) == (1 if max_length else 5)  # capacities 2 -> 4 -> 8 -> 16 -> 32 -> 64
+    ring = cache.layer(0)
+    assert sorted(ring.index().tolist()) == list(range(37, 42))
+    rows = torch.tensor([1])
+    cache.reorder(rows)
+    assert cache.layer(2).k.shape[:3] == (1, 2, 42) and cache.layer(0).k.shape[:3] == (1, 2, 5)
+
+
+def test_snapshot_restore_undoes_in_place_steps():
+    """A step taken after AttentionCache.snapshot() and undone by restore() leaves no trace: the
+    next step equals decoding that token straight away (sliding ring already wrapped)."""
+    model = hybrid()
+    ids = torch.randint(0, 97, (1, 13))
+    other = (ids[:, -1:] + 1) % 97
+    with torch.no_grad():
+        cache = HybridCache(model.arch)
+        model(ids[:, :12], cache=cache)
+        saved = [(e, e.snapshot() if isinstance(e, AttentionCache) else (e.state, dict(e.conv), e.seen))
+                 for e in cache.layers]
+        model(other, cache=cache)
+        cache.seen_tokens -= 1
+        for e, s in saved:
+            if isinstance(e, AttentionCache):
+                e.restore(s)
+            else:
+                e.state, e.conv, e.seen = s
+        got = model(ids[:, 12:], cache=cache)
+        want = model(ids)[:, -1:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_generate_equals_argmax_of_full_forward():

@@ -41,3 +41,31 @@ def test_chunked_probs_equal_full_softmax(window, packed):
     index = torch.arange(19)
     sdpa = attn.attend(q, k, v, index, index, doc_ids)
     torch.testing.assert_close(probs @ v.repeat_interleave(3, 1), sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_reads_kv_heads_without_expanding_them(monkeypatch):
+    """attend() hands grouped K/V heads to SDPA (enable_gqa) instead of repeating them per query
+    head, for the causal, the masked (packed) and the decoding (one query, all keys) calls, and
+    gives what the explicit expansion gives."""
+    arch = ArchConfig(family="llama", vocab_size=10, hidden_size=48, num_layers=1, num_heads=6, num_kv_heads=2,
+                      head_dim=8, intermediate_size=8)
+    attn = Attention(arch, 0)
+    x, index = torch.randn(2, 11, 48), torch.arange(11)
+    doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 11])
+    q, k, v = attn.project_qkv(x, positions_from_doc_ids(doc_ids))
+    k6, v6 = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    mask = (index[:, None] >= index[None]) & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    want = {"causal": sdpa(q, k6, v6, is_causal=True, scale=attn.scale),
+            "packed": sdpa(q, k6, v6, attn_mask=mask, scale=attn.scale),
+            "decode": sdpa(q[:, :, -1:], k6, v6, scale=attn.scale)}
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("K/V heads were expanded with repeat_interleave")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", no_copies)
+    got = {"causal": attn.attend(q, k, v, index, index),
+           "packed": attn.attend(q, k, v, index, index, doc_ids),
+           "decode": attn.attend(q[:, :, -1:], k, v, index[-1:], index, all_visible=True)}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
