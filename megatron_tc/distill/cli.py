@@ -32,5 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_tc.distill.runner import run_pipeline
 
     force = [s.strip() for s in args.force.split(",") if s.strip()]
-    run_pipeline(cfg, force=force, stop_after=args.stop_after)
+    try:
+        run_pipeline(cfg, force=force, stop_after=args.stop_after)
+    except ConfigError as err:  # checks that need the world size or the teacher
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     return 0

@@ -11,6 +11,7 @@ bookkeeping, and the decisions are broadcast so ranks never diverge.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -134,10 +135,11 @@ def _setup(cfg: Any) -> RunContext:
     from megatron_tc.parallel.state import init_distributed, init_parallel
 
     ensure_process_group_env()
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    cfg = resolve_config(cfg, world_size)  # checks (before any process group exists), fills parallel.dp
     setup_logging(cfg.logging.level)
     device = pick_device(cfg)
     init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
-    cfg = resolve_config(cfg, dist.get_world_size())  # checks, and fills parallel.dp
     par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
     torch.manual_seed(cfg.run.seed)
     paths = RunPaths.from_config(cfg)
