@@ -5,6 +5,7 @@ Layout under a stage's checkpoint root (e.g. ``<run_dir>/stage2/checkpoints``)::
     step_00000040/
         engine/...            engine.save_checkpoint(tag="engine"): ZeRO partitions, optimizer
         rng/rank_00000.pt     python / numpy / torch (and CUDA) RNG states of each rank
+        extra/rank_00000.pt   tensors the engine's own checkpoint misses (optional, per rank)
         files.json            size and sha256 of every file above (verified before anything loads)
         state.json            TrainState: step, tokens seen, data position, counters, layout
     latest                    text file naming the newest complete step directory
@@ -189,6 +190,7 @@ class CheckpointManager:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the latest checkpoint is always kept")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.loaded_extra: dict[str, torch.Tensor] | None = None
 
     # -- queries
     def complete_steps(self) -> list[int]:
@@ -223,8 +225,11 @@ class CheckpointManager:
         _barrier()
         return removed
 
-    def save(self, engine: Any, state: TrainState) -> Path:
-        """Write a checkpoint of `engine` (a DeepSpeed engine) and `state`; return its directory."""
+    def save(self, engine: Any, state: TrainState, extra: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write a checkpoint of `engine` (a DeepSpeed engine) and `state`; return its directory.
+
+        extra: this rank's tensors that DeepSpeed's checkpoint does not hold (e.g. the pipeline
+        engine skips tied layers); `load` hands them back in `self.loaded_extra`."""
         name = step_dir_name(state.step)
         tmp, final = self.root / f".tmp-{name}", self.root / name
         if _rank() == 0:
@@ -234,6 +239,9 @@ class CheckpointManager:
         _barrier()
         engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
         _atomic_torch_save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+        if extra is not None:
+            (tmp / "extra").mkdir(exist_ok=True)
+            _atomic_torch_save({k: v.detach().cpu() for k, v in extra.items()}, tmp / "extra" / f"rank_{_rank():05d}.pt")
         _barrier()
         files = hash_files(tmp)
         if _rank() == 0:
@@ -304,6 +312,8 @@ class CheckpointManager:
             raise CheckpointError(f"DeepSpeed found no engine checkpoint under {path / ENGINE_TAG}; "
                                   "the checkpoint is incomplete: delete it and point `latest` at an older one")
         set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy state inside
+        extra_file = path / "extra" / f"rank_{_rank():05d}.pt"
+        self.loaded_extra = torch.load(extra_file, weights_only=True) if extra_file.is_file() else None
         _barrier()
         return state
 

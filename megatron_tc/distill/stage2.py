@@ -155,6 +155,7 @@ class Stage2Trainer:
                     path.unlink(missing_ok=True)
             return TrainState(layout=dict(self.layout))
         self.loader.load_state_dict(state.data)
+        self.restore_extra(self.manager.loaded_extra)
         if self.rank0:  # records written after the checkpoint are rewritten by this run
             truncate_jsonl(self.out_dir / TRAIN_LOG, "step", state.step)
             truncate_jsonl(self.eval_log, "step", state.step)
@@ -283,14 +284,25 @@ class Stage2Trainer:
             self._save(state)
         if not stopped and self.eval_rows and (last_eval is None or last_eval["step"] != state.step):
             last_eval = self.evaluate(state)
-        student_state = None if stopped else gather_full_state(self.engine)
+        student_state = None if stopped else self.gather_student()
         self.tb.flush()
         return Stage2Result(state.step, state.tokens_seen, state.skipped_steps, stopped, last_eval, student_state)
+
+    def extra_state(self) -> dict[str, torch.Tensor] | None:
+        """Tensors DeepSpeed's checkpoint of this engine misses (none for ZeRO engines)."""
+        return None
+
+    def restore_extra(self, extra: dict[str, torch.Tensor] | None) -> None:
+        pass
+
+    def gather_student(self) -> dict[str, torch.Tensor] | None:
+        """The full student state dict on rank 0 (collective)."""
+        return gather_full_state(self.engine)
 
     def _save(self, state: TrainState) -> None:
         state.data = self.loader.state_dict()
         state.layout = dict(self.layout)
-        path = self.manager.save(self.engine, state)
+        path = self.manager.save(self.engine, state, self.extra_state())
         log.info("stage2: checkpoint %s", path)
 
 
@@ -350,7 +362,9 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, build_teacher
 
     if ctx.pp_size > 1:
-        raise NotImplementedError("stage 2 with pipeline parallelism (pp > 1) is not wired yet; use pp=1")
+        from megatron_tc.distill.stage2_pipeline import build_pipeline_stage2
+
+        return build_pipeline_stage2(cfg, ctx, student, teacher, loader, out_dir, tb, device, tensorboard_dir, eval_log)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = student.arch.vocab_size
     names = select_trainable(student, cfg.distill.stage2.trainable)

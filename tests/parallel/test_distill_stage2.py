@@ -13,3 +13,9 @@ def test_nan_loss_and_gradient_are_skipped_and_counted_or_abort(tmp_path):
     """nan_policy=skip: a NaN loss (step 1) and a NaN gradient (step 3) skip their updates and are
     counted; nan_policy=abort: a NaN loss stops the run with a NonFiniteError naming the step."""
     run_distributed(_workers_distill.nan_policies, 2, str(tmp_path), timeout=240)
+
+
+def test_pipeline_parallel_stage2_resumes_exactly_and_gathers_the_student(tmp_path):
+    """PP=2 through DeepSpeed's pipeline engine (ZeRO-1): stop after 2 of 4 steps, resume, same
+    losses and gathered student as a straight run; both stages' tensors are trained."""
+    run_distributed(_workers_distill.pipeline_resume_matches_uninterrupted, 2, str(tmp_path), timeout=240)
