@@ -62,7 +62,7 @@ def relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> float:
     err = ref = 0.0
     with torch.no_grad():
         for start in range(0, data.x.shape[0], rows):
-            part = data.rows(torch.arange(start, min(start + rows, data.x.shape[0])))
+            part = data.rows(torch.arange(start, min(start + rows, data.x.shape[0]), device=data.x.device))
             out = mixer(part.x, doc_ids=part.doc_ids)
             err += float((out - part.y).double().pow(2).sum())
             ref += float(part.y.double().pow(2).sum())
@@ -89,16 +89,17 @@ def align_layer(
         raise ValueError(f"best_on must be 'heldout' or 'train', got {settings.best_on!r}")
     if settings.best_on == "heldout" and heldout is None:
         raise ValueError("best_on='heldout' needs held-out calibration data")
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # the same rows on every device
     optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=(0.9, 0.95))
-    n = train.x.shape[0]
+    n, device = train.x.shape[0], train.x.device
     score = (lambda: relative_mse(mixer, heldout)) if settings.best_on == "heldout" else None
-    initial = score() if score else relative_mse(mixer, train.rows(torch.arange(min(n, settings.batch_rows))))
+    initial = score() if score else relative_mse(mixer, train.rows(torch.arange(min(n, settings.batch_rows), device=device)))
     best, best_step, best_state = initial, 0, copy.deepcopy(mixer.state_dict())
     curve = [(0, initial)]
     mixer.train()
     for step in range(1, settings.steps + 1):
-        part = train.rows(torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator))
+        rows = torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
+        part = train.rows(rows.to(device))
         out = mixer(part.x, doc_ids=part.doc_ids)
         loss = (out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30)
         optimizer.zero_grad(set_to_none=True)
@@ -106,10 +107,10 @@ def align_layer(
         torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
         optimizer.step()
         if log is not None:
-            log(f"align/{tag}/train", float(loss), step)
+            log(f"align/{tag}/train", float(loss.detach()), step)
         value = None
         if score is None:
-            value = float(loss)  # the paper's reading: the step with the lowest training loss
+            value = float(loss.detach())  # the paper's reading: the step with the lowest training loss
         elif step % settings.eval_every == 0 or step == settings.steps:
             mixer.eval()
             value = score()

@@ -24,15 +24,17 @@ KV_HEAD_KEYS = ("k_sum", "k_sq", "v_sum", "v_sq")
 LAYER_KEYS = ("count", "count2", "count3", "x_sum", "x_energy", "resid_energy", "Y_energy")
 
 
-def empty_layer_sums(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int) -> dict[str, torch.Tensor]:
-    """Zero sums of one layer with the shapes `attention_sums` adds into."""
+def empty_layer_sums(
+    num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """Zero sums of one layer with the shapes `attention_sums` adds into (fp64, on `device`:
+    the teacher's, so per-batch results are added where they are computed)."""
     h, kv, d = num_heads, num_kv_heads, head_dim
-    out = {key: torch.zeros(h, dtype=F64) for key in DENOMINATOR}
-    out.update(y_sum=torch.zeros(h, d, dtype=F64), y_sq=torch.zeros(h, d, d, dtype=F64))
-    out.update(k_sum=torch.zeros(kv, d, dtype=F64), k_sq=torch.zeros(kv, d, d, dtype=F64))
-    out.update(v_sum=torch.zeros(kv, d, dtype=F64), v_sq=torch.zeros(kv, d, d, dtype=F64))
-    out.update({key: torch.zeros((), dtype=F64) for key in ("count", "count2", "count3", "x_energy", "resid_energy", "Y_energy")})
-    out["x_sum"] = torch.zeros(hidden, dtype=F64)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=F64, device=device)  # noqa: E731
+    out = {key: zeros(h) for key in DENOMINATOR}
+    out.update(y_sum=zeros(h, d), y_sq=zeros(h, d, d), k_sum=zeros(kv, d), k_sq=zeros(kv, d, d))
+    out.update(v_sum=zeros(kv, d), v_sq=zeros(kv, d, d), x_sum=zeros(hidden))
+    out.update({key: zeros(()) for key in ("count", "count2", "count3", "x_energy", "resid_energy", "Y_energy")})
     return out
 
 
@@ -136,7 +138,7 @@ def attention_sums(
     k_index = torch.arange(t, device=q.device)
     lo = sink_index if sliding_window is None else torch.maximum(sink_index, k_index[None] - sliding_window + 1)
     vbar = running_mean_values(v_exp, lo)
-    sums = {key: torch.zeros(hq, dtype=F64) for key in DENOMINATOR}
+    sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
     ys = []
     for start, p in iter_attention_probs(q, k, scale, sliding_window, doc_ids, chunk_size):
         stop = start + p.shape[2]
@@ -172,7 +174,7 @@ def layer_input_sums(
     b, t, _ = x.shape
     n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, x.device)
     return {
-        "count": torch.tensor(float(b * t), dtype=F64),
+        "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
         "count2": (n >= 2).sum().to(F64),
         "count3": ((n - sink_seen.long()) >= 2).sum().to(F64),
         "x_sum": x.to(F64).sum(dim=(0, 1)),

@@ -16,13 +16,15 @@ from megatron_tc.model.ops import gated_delta_rule
 F64 = torch.float64
 
 
-def empty_readout_sums(num_candidates: int, num_heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+def empty_readout_sums(
+    num_candidates: int, num_heads: int, head_dim: int, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """Zero fp64 readout sums of one layer on `device` (the teacher's)."""
     c, h = num_candidates, num_heads
+    zeros = lambda *shape: torch.zeros(*shape, dtype=F64, device=device)  # noqa: E731
     return {
-        "G": torch.zeros(c * h, c * h, dtype=F64), "r": torch.zeros(c * h, dtype=F64),
-        "uy": torch.zeros(c, h, dtype=F64), "uu": torch.zeros(c, h, dtype=F64), "yy": torch.zeros(h, dtype=F64),
-        "YY": torch.zeros((), dtype=F64), "beta": torch.zeros(h, dtype=F64), "g": torch.zeros(h, dtype=F64),
-        "count": torch.zeros((), dtype=F64),
+        "G": zeros(c * h, c * h), "r": zeros(c * h), "uy": zeros(c, h), "uu": zeros(c, h), "yy": zeros(h),
+        "YY": zeros(()), "beta": zeros(h), "g": zeros(h), "count": zeros(()),
     }
 
 
@@ -30,6 +32,7 @@ def empty_readout_sums(num_candidates: int, num_heads: int, head_dim: int) -> di
 def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
     """Run the GDN recurrence of `mixer` on x [B, T, hidden]. Returns (RMSNorm(o) * o_norm.weight
     [B, T, H, D] fp32, g [B, T, H], beta [B, T, H]) — the layer output before the output gate."""
+    x = x.to(mixer.q_proj.weight.dtype)  # the converted layer runs in its own dtype (fp32)
     q, k, v = mixer.qkv(x, doc_ids)
     g, beta = mixer.gates(x)
     o, _ = gated_delta_rule(
@@ -80,7 +83,7 @@ def readout_sums(
         "YY": out.to(F64).pow(2).sum(),
         "beta": beta.to(F64).sum(dim=(0, 1)),
         "g": g.to(F64).sum(dim=(0, 1)),
-        "count": torch.tensor(float(b * t), dtype=F64),
+        "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
     }
 
 
@@ -89,4 +92,4 @@ def solve_joint_scales(G: torch.Tensor, r: torch.Tensor, ridge: float = 1e-6) ->
     of `ridge` * mean diagonal so a head whose read is all zero gets scale 0."""
     n = G.shape[0]
     lam = ridge * G.diagonal().mean().clamp_min(1e-30)
-    return torch.linalg.solve(G + lam * torch.eye(n, dtype=G.dtype), r)
+    return torch.linalg.solve(G + lam * torch.eye(n, dtype=G.dtype, device=G.device), r)

@@ -41,7 +41,19 @@ def _rank0(group) -> bool:
 
 
 def _mixer_state(model: nn.Module, index: int) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.layers[index].mixer.state_dict().items()}
+    """The teacher mixer's weights on the CPU: strategies are small CPU math (LayerContext)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.layers[index].mixer.state_dict().items()}
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the teacher's weights are: every sum and helper module of the pass lives there."""
+    return next(model.parameters()).device
+
+
+def _to_cpu(stats: TaylorStats) -> TaylorStats:
+    """A finished pass hands out CPU tensors (as `TaylorStats.load` does)."""
+    stats.sums = {k: v.cpu() for k, v in stats.sums.items()}
+    return stats
 
 
 def collect_attention_stats(
@@ -67,7 +79,8 @@ def collect_attention_stats(
             raise ValueError(f"layer {index} of the teacher is not softmax attention (pattern {arch.layer_pattern!r})")
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     heads, kv_heads = arch.num_heads // tp, arch.num_kv_heads // tp
-    sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size) for l in layers}
+    device = model_device(model)
+    sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
 
     def on_layer(index: int, io: LayerIO) -> None:
         mixer = io.mixer
@@ -96,7 +109,7 @@ def collect_attention_stats(
         gather_tp_heads(stats, tp_group)
     if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
-    return stats
+    return _to_cpu(stats)
 
 
 def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
@@ -116,7 +129,8 @@ def build_readout_mixers(
     stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
 ) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
     """For every strategy needing readout sums: per layer, the GDN mixer with its closed-form
-    parameters and its output-gate candidates."""
+    parameters and its output-gate candidates, in fp32 on the teacher's device."""
+    device = model_device(model)
     out: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {}
     for strategy in strategies:
         if not strategy.needs_readout or strategy.readout_name in out:
@@ -127,10 +141,13 @@ def build_readout_mixers(
         for index in stats.layers:
             ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed), stats)
             params = strategy.closed_form(ctx)
-            mixer = GatedDeltaNet(student_arch, index)
+            with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
+                mixer = GatedDeltaNet(student_arch, index)
+            mixer = mixer.to_empty(device=device)
             mixer.load_state_dict(params)
             mixer.eval()
-            per_layer[index] = (mixer, strategy.gate_candidates(ctx, params))
+            candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
+            per_layer[index] = (mixer, candidates)
         out[strategy.readout_name] = per_layer
     return out
 
@@ -155,7 +172,7 @@ def collect_readout_stats(
     part: dict[str, torch.Tensor] = {}
     for name, per_layer in mixers.items():
         for index, (_, candidates) in per_layer.items():
-            empty = empty_readout_sums(len(candidates), arch.num_heads, arch.head_dim)
+            empty = empty_readout_sums(len(candidates), arch.num_heads, arch.head_dim, model_device(model))
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
 
     def on_layer(index: int, io: LayerIO) -> None:
@@ -174,7 +191,7 @@ def collect_readout_stats(
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
     reduced = TaylorStats({"layers": stats.layers}, part)
     reduced.all_reduce_(dp_group)
-    stats.sums.update(reduced.sums)
+    stats.sums.update(_to_cpu(reduced).sums)
     for name, per_layer in mixers.items():
         stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1])}
     return stats

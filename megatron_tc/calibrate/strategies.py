@@ -57,8 +57,9 @@ class AlignSettings:
 
 def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
     """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
-    generator seeded by (seed, index) so it does not depend on which other layers exist."""
-    with torch.random.fork_rng(devices=[]):
+    generator seeded by (seed, index) so it does not depend on which other layers exist. Always
+    drawn on the CPU (the same numbers whatever device the teacher is on)."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed * 100003 + index)
         mixer = GatedDeltaNet(arch, index)
         with torch.no_grad():
@@ -256,10 +257,11 @@ class TaylorFit(Taylor):
         h = ctx.arch.num_heads
         explained = readout["uy"].pow(2) / readout["uu"].clamp_min(1e-30)  # [C, H]
         choice = explained.argmax(dim=0)  # [H]
-        index = choice * h + torch.arange(h)
+        index = choice * h + torch.arange(h, device=choice.device)
         scales = solve_joint_scales(readout["G"][index][:, index], readout["r"][index])
         w_v = value_per_query_head(ctx)
-        rows = torch.tensor([GATE_GAMMAS[int(c)] for c in choice], dtype=w_v.dtype).repeat_interleave(ctx.arch.head_dim)
+        rows = torch.tensor([GATE_GAMMAS[int(c)] for c in choice], dtype=w_v.dtype, device=w_v.device)
+        rows = rows.repeat_interleave(ctx.arch.head_dim)
         params["g_proj.weight"] = w_v * rows[:, None]
         fold_head_scales(params, scales, ctx.arch.head_dim)
         return params

@@ -48,9 +48,10 @@ def build_student(
     converted = converted_layers(pattern)
     if stats is not None:
         stats.check_applies_to(teacher_sha256, converted)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    device = next(teacher.parameters()).device
+    with torch.device("meta"):  # every weight is set below (teacher copy or strategy): no init
         student = HybridLM(arch)
+    student = student.to_empty(device=device)  # fp32 on the teacher's device
     state = student.state_dict()
     teacher_state = teacher.state_dict()
     for name in state:
@@ -60,9 +61,13 @@ def build_student(
         state[name] = teacher_state[name].clone()
     for index in converted:
         prefix = f"layers.{index}.mixer."
-        teacher_mixer = {k[len(prefix):]: v for k, v in teacher_state.items() if k.startswith(prefix)}
+        # strategies are small CPU math on the mixer's weights (see LayerContext)
+        teacher_mixer = {k[len(prefix):]: v.detach().cpu() for k, v in teacher_state.items() if k.startswith(prefix)}
         ctx = LayerContext(index, arch, teacher_mixer, default_gdn_state(arch, index, seed), stats)
         params = strategy.init_layer(ctx)
+        missing = sorted(set(k[len(prefix):] for k in state if k.startswith(prefix)) - set(params))
+        if missing:
+            raise StrategyError(f"strategy {strategy.name!r} left {missing} of layer {index} unset")
         for key, value in params.items():
             state[prefix + key] = value.to(state[prefix + key].dtype)
     student.load_state_dict(state)
