@@ -168,6 +168,9 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
 
     if not layers:
         raise ValueError("stage1 needs converted (Gated DeltaNet) layers; the layer pattern has none")
+    if ctx.tp_size > 1 or ctx.pp_size > 1:
+        raise NotImplementedError(f"stage1 runs with parallel.tp=1 and parallel.pp=1 (got tp={ctx.tp_size}, "
+                                  f"pp={ctx.pp_size}); its layers are independent, so use data parallelism")
     out_dir.mkdir(parents=True, exist_ok=True)
     wrapped = ConvertedMixers(student, layers)
     wrapped.requires_grad_(True)

@@ -361,6 +361,11 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     (ZeRO-3 over DP; PP == 1) and return a trainer ready to `run()` (which resumes if it can)."""
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, build_teacher
 
+    if ctx.tp_size > 1:
+        raise NotImplementedError(
+            f"distillation with parallel.tp={ctx.tp_size} is not wired into the pipeline yet (the tensor-parallel "
+            "model exists in megatron_tc.parallel.tensor_parallel); run stage1/stage2 with parallel.tp=1 "
+            "(ZeRO-3 data parallelism, or parallel.pp > 1)")
     if ctx.pp_size > 1:
         from megatron_tc.distill.stage2_pipeline import build_pipeline_stage2
 
