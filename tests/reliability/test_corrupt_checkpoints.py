@@ -125,8 +125,6 @@ def test_checkpoint_of_another_layout_is_refused_before_loading(train_ckpts):
         CheckpointManager(train_ckpts).load(UntouchableEngine(), dict(LAYOUT, world_size=2, dp=2))
 
 
-@pytest.mark.xfail(strict=True, reason="distill/checkpointing.py parses state.json without a guard: a truncated "
-                   "state.json raises a bare json.JSONDecodeError that does not name the file")
 def test_truncated_train_state_is_named(train_ckpts):
     from megatron_tc.distill.checkpointing import CheckpointError as TrainCheckpointError, CheckpointManager
 
@@ -136,14 +134,55 @@ def test_truncated_train_state_is_named(train_ckpts):
         CheckpointManager(train_ckpts).load(UntouchableEngine(), LAYOUT)
 
 
-@pytest.mark.xfail(strict=True, reason="distill/checkpointing.py checks the per-rank RNG file only after "
-                   "engine.load_checkpoint has restored weights and optimizer: an incomplete checkpoint is "
-                   "partially loaded before it is refused (no file list / sha256 manifest to verify first)")
 def test_missing_rng_file_is_refused_before_the_engine_is_loaded(train_ckpts):
     from megatron_tc.distill.checkpointing import CheckpointError as TrainCheckpointError, CheckpointManager
 
     os.remove(train_ckpts / "step_00000012/rng/rank_00000.pt")
     with pytest.raises(TrainCheckpointError, match="rank_00000.pt"):
+        CheckpointManager(train_ckpts).load(UntouchableEngine(), LAYOUT)
+
+
+def _engine_file(step_dir: Path, kind: str) -> Path:
+    return next((step_dir / "engine").rglob(f"*{kind}_states.pt"))
+
+
+TRAIN_FAULTS = {
+    # name: (damage(step dir, older step dir) -> the damaged file, regex after the file name)
+    "flipped byte in the optimizer partition": (lambda d, o: _flip(_engine_file(d, "optim")), "is corrupted: sha256"),
+    "model states of the older step": (lambda d, o: _swap(_engine_file(o, "model"), _engine_file(d, "model")),
+                                       "(is corrupted|has \\d+ bytes)"),
+    "model states deleted": (lambda d, o: _delete(_engine_file(d, "model")), "is missing"),
+    "files.json unreadable": (lambda d, o: _write(d / "files.json", "{"), "cannot be read"),
+}
+
+
+def _flip(path: Path) -> Path:
+    _flip_byte(path)
+    return path
+
+
+def _swap(src: Path, dst: Path) -> Path:
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def _delete(path: Path) -> Path:
+    path.unlink()
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("fault", list(TRAIN_FAULTS))
+def test_damaged_training_checkpoint_is_named_before_the_engine_loads(train_ckpts, fault):
+    from megatron_tc.distill.checkpointing import CheckpointError as TrainCheckpointError, CheckpointManager
+
+    damage, message = TRAIN_FAULTS[fault]
+    damaged = damage(train_ckpts / "step_00000012", train_ckpts / "step_00000010")
+    with pytest.raises(TrainCheckpointError, match=rf"{damaged} {message}"):
         CheckpointManager(train_ckpts).load(UntouchableEngine(), LAYOUT)
 
 
@@ -171,9 +210,6 @@ def test_corrupted_engine_file_stops_the_resume_and_writes_nothing(corrupted_res
     assert sorted(p.name for p in checkpoints(base).iterdir()) == ["latest", "step_00000010", "step_00000012"]
 
 
-@pytest.mark.xfail(strict=True, reason="stage-2 checkpoints carry no sha256 manifest (distill/checkpointing.py): "
-                   "a truncated DeepSpeed partition fails inside torch.load ('PytorchStreamReader failed reading "
-                   "zip archive') with a traceback through DeepSpeed that never names the file")
 def test_corrupted_engine_file_is_named(corrupted_resume):
     _, job, optim = corrupted_resume
     assert "CheckpointError" in job.output() and optim.name in job.output().split("CheckpointError")[-1]
