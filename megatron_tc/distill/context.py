@@ -85,7 +85,12 @@ class RunContext:
                 "seq_len": d.seq_len, "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens,
                 "dedupe": d.dedupe})
             teacher = self.teacher()
-            tokenizer = None if d.tokenizer else teacher.tokenizer
+            tokenizer = teacher.tokenizer
+            if d.tokenizer:  # another tokenizer for the data must map text exactly as the teacher's
+                from megatron_tc.data.tokenizer import check_same_tokenizer, load_tokenizer
+
+                tokenizer = load_tokenizer(d.tokenizer)
+                check_same_tokenizer(teacher.tokenizer, tokenizer, "teacher", f"data (data.tokenizer={d.tokenizer})")
             vocab = teacher.model.arch.vocab_size
 
             def prepare():

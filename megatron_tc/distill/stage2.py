@@ -361,6 +361,10 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     (ZeRO-3 over DP; PP == 1) and return a trainer ready to `run()` (which resumes if it can)."""
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, build_teacher
 
+    if student.arch.vocab_size != teacher.arch.vocab_size:
+        raise ValueError(f"the student's vocabulary ({student.arch.vocab_size} tokens) differs from the teacher's "
+                         f"({teacher.arch.vocab_size}): the KL compares their logits token by token; build the "
+                         "student from this teacher (init stage)")
     if ctx.tp_size > 1:
         raise NotImplementedError(
             f"distillation with parallel.tp={ctx.tp_size} is not wired into the pipeline yet (the tensor-parallel "
