@@ -2,14 +2,17 @@
 
 Pure math on tensors (no model, no process groups): `attention_sums` takes what the teacher's
 attention computed for one batch and returns sums whose division by the token counts gives the
-statistics of docs/method.md section 3. Attention probabilities arrive one chunk of queries at a
-time from `model.ops.iter_attention_probs`, so memory is B*H*chunk*T, never B*H*T*T.
+statistics of docs/method.md section 3. Attention logits are formed one chunk of queries at a time
+against the keys that chunk can see (causal: keys < chunk end; sliding: the last window), with the
+model's masks (`model.ops.attention_mask`), so memory is B*H*chunk*T, never B*H*T*T; every
+statistic of a chunk comes from one logits tensor in a few passes (batched row dot products as
+matmuls), with the distribution's log taken from the logits, never as log(probabilities).
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_tc.model.ops import attention_mask, iter_attention_probs, positions_from_doc_ids
+from megatron_tc.model.ops import attention_mask, positions_from_doc_ids
 
 F64 = torch.float64
 
@@ -46,57 +49,84 @@ def _sink_index(doc_ids: torch.Tensor | None, b: int, t: int, device: torch.devi
     return index - positions_from_doc_ids(doc_ids)
 
 
+NEG = -1e30  # masked logits: exp() is exactly 0, and 0 * NEG is 0 (not NaN as with -inf)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_j a[..., j] * b[..., j] for a, b [B, H, c, Tk] (one contraction, no product tensor)."""
+    return torch.einsum("bhct,bhct->bhc", a, b)
+
+
+def _rowdot_shared(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_j p[b, h, i, j] * w[i, j] for p [B, H, c, Tk], w [c, Tk]."""
+    return torch.einsum("bhct,ct->bhc", p, w)
+
+
 def _chunk_head_sums(
-    p: torch.Tensor, mask: torch.Tensor, dist: torch.Tensor, sink: torch.Tensor, v: torch.Tensor,
+    s: torch.Tensor, mask: torch.Tensor, dist: torch.Tensor, sink: torch.Tensor, v: torch.Tensor,
     vbar: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Sums over the queries of one chunk.
+    """Sums over the queries of one chunk, from its logits in a few passes.
 
-    p [B, H, c, T] probabilities (0 where masked), mask [B, 1, c, T] bool, dist [c, T] query-key
-    distance, sink [B, c] key index of each query's sink, v [B, H, T, D] (expanded to query heads),
-    vbar [B, H, c, D] mean visible value of each query (the zero-order term).
+    s [B, H, c, Tk] fp32 logits (overwritten), mask [B, 1, c, Tk] bool, dist [c, Tk] query-key
+    distance, sink [B, c] position of each query's sink among the Tk keys (-1: not among them),
+    v [B, Hkv, Tk, D] fp32, vbar [B, Hkv, c, D] mean visible value (the zero-order term).
     Returns (per-head sums [H] in fp64, y [B, H, c, D] fp32 head outputs).
+
+    The sink is split off first: with m the largest visible non-sink logit, s0 = s - m (0 where
+    masked or at the sink) and e = exp(s0), the sink-free distribution is q = e / sum(e), exactly
+    representable however much mass the sink holds (in fp32, its p would underflow). Then
+    entropy_ns = log sum(e) - sum q s0 and dist_ns = sum q d (no cancellation), and the full
+    distribution follows from the sink's share p_sink = sigmoid(l_sink - log sum(e)), l_sink = s_sink - m.
     """
+    b, h, c, tk = s.shape
+    hkv = v.shape[1]
+    has_sink = (sink >= 0)[:, None, :, None].expand(b, h, c, 1)
+    at = sink.clamp_min(0)[:, None, :, None].expand(b, h, c, 1)
+    s.masked_fill_(~mask, NEG)
+    s_at = s.gather(-1, at)
+    s.scatter_(-1, at, torch.where(has_sink, NEG, s_at))  # the sink's logit out of the row
+    s_sink = torch.where(has_sink, s_at, NEG)  # NEG when hidden (window) or not among the keys
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(m > NEG / 2, m, s_sink)  # a query whose only visible key is its sink
+    s.sub_(m)
+    e = s.exp()  # 0 where masked and at the sink
+    s.masked_fill_(~mask, 0.0).scatter_(-1, at, torch.where(has_sink, 0.0, s.gather(-1, at)))  # s0
+    z_rest = e.sum(-1, keepdim=True)  # >= 1 when a non-sink key is visible, else 0
+    l_sink = s_sink - m
+    log_z = torch.logaddexp(z_rest.log(), l_sink)  # log sum over all visible keys (shifted by m)
+    p_sink = (l_sink - log_z).exp()
+    z_ns = (z_rest.log() - log_z).exp()  # non-sink mass, without cancellation
+    ok = z_rest > 0
+    z_rest_safe = torch.where(ok, z_rest, 1.0)
+    dist_ns = _rowdot_shared(e, dist) / z_rest_safe.squeeze(-1)
+    ent_ns = z_rest_safe.log().squeeze(-1) - _rowdot(e, s) / z_rest_safe.squeeze(-1)
+    e.mul_(torch.where(ok, z_ns / z_rest_safe, 0.0)).scatter_add_(-1, at, p_sink)  # p (full)
+    y = (e.view(b, hkv, -1, tk) @ v).view(b, h, c, -1)
+    zero_err = (y.view(b, hkv, h // hkv, c, -1) - vbar[:, :, None]).pow(2).sum(-1).view(b, h, c)
+    p_sink, z_ns, l_sink = p_sink.squeeze(-1), z_ns.squeeze(-1), l_sink.squeeze(-1)
+    d_sink = dist.gather(-1, sink.clamp_min(0).T.contiguous()).T[:, None]  # [B, 1, c]
+    ent = z_ns * ent_ns - torch.special.xlogy(z_ns, z_ns) - torch.special.xlogy(p_sink, p_sink)
     n = mask.sum(-1, dtype=torch.float32)  # [B, 1, c] visible keys
-    h = p.shape[1]
-    sink_at = sink[:, None, :, None].expand(-1, h, -1, 1)
-    plogp = torch.special.xlogy(p, p)
-    ent = -plogp.sum(-1)  # [B, H, c]
-    pd = (p * dist).sum(-1)
-    p_sink = p.gather(-1, sink_at).squeeze(-1)
-    d_sink = dist.expand(p.shape[0], -1, -1).gather(-1, sink[:, :, None]).squeeze(-1)[:, None]  # [B, 1, c]
-    has2 = n >= 2
-    # attention renormalised over the non-sink keys: Z = sum_{j != s} p_j, summed (not 1 - p_s,
-    # which cancels when the sink holds nearly all the mass)
-    not_sink = torch.ones_like(p[:, :1]).scatter_(-1, sink[:, None, :, None], 0.0)
-    z_ns = (p * not_sink).sum(-1)
-    ok_ns = has2 & (z_ns > 0)
-    z_safe = torch.where(ok_ns, z_ns, torch.ones_like(z_ns))
-    dist_ns = (pd - p_sink * d_sink) / z_safe
-    ent_ns = (ent + plogp.gather(-1, sink_at).squeeze(-1)) / z_safe + torch.log(z_safe)
-    sink_seen = mask.gather(-1, sink[:, None, :, None]).squeeze(-1)  # False when a window hides it
+    sink_seen = (s_sink[:, :1, :, 0] > NEG / 2)  # [B, 1, c]
     n_ns = n - sink_seen.float()
-    has_ns2 = n_ns >= 2
-    log_n = torch.log(n.clamp_min(2))
-    log_n1 = torch.log(n_ns.clamp_min(2))
-    # logit variance over visible keys: log p differs from the logits by a per-row constant
-    logp = (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) * mask).to(F64)  # fp64: E[l^2] - E[l]^2 cancels
-    mean_lp = logp.sum(-1) / n
-    var_lp = ((logp * logp).sum(-1) / n - mean_lp * mean_lp).float()
-    y = p @ v  # [B, H, c, D]
-    zero_err = (y - vbar).pow(2).sum(-1)
+    # logit variance over the visible keys, from the logits shifted by m (the sink's is l_sink)
+    seen = sink_seen.float()
+    mean_s = (s.sum(-1) + seen * l_sink) / n
+    var_s = (_rowdot(s, s).double() + (seen * l_sink).double().pow(2)) / n - mean_s.double().pow(2)
 
     def total(x: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
         x = x.to(F64)
         if where is not None:
-            x = x * where.to(F64)
+            x = torch.where(where, x, 0.0)
         return x.sum(dim=(0, 2))
 
+    has2, ok_ns = n >= 2, ok.squeeze(-1)
     sums = {
-        "dist": total(pd), "entropy": total(ent), "sink": total(p_sink), "logit_var": total(var_lp.clamp_min(0)),
-        "zero_order_err": total(zero_err),
-        "dist_nosink": total(dist_ns, ok_ns), "conc": total(1 - ent / log_n, has2),
-        "conc_nosink": total(1 - ent_ns / log_n1, has_ns2 & ok_ns),
+        "dist": total(z_ns * dist_ns + p_sink * d_sink), "entropy": total(ent), "sink": total(p_sink),
+        "logit_var": total(var_s.clamp_min(0)), "zero_order_err": total(zero_err),
+        "dist_nosink": total(dist_ns, has2 & ok_ns), "conc": total(1 - ent / torch.log(n.clamp_min(2)), has2),
+        "conc_nosink": total(1 - ent_ns / torch.log(n_ns.clamp_min(2)), (n_ns >= 2) & ok_ns),
     }
     return sums, y
 
@@ -132,32 +162,43 @@ def attention_sums(
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    v_exp = v.float().repeat_interleave(group, dim=1)
-    o_heads = o_weight.float().view(o_weight.shape[0], hq, d)  # [hidden, H, D]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key heads ({hkv})")
+    vf = v.float()
     sink_index = _sink_index(doc_ids, b, t, q.device)
     k_index = torch.arange(t, device=q.device)
     lo = sink_index if sliding_window is None else torch.maximum(sink_index, k_index[None] - sliding_window + 1)
-    vbar = running_mean_values(v_exp, lo)
+    vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
+    kf_t = k.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
     sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
     ys = []
-    for start, p in iter_attention_probs(q, k, scale, sliding_window, doc_ids, chunk_size):
-        stop = start + p.shape[2]
-        q_index = torch.arange(start, stop, device=q.device)
+    for start in range(0, t, chunk_size):
+        stop = min(start + chunk_size, t)
+        # keys a query of this chunk may see: causal (< stop) and, with a window, >= start - W + 1
+        k_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        q_index, keys = k_index[start:stop], k_index[k_lo:stop]
+        qc = q[:, :, start:stop].float().mul(scale).view(b, hkv, group, stop - start, d)
+        logits = (qc @ kf_t[..., k_lo:stop]).view(b, hq, stop - start, stop - k_lo)
         doc_q = doc_ids[:, start:stop] if doc_ids is not None else None
-        mask = attention_mask(q_index, k_index, sliding_window, doc_q, doc_ids)
+        doc_k = doc_ids[:, k_lo:stop] if doc_ids is not None else None
+        mask = attention_mask(q_index, keys, sliding_window, doc_q, doc_k)
         mask = mask.expand(b, 1, -1, -1)
-        dist = (q_index[:, None] - k_index[None, :]).clamp_min(0).float()
-        chunk, y = _chunk_head_sums(p, mask, dist, sink_index[:, start:stop], v_exp, vbar[:, :, start:stop])
+        dist = (q_index[:, None] - keys[None, :]).clamp_min(0).float()
+        sink = sink_index[:, start:stop] - k_lo  # < 0: the sink is outside this chunk's keys
+        sink = torch.where(sink >= 0, sink, -1)
+        chunk, y = _chunk_head_sums(logits, mask, dist, sink, vf[:, :, k_lo:stop], vbar[:, :, start:stop])
         for key, value in chunk.items():
             sums[key] += value
         ys.append(y)
     y = torch.cat(ys, dim=2)
     y64 = y.to(F64)
     sums["out_energy"] = y64.pow(2).sum(dim=(0, 2, 3))
-    yo = torch.einsum("bhtd,nhd->bhtn", y, o_heads)
-    sums["out_energy_o"] = yo.to(F64).pow(2).sum(dim=(0, 2, 3))
     sums["y_sum"] = y64.sum(dim=(0, 2))
     sums["y_sq"] = torch.einsum("bhtd,bhte->hde", y64, y64)
+    # sum_t |O_h y_t|^2 = <O_h^T O_h, sum_t y_t y_t^T>: from y_sq, exact in fp64, no [B, H, T, hidden]
+    o_heads = o_weight.to(F64).view(o_weight.shape[0], hq, d)  # [hidden, H, D]
+    gram = torch.einsum("nhd,nhe->hde", o_heads, o_heads)  # O_h^T O_h [H, D, D]
+    sums["out_energy_o"] = (gram * sums["y_sq"]).sum(dim=(1, 2))
     for name, x in (("k", k), ("v", v)):
         x64 = x.to(F64)
         sums[f"{name}_sum"] = x64.sum(dim=(0, 2))

@@ -105,3 +105,22 @@ def test_state_dict_hash_sees_every_weight():
     b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-6])}
     assert state_dict_sha256(a) == state_dict_sha256({k: v.clone() for k, v in a.items()})
     assert state_dict_sha256(a) != state_dict_sha256(b)
+
+
+def test_sink_dominated_heads_keep_non_sink_statistics_exact():
+    """A sink holding ~all the mass: sink-free distance/concentration and the logit variance still
+    match the fp64 reference (non-sink sums are taken directly, never as total - sink, and the
+    logit variance comes from the logits, not from log(probabilities) that underflow)."""
+    torch.manual_seed(3)
+    b, hq, hkv, t, d = 1, 2, 1, 40, 8
+    q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    q[..., 0] += 6.0
+    k[:, :, 0, 0] += 40.0  # logit of key 0 ~ 30 above the rest (and > 87 above some: p underflows)
+    k[:, :, 0, 1:] = 0.0
+    o_weight = torch.randn(16, hq * d)
+    doc_ids = torch.zeros(b, t, dtype=torch.long)
+    got, _ = attention_sums(q, k, v, 0.5, o_weight, doc_ids, None, chunk_size=16)
+    want = reference_sums(q, k, v, 0.5, o_weight, doc_ids, None)
+    assert float(want["sink"].min()) > 0.99 * (t - 1)  # the sink really dominates
+    for key in ("dist_nosink", "conc_nosink", "logit_var", "dist", "entropy", "sink"):
+        torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-5, msg=f"statistic {key}")
