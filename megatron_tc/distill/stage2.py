@@ -346,8 +346,7 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
         grad_clip=s2.grad_clip, pipeline=ctx.pp_size > 1,
         base=deepspeed_template_path(ctx.pp_size, cfg.parallel.deepspeed_config))
     # DeepSpeed's default ZeRO-3 leaf classes are Hugging Face MoE blocks, which our models never
-    # contain; matching them walks the model with Module.apply, which model.rope.RotaryEmbedding
-    # shadows with its own apply(x, cos, sin).
+    # contain; an empty list skips the walk over the model that looks for them.
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})
     if tensorboard_dir is not None:
         ds["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": "deepspeed"}

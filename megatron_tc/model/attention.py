@@ -53,7 +53,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = self.rope.cos_sin(position_ids, q.dtype)
-        return self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin), v
+        return self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin), v
 
     def attend(
         self,

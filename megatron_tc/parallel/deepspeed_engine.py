@@ -23,7 +23,6 @@ from typing import Any, Iterable, Literal
 import torch
 from torch import nn
 
-from .compat import make_module_apply_safe
 from .state import DeepSpeedMPU, ParallelContext
 
 TeacherMode = Literal["engine", "replicated"]
@@ -159,7 +158,6 @@ def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext
     trainable = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
     if not trainable:
         raise ValueError("the student has no trainable parameters (all requires_grad=False)")
-    make_module_apply_safe(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                       mpu=DeepSpeedMPU(ctx), lr_scheduler=lr_scheduler,
                                       dist_init_required=False)
@@ -185,7 +183,6 @@ def build_teacher(teacher: nn.Module, student_config: dict, ctx: ParallelContext
     import deepspeed
 
     init_deepspeed_comm()
-    make_module_apply_safe(teacher)
     engine, *_ = deepspeed.initialize(model=teacher, config=teacher_deepspeed_config(student_config),
                                       mpu=DeepSpeedMPU(ctx), dist_init_required=False)
     engine.eval()

@@ -264,7 +264,6 @@ def build_pipeline_engine(student: HybridLM, teacher: HybridLM, ds_config: dict,
     micro-batches; see `pipeline_batches`)."""
     import deepspeed
 
-    from .compat import make_module_apply_safe
     from .deepspeed_engine import init_deepspeed_comm
 
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
@@ -272,8 +271,7 @@ def build_pipeline_engine(student: HybridLM, teacher: HybridLM, ds_config: dict,
         raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {stage}; set "
                          "parallel.zero_stage=1 with parallel.pp > 1")
     init_deepspeed_comm()
-    module = make_module_apply_safe(build_pipeline_module(student, teacher, ctx, loss_fn, partition,
-                                                          activation_checkpointing))
+    module = build_pipeline_module(student, teacher, ctx, loss_fn, partition, activation_checkpointing)
     trainable = [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config,
                                       dist_init_required=False)
