@@ -43,6 +43,9 @@ def causal_short_conv(
         y = y + tap
     return F.silu(y), padded[:, padded.shape[1] - (width - 1) :].transpose(1, 2)
 
+MAX_A_LOG = 30.0  # exp(30) ~ 1e13: far beyond any trained decay rate, still finite in fp32
+MIN_LOG_DECAY = -1e4
+
 
 class GatedDeltaNet(nn.Module):
     """x [B, T, hidden] -> [B, T, hidden]. `backend` selects the gated delta rule kernel."""
@@ -87,7 +90,10 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log decay g and write strength beta, both [B, T, H] in fp32."""
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        # exp(A_log) must stay finite: inf * softplus(...) = inf * 0 is NaN. A decay below -1e4
+        # per token is already exp(-1e4) = 0, so the floor changes no value, only avoids -inf.
+        rate = self.A_log.float().clamp(max=MAX_A_LOG).exp()
+        g = (-rate * F.softplus(self.a_proj(x).float() + self.dt_bias.float())).clamp(min=MIN_LOG_DECAY)
         return g, torch.sigmoid(self.b_proj(x).float())
 
     def qkv(
