@@ -129,6 +129,25 @@ def _broadcast(value: Any) -> Any:
     return value
 
 
+def known_teacher_arch(cfg: Any):
+    """The teacher's ArchConfig when it can be read cheaply (no weights): the run directory's
+    converted teacher, a megatron_tc checkpoint, or an HF directory's config.json."""
+    from megatron_tc.convert.checkpoint import is_checkpoint, read_info
+
+    converted = RunPaths.from_config(cfg).teacher
+    for candidate in (converted, Path(cfg.model.teacher) if cfg.model.teacher else None):
+        if candidate is not None and is_checkpoint(candidate):
+            return read_info(candidate).arch
+    source = Path(cfg.model.teacher) if cfg.model.teacher else None
+    if source is not None and (source / "config.json").is_file() and not list(source.glob("*.gguf")):
+        from transformers import AutoConfig
+
+        from megatron_tc.convert.hf_mapping import arch_from_hf_config
+
+        return arch_from_hf_config(AutoConfig.from_pretrained(source))
+    return None
+
+
 def _setup(cfg: Any) -> RunContext:
     from megatron_tc.config import resolve_config, save_config
     from megatron_tc.monitor import setup_logging
@@ -137,6 +156,11 @@ def _setup(cfg: Any) -> RunContext:
     ensure_process_group_env()
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     cfg = resolve_config(cfg, world_size)  # checks (before any process group exists), fills parallel.dp
+    arch = known_teacher_arch(cfg)
+    if arch is not None:  # else (a GGUF not converted yet) the check runs right after the convert stage
+        from megatron_tc.config import validate_against_arch
+
+        validate_against_arch(cfg, arch, world_size)
     setup_logging(cfg.logging.level)
     device = pick_device(cfg)
     init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)

@@ -46,14 +46,13 @@ def data_files_written(base: Path) -> list[str]:
 
 def test_data_tokenizer_larger_than_the_teacher_vocab_is_refused(run, tmp_path):
     ctx = run_context(run, f"data.tokenizer={other_tokenizer(tmp_path, VOCAB + 80)}")
-    with pytest.raises(DataError, match=rf"tokenizer has {VOCAB + 80} tokens but the model has only {VOCAB}"):
+    # Refused either as too large for the model or, first, as not the teacher's tokenizer.
+    with pytest.raises(DataError, match=rf"tokenizer has {VOCAB + 80} tokens but the model has only {VOCAB}|"
+                                        r"tokenizer mismatch: the teacher's tokenizer \(320 tokens"):
         ctx.data()
     assert data_files_written(run) == []
 
 
-@pytest.mark.xfail(strict=True, reason="distill/context.py RunContext.data() checks only that data.tokenizer fits "
-                   "the teacher's vocabulary size, never that it is the teacher's tokenizer "
-                   "(data.check_same_tokenizer is not called): another tokenizer of the same size is used silently")
 def test_data_tokenizer_other_than_the_teachers_is_refused(run, tmp_path):
     ctx = run_context(run, f"data.tokenizer={other_tokenizer(tmp_path, VOCAB)}")
     with pytest.raises(DataError, match="tokenizer mismatch"):
@@ -78,11 +77,6 @@ def small_vocab_student_run(template, tmp_path_factory):
     return job
 
 
-@pytest.mark.xfail(strict=True, reason="distill/runner.py run_stage2 / stage2.build_stage2 never compare the "
-                   "student's vocab_size with the teacher's before building engines: with periodic evaluation on "
-                   "(the default) the run dies in evaluation.score_rows with torch's 'The size of tensor a (320) "
-                   "must match the size of tensor b (300)'; only with evaluation off does the KL's shape check "
-                   "catch it at step 1")
 def test_student_with_another_vocabulary_is_refused_by_stage2(small_vocab_student_run):
     job = small_vocab_student_run
     assert job.proc.returncode != 0 and "vocab" in job.output().splitlines()[-1].lower(), job.output()[-2000:]

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_tc.config import ConfigError, config_to_dict, load_config, validate_config
+from megatron_tc.config import ConfigError, config_to_dict, load_config, validate_against_arch, validate_config
+from megatron_tc.distill.runner import known_teacher_arch
 from tests.reliability._rundir import DISTILL, ROOT, child_env, clone
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -97,6 +98,9 @@ def test_runner_checks_the_config_before_creating_process_groups(run_yaml, tp, p
         return  # refused even earlier
     try:
         validate_config(cfg, world_size=world)
+        arch = known_teacher_arch(cfg)  # the runner also checks against the teacher when it is known
+        if arch is not None:
+            validate_against_arch(cfg, arch, world)
         valid = True
     except ConfigError:
         valid = False
@@ -107,10 +111,6 @@ def test_runner_checks_the_config_before_creating_process_groups(run_yaml, tp, p
         assert isinstance(outcome, ConfigError), f"invalid for world size {world}, but the runner reached {outcome!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="distill/runner.py checks the config against the teacher's architecture "
-                   "(validate_against_arch) only after the convert stage runs, inside the process groups; a run "
-                   "whose teacher is already converted (convert not in run.stages) is never checked, e.g. "
-                   "parallel.tp=3 on a 4-head teacher")
 def test_runner_checks_tp_against_an_existing_teacher_before_creating_process_groups(run_yaml):
     cfg = load_config(run_yaml, ["parallel.tp=3"])
     outcome = run_pipeline_until_process_groups(cfg, 3)
