@@ -12,7 +12,10 @@ rank, bf16, fp32 master weights), as stage 2 runs it. The loss is `distill.losse
 
 Check before timing: one forward/backward at [1, 512] with the GDN layers on fla under bf16
 autocast against the PyTorch chunked backend in fp32 (same weights, same teacher logits):
-relative error of the loss and the largest relative error of any parameter gradient.
+relative error of the loss and of all gradients together (global), next to the same errors of
+the PyTorch chunked backend under the same autocast (the bf16 baseline: fla is right when its
+global error is about the baseline's), plus per-tensor errors (median, worst; the worst is a
+tiny-gradient tensor, dt_bias / b_proj.bias, whose per-token terms cancel).
 
 MFU = model FLOPs per step / step time / measured bf16 matmul rate (8192^3 bf16 product, this
 run). Model FLOPs (megatron_tc/bench/models.py): student 3 x forward (trainable=all; else
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import socket
 import sys
@@ -100,16 +104,40 @@ class Trainer:
         return loss.detach()
 
 
+def _grad_errors(test: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+    """Errors of gradient set `test` against `ref` ({name: grad}).
+
+    global: ||test - ref|| / ||ref|| over all parameters together (the number that says whether
+    the update direction is right); per tensor: ||test_n - ref_n|| / ||ref_n||, whose maximum is
+    dominated by tiny-gradient tensors (dt_bias, A_log, b_proj.bias: sums over tokens that cancel
+    10-50x), so the worst tensor is also given relative to the global norm."""
+    ref_norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in ref.values()))
+    diffs = {n: float((test[n].double() - g.double()).norm()) for n, g in ref.items()}
+    errs = {n: diffs[n] / float(g.double().norm()) for n, g in ref.items() if g.norm() > 0}
+    worst = max(errs, key=errs.get)
+    return {"grad_rel_err_global": math.sqrt(sum(d * d for d in diffs.values())) / ref_norm,
+            "max_grad_rel_err": errs[worst], "worst_param": worst,
+            "worst_param_err_vs_global_norm": diffs[worst] / ref_norm,
+            "median_grad_rel_err": sorted(errs.values())[len(errs) // 2]}
+
+
 def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> dict:
-    """fla + bf16 autocast vs the PyTorch chunked backend in fp32: loss and gradients."""
+    """fla + bf16 autocast vs the PyTorch chunked backend in fp32: loss and gradients.
+
+    On CUDA also the PyTorch chunked backend under the same bf16 autocast ("bf16 baseline"): at
+    random init bf16 alone moves every gradient by tens of percent (the loss gradient at the final
+    norm is ~99% parallel to the hidden state, and RMSNorm's backward keeps only the rest), so the
+    kernel is judged by fla's global error against that baseline's, not by a per-tensor maximum."""
     ids = torch.randint(0, student.arch.vocab_size, (1, seq), device=device)
     with torch.no_grad():
         t_logits = teacher(ids)
+    amp = device.type == "cuda"
+    runs = [("ref", "chunk", False), ("test", "auto", amp)] + ([("bf16_chunk", "chunk", True)] if amp else [])
     results = {}
-    for label, backend, amp in (("ref", "chunk", False), ("test", "auto", device.type == "cuda")):
+    for label, backend, use_amp in runs:
         student.set_gdn_backend(backend)
         student.zero_grad(set_to_none=True)
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp else nullcontext()
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else nullcontext()
         with ctx:
             logits = student(ids)
         loss, _ = distill_loss(logits, t_logits, ids, student.arch.vocab_size, LossWeights())
@@ -119,10 +147,14 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
     student.zero_grad(set_to_none=True)
     ref_loss, ref_grads = results["ref"]
     test_loss, test_grads = results["test"]
-    errs = {n: rel_err(test_grads[n], g) for n, g in ref_grads.items() if g.norm() > 0}
-    worst = max(errs, key=errs.get)
-    return {"loss_ref": float(ref_loss), "loss_rel_err": rel_err(test_loss, ref_loss), "max_grad_rel_err": errs[worst],
-            "worst_param": worst, "median_grad_rel_err": sorted(errs.values())[len(errs) // 2]}
+    out = {"loss_ref": float(ref_loss), "loss_rel_err": rel_err(test_loss, ref_loss), **_grad_errors(test_grads, ref_grads)}
+    if "bf16_chunk" in results:
+        base = _grad_errors(results["bf16_chunk"][1], ref_grads)
+        out.update(bf16_chunk_grad_rel_err_global=base["grad_rel_err_global"],
+                   bf16_chunk_median_grad_rel_err=base["median_grad_rel_err"],
+                   bf16_chunk_max_grad_rel_err=base["max_grad_rel_err"],
+                   global_err_vs_bf16_chunk=out["grad_rel_err_global"] / max(base["grad_rel_err_global"], 1e-30))
+    return out
 
 
 def profile_steps(trainer: Trainer, make_ids, device, rows: int = 20) -> tuple[str, list[dict], float]:
@@ -245,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_model(name, args, device, peaks, report, ctx)
     report.finish([
         ("Check: fla + bf16 autocast vs PyTorch chunked fp32 (one fwd/bwd)", "checks",
-         ["model", "loss_ref", "loss_rel_err", "max_grad_rel_err", "worst_param", "median_grad_rel_err"]),
+         ["model", "loss_ref", "loss_rel_err", "grad_rel_err_global", "bf16_chunk_grad_rel_err_global",
+          "global_err_vs_bf16_chunk", "median_grad_rel_err", "max_grad_rel_err", "worst_param",
+          "worst_param_err_vs_global_norm"]),
         ("Distillation step", "rows", ["model", "mode", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
                                        "flops", "peak_mem_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
         ("Profile: top kernels per step", "profile", ["model", "kernel", "calls", "ms_per_step", "share"]),

@@ -41,11 +41,13 @@ def summarize(directory: Path) -> str:
             parts.append(markdown_table(run.get("checks", []), ["method", "H", "D", "max_rel_err", "worst"]))
             parts.append(markdown_table(rows, ["H", "D", "B", "T", "pass", "method", "ms", "anchor_ms", "vs_sdpa", "note"]))
         elif run.get("benchmark") == "inference":
-            parts.append(markdown_table(run.get("checks", []), ["model", "role", "rel_err"]))
+            parts.append(markdown_table(run.get("checks", []), ["model", "role", "rel_err", "rel_err_fp32", "bf16_vs_fp32"]))
             parts.append(markdown_table(run.get("summary", []), ["model", "metric", "teacher", "student", "ratio", "goal", "met"]))
             parts.append(markdown_table(run.get("decode", []), ["model", "role", "B", "eager_ms", "graph_ms", "floor_ms", "note"]))
         elif run.get("benchmark") == "train":
-            parts.append(markdown_table(run.get("checks", []), ["model", "loss_rel_err", "max_grad_rel_err", "worst_param"]))
+            parts.append(markdown_table(run.get("checks", []), ["model", "loss_rel_err", "grad_rel_err_global",
+                                                                "bf16_chunk_grad_rel_err_global", "max_grad_rel_err",
+                                                                "worst_param"]))
             parts.append(markdown_table(run.get("rows", []), ["model", "mode", "step_ms", "tok_per_s", "mfu", "busy_ms",
                                                               "peak_mem_GiB", "note"]))
             top = [r for model in dict.fromkeys(r["model"] for r in run.get("profile", []))

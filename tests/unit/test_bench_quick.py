@@ -57,6 +57,7 @@ def test_bench_gdn_quick(tmp_path):
 def test_bench_inference_quick(tmp_path):
     data = run("bench_inference", tmp_path)
     assert all(c["rel_err"] < 1e-4 for c in data["checks"])  # cached decoding == full forward (fp32)
+    assert all(c["rel_err_fp32"] < 1e-4 and c["bf16_vs_fp32"] < 1e-6 for c in data["checks"])  # fp32 on CPU
     arch = tiny()
     for row in data["prefill"]:
         n_attn = row["pattern"].count("A")
@@ -75,6 +76,18 @@ def test_bench_train_quick(tmp_path):
     expected = 3 * forward_flops(student, tokens, row["T"]) + forward_flops(teacher, tokens, row["T"])
     assert row["flops"] == pytest.approx(expected / 1e12)
     assert data["profile"] and row["busy_ms"] > 0
+    (check,) = data["checks"]  # on CPU both sides run the PyTorch chunked backend in fp32
+    assert check["grad_rel_err_global"] < 1e-6 and check["loss_rel_err"] < 1e-6
+
+
+def test_gradient_errors_global_and_per_tensor():
+    """A tensor with a tiny gradient doubled: per-tensor error 1.0, global error tiny."""
+    errors = load_tool("bench_train")._grad_errors
+    ref = {"w": torch.tensor([3.0, 4.0]), "dt_bias": torch.tensor([0.0, 1e-3])}
+    out = errors({"w": ref["w"].clone(), "dt_bias": 2 * ref["dt_bias"]}, ref)
+    assert out["worst_param"] == "dt_bias" and out["max_grad_rel_err"] == pytest.approx(1.0)
+    assert out["grad_rel_err_global"] == pytest.approx(1e-3 / 5, rel=1e-6)
+    assert out["worst_param_err_vs_global_norm"] == pytest.approx(1e-3 / 5, rel=1e-6)
 
 
 def test_bench_stats_quick(tmp_path):
