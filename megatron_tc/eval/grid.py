@@ -4,34 +4,36 @@ Grid file (YAML)::
 
     base: tiny.yaml            # the run config every cell starts from (relative to this file)
     out: runs/grid             # cell run dirs: <out>/<teacher>/<policy>/<init>; tables: <out>/results.{md,json}
-    mode: zero_shot            # zero_shot: calibrate + evaluate; pipeline: the config's stages (stage 2 ...)
+    mode: zero_shot            # zero_shot: init + evaluate, no training; pipeline: the config's run.stages
+    process: subprocess        # subprocess (default): one `python tools/distill.py` per cell; inline: this process
     overrides: [distill.stage2.steps=20]       # key=value for every cell (optional)
     axes:
       teacher: {smollm2: /path/to/teacher}     # name -> model.teacher
       policy: [uniform, ga]                    # -> model.policy
       init: [naive, zero_gate, taylor_calibrate]   # -> calibrate.init
-    eval: {text: heldout.txt, seq_len: 512, max_tokens: 8192, batch_size: 1}  # zero_shot cells
 
-Each cell is `run_cell(cfg, grid) -> metrics dict` on the cell's resolved run config (the base plus
-overrides plus `model.teacher`, `model.policy`, `calibrate.init`, `run.run_dir`). A finished cell
-writes `<cell>/cell.json` atomically; rerunning the grid skips finished cells (`force` reruns them)
-and records a failing cell's error without stopping the others (unless `fail_fast`).
+Each cell is `run_cell(cfg, grid, cell) -> metrics dict` on the cell's resolved run config (the base
+plus overrides plus `model.teacher`, `model.policy`, `calibrate.init`, `run.run_dir`). A finished
+cell writes `<cell>/cell.json` atomically; rerunning the grid skips finished cells (`force` reruns
+them) and records a failing cell's error without stopping the others (unless `fail_fast`). Inside a
+cell the pipeline's own bookkeeping applies: complete stages are skipped, stage 2 resumes.
 
-Runners (the function boundary to the rest of the pipeline):
-- zero_shot: `megatron_tc.calibrate.api.calibrate_from_config(cfg) -> student checkpoint path`
-  (the function behind tools/calibrate.py), then `perplexity.evaluate_text` of the student against
-  the teacher on `eval.text`: ppl, kl, top1_agree, teacher_ppl.
-- pipeline: `megatron_tc.pipeline.run_pipeline(cfg)` (what launch/distill.sh runs), then the metrics
-  of the run's eval_log.jsonl (zero-shot and final ppl/KL, tokens) and, per (teacher, policy), the
-  tokens-to-target table across inits.
+Runners (both go through `megatron_tc.distill.runner.run_pipeline`, the code behind tools/distill.py):
+- zero_shot: run.stages = [convert, select, stats, init, eval]; metrics from the eval stage's
+  `eval/results.json`: the init's zero-shot ppl, KL(teacher || student), top-1 agreement, the
+  teacher's and the naive conversion's ppl, on the run's held-out evaluation windows.
+- pipeline: the config's run.stages (include stage2 with distill.eval_interval for a curve, and eval
+  for the final table); metrics from the run's eval_log.jsonl (zero-shot and final ppl/KL, tokens)
+  and eval/results.json, and, per (teacher, policy), the tokens-to-target table across inits.
 Other runners can be registered with `register_runner(mode, fn)`.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -41,9 +43,9 @@ import yaml
 
 from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
 
-GRID_KEYS = {"base", "out", "mode", "overrides", "axes", "eval"}
+GRID_KEYS = {"base", "out", "mode", "process", "overrides", "axes"}
+PROCESS = ("subprocess", "inline")
 AXES = ("teacher", "policy", "init")
-EVAL_KEYS = {"text", "seq_len", "max_tokens", "batch_size", "device", "dtype"}
 CELL_FILE = "cell.json"
 Runner = Callable[[Any, "Grid", "Cell"], dict[str, Any]]
 
@@ -76,7 +78,7 @@ class Grid:
     mode: str
     axes: dict[str, Any]
     overrides: list[str] = field(default_factory=list)
-    eval: dict[str, Any] = field(default_factory=dict)
+    process: str = "subprocess"
 
     def cells(self) -> list[Cell]:
         teachers = self.axes["teacher"]
@@ -109,18 +111,16 @@ def load_grid(path: str | os.PathLike, out: str | None = None) -> Grid:
         if not isinstance(axes[a], list):
             raise GridError(f"{path}: axes.{a} must be a list, got {axes[a]!r}")
     axes["teacher"] = {str(k): rel(str(v)) for k, v in axes["teacher"].items()}
-    ev = dict(data.get("eval") or {})
-    if set(ev) - EVAL_KEYS:
-        raise GridError(f"{path}: unknown eval keys {sorted(set(ev) - EVAL_KEYS)}; valid: {sorted(EVAL_KEYS)}")
-    if "text" in ev:
-        ev["text"] = rel(ev["text"])
+    process = data.get("process", "subprocess")
+    if process not in PROCESS:
+        raise GridError(f"{path}: process {process!r}; use one of {list(PROCESS)}")
     mode = data.get("mode", "zero_shot")
     if mode not in RUNNERS:
         raise GridError(f"{path}: mode {mode!r}; registered: {sorted(RUNNERS)}")
     if "base" not in data:
         raise GridError(f"{path}: 'base' (the run config of every cell) is required")
     return Grid(base=rel(data["base"]), out=rel(out or data.get("out", "runs/grid")), mode=mode, axes=axes,
-                overrides=list(data.get("overrides") or []), eval=ev)
+                overrides=list(data.get("overrides") or []), process=process)
 
 
 def cell_config(grid: Grid, cell: Cell) -> Any:
@@ -131,43 +131,82 @@ def cell_config(grid: Grid, cell: Cell) -> Any:
 
 
 # ---- runners ------------------------------------------------------------------------------------
-def _function(spec: str) -> Callable[..., Any]:
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        fn = None
-    if fn is None:
-        raise GridError(f"{spec} is not available in this checkout; the grid's runner calls it")
-    return fn
+ZERO_SHOT_STAGES = ("convert", "select", "stats", "init", "eval")
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DISTILL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "tools", "distill.py")
+
+
+def _child_env() -> dict[str, str]:
+    """This environment minus launcher variables (the child is a world of one process)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_cell_pipeline(grid: Grid, cell: Cell, extra: list[str]) -> None:
+    """`run_pipeline` on the cell's config (+ extra overrides): in a child `python tools/distill.py`
+    (grid `process: subprocess`, the default: every cell gets a fresh process group, DeepSpeed state
+    and memory) or in this process (`process: inline`, a world of one; no import cost per cell).
+    The child's output goes to <cell>/pipeline.log; a failing child raises with the log's tail."""
+    overrides = [*grid.overrides, *cell.overrides(), *extra]
+    if grid.process == "inline":
+        from megatron_tc.config.loader import load_config
+        from megatron_tc.distill.runner import run_pipeline
+
+        run_pipeline(load_config(grid.base, overrides))
+        return
+    log_path = os.path.join(cell.run_dir, "pipeline.log")
+    with open(log_path, "wb") as log_file:
+        rc = subprocess.run([sys.executable, DISTILL, grid.base, *overrides], env=_child_env(), stdout=log_file,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            tail = fh.read()[-2000:]
+        raise RuntimeError(f"tools/distill.py exited with {rc} (log: {log_path}):\n{tail}")
+
+
+def _results_rows(run_dir: str) -> dict[str, dict[str, Any]]:
+    """<run>/eval/results.json (the eval stage's table) as {model label: row}."""
+    path = os.path.join(run_dir, "eval", "results.json")
+    if not os.path.isfile(path):
+        raise GridError(f"{path} was not written: the cell's run.stages must end with 'eval'")
+    with open(path, encoding="utf-8") as fh:
+        return {row["model"]: row for row in json.load(fh)["rows"]}
+
+
+def _zero_shot_row(rows: dict[str, dict[str, Any]], init: str) -> dict[str, Any]:
+    """The eval stage names the init's row '<init> zero-shot'; naive's own row is 'naive zero-shot'."""
+    return rows["naive zero-shot"] if init == "naive" else rows[f"{init} zero-shot"]
 
 
 def zero_shot_runner(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
-    """Initialize the student (no training) and score it against the teacher on grid.eval.text."""
-    from megatron_tc.eval.loading import load_model
-    from megatron_tc.eval.perplexity import evaluate_text
-
-    if "text" not in grid.eval:
-        raise GridError("zero_shot mode needs eval.text (a held-out text file) in the grid file")
-    student_path = _function("megatron_tc.calibrate.api:calibrate_from_config")(cfg)
-    dev, dtype = grid.eval.get("device", "cpu"), grid.eval.get("dtype", "float32")
-    student, teacher = load_model(student_path, dev, dtype), load_model(cell.teacher_path, dev, dtype)
-    tok = student.tokenizer or teacher.tokenizer
-    res = evaluate_text(student, grid.eval["text"], tok, int(grid.eval.get("seq_len", 512)),
-                        int(grid.eval.get("max_tokens", 8192)), teacher=teacher,
-                        batch_size=int(grid.eval.get("batch_size", 1)), device=dev, progress=False)
-    atomic_write_text(os.path.join(cell.run_dir, "eval.json"), json.dumps(res.to_dict(), indent=1) + "\n")
-    return {**res.to_dict(), "student": str(student_path)}
+    """Initialize the student (no training): the pipeline's convert, select, stats, init and eval stages;
+    metrics of the init's zero-shot student on the run's held-out windows (eval/results.json)."""
+    run_cell_pipeline(grid, cell, [f"run.stages=[{','.join(ZERO_SHOT_STAGES)}]"])
+    rows = _results_rows(cell.run_dir)
+    row = _zero_shot_row(rows, cell.init)
+    return {"ppl": row["ppl"], "kl": row["kl"], "top1_agree": row["top1_agree"], "teacher_ppl": rows["teacher"]["ppl"],
+            "naive_ppl": rows["naive zero-shot"]["ppl"], "student": row["path"]}
 
 
 def pipeline_runner(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
-    """Run the configured pipeline stages, then read the run's eval log."""
+    """The config's run.stages (stage 2 with eval_interval for a curve); metrics from the run's
+    eval_log.jsonl (zero-shot and last point, tokens) and, when the eval stage ran, its final table."""
     from megatron_tc.eval.tokens_to_target import load_run
 
-    _function("megatron_tc.pipeline:run_pipeline")(cfg)
+    run_cell_pipeline(grid, cell, [])
     curve = load_run(cell.run_dir)
-    return {"zero_shot_ppl": curve.zero_shot_ppl, "ppl": curve.final_ppl, "kl": curve.kl[-1] if curve.kl else None,
-            "teacher_ppl": curve.teacher_ppl, "train_tokens": curve.final_tokens}
+    metrics = {"zero_shot_ppl": curve.zero_shot_ppl, "ppl": curve.final_ppl, "kl": curve.kl[-1] if curve.kl else None,
+               "teacher_ppl": curve.teacher_ppl, "train_tokens": curve.final_tokens}
+    if os.path.isfile(os.path.join(cell.run_dir, "eval", "results.json")):
+        rows = _results_rows(cell.run_dir)
+        final = rows.get("after distillation")
+        if final is not None:
+            metrics.update(ppl=final["ppl"], kl=final["kl"], top1_agree=final["top1_agree"])
+        metrics["teacher_ppl"] = rows["teacher"]["ppl"]
+    return metrics
 
 
 RUNNERS: dict[str, Runner] = {"zero_shot": zero_shot_runner, "pipeline": pipeline_runner}

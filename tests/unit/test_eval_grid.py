@@ -83,3 +83,50 @@ def test_bad_override_fails_before_any_cell_runs(tmp_path):
     with pytest.raises(ConfigError):
         run_grid(grid, log=lambda msg: None)
     assert CALLS == []
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory):
+    """A tiny random Llama teacher (HF directory with its sentencepiece tokenizer) and synthetic text."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megatron_tc.data.synthetic import train_tiny_tokenizer, write_synthetic_corpus
+
+    root = tmp_path_factory.mktemp("grid_teacher")
+    tok = AutoTokenizer.from_pretrained(str(train_tiny_tokenizer(root / "teacher", vocab_size=320)))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(root / "teacher"))
+    write_synthetic_corpus(root / "text", n_docs=24, words_per_doc=(50, 200))
+    return root
+
+
+def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
+    """2 inits x 1 policy through tools/distill.py (convert, select, stats, init, eval per cell): the
+    table holds each cell's zero-shot ppl, which is the eval stage's row for that init."""
+    data = {"base": os.path.join(REPO, "configs", "tiny.yaml"), "out": "out", "mode": "zero_shot",
+            "overrides": [f"data.source.paths=[{tiny_teacher / 'text'}]", "data.source.split_by=file"],
+            "axes": {"teacher": {"tiny": str(tiny_teacher / "teacher")}, "policy": ["uniform"],
+                     "init": ["naive", "zero_gate"]}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps(data))
+    records = run_grid(load_grid(path), log=lambda msg: None)
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    for rec in records:
+        rows = {r["model"]: r for r in json.loads((tmp_path / "out/tiny/uniform" / rec["init"] / "eval/results.json")
+                                                  .read_text())["rows"]}
+        manifest = json.loads((tmp_path / "out/tiny/uniform" / rec["init"] / "manifest.json").read_text())["stages"]
+        assert sorted(manifest) == ["convert", "eval", "init", "select", "stats"]  # no training stage ran
+        row = rows["naive zero-shot" if rec["init"] == "naive" else "zero_gate zero-shot"]
+        m = rec["metrics"]
+        assert m["ppl"] == row["ppl"] and m["kl"] == row["kl"] and m["teacher_ppl"] == rows["teacher"]["ppl"]
+        assert 1 < m["ppl"] < 1e6 and m["kl"] > 0
+    naive, zero_gate = (r["metrics"] for r in records)
+    assert naive["naive_ppl"] == zero_gate["naive_ppl"] == naive["ppl"]  # same teacher, seed and selection
+    assert zero_gate["ppl"] != naive["ppl"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"| tiny | uniform | zero_gate | ok | {zero_gate['ppl']:.4g} |" in md
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["cells"][1]["metrics"]["ppl"] == zero_gate["ppl"]
