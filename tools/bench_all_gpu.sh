@@ -13,15 +13,21 @@
 # ARGS_<STEP> (extra arguments of that step, e.g. ARGS_GDN="--heads 9x64"), BENCH_ARGS (all steps).
 # Kernel caches: fla compiles and autotunes about a minute per new kernel shape. Triton's and
 # TileLang's caches live in /tmp/kcache (kept while the machine stays warm); at the end they are
-# packed into $OUT/kernel_cache.tgz. Unpacked into .kernel_cache/ of the repository and carried
-# (carry [".kernel_cache"]), they are restored here first and the compile time is gone.
+# packed into $OUT/kernel_cache.tgz.part-aa, -ab, ... (15 MiB pieces: the device returns files of
+# at most 16 MiB). `cat kernel_cache.tgz.part-* | tar xzf - -C .kernel_cache` in the repository,
+# then carry [".kernel_cache"]: they are restored here first and the compile time is gone.
+# Files back from the device: at most 8. Each step writes its JSON/log/markdown to $RESULTS
+# (default $OUT/../bench_results, outside $OUT) and $OUT/results.tgz is rebuilt after every step,
+# so $OUT holds results.tgz, summary.md and the cache pieces only (a step killed at its limit
+# still leaves its partial JSON in the bundle).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kcache/triton} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/kcache/tilelang}
 OUT=${OUT:-$PWD/runs/bench}
-mkdir -p "$OUT" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
+RESULTS=${RESULTS:-$(dirname "$OUT")/bench_results}
+mkdir -p "$OUT" "$RESULTS" "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
 GGUF=${GGUF:-/tmp/teacher/smollm2.gguf}
 TOTAL=${BENCH_TOTAL_S:-540}
 START=$(date +%s)
@@ -34,19 +40,25 @@ if [ -d .kernel_cache ]; then
   echo "restored kernel caches from .kernel_cache ($(du -sh .kernel_cache | cut -f1))"
 fi
 
-# run NAME LIMIT ARGS...: python ARGS --out $OUT/bench_NAME.json, log in $OUT/bench_NAME.log
+# bundle: $OUT/results.tgz <- everything in $RESULTS so far (written to a temp name, then renamed)
+bundle() {
+  tar czf "$OUT/.results.tgz.tmp" -C "$RESULTS" . && mv "$OUT/.results.tgz.tmp" "$OUT/results.tgz"
+}
+
+# run NAME LIMIT ARGS...: python ARGS --out $RESULTS/bench_NAME.json, log in $RESULTS/bench_NAME.log
 run() {
   local name=$1 limit=$2; shift 2
   local var="LIMIT_${name^^}" extra="ARGS_${name^^}"; limit=${!var:-$limit}
   local left=$(( TOTAL - ($(date +%s) - START) - 10 ))
   (( left < limit )) && limit=$left
-  if (( limit < 20 )); then echo "=== $name: skipped (wall budget BENCH_TOTAL_S=$TOTAL spent)" | tee -a "$OUT/steps.txt"; return; fi
+  if (( limit < 20 )); then echo "=== $name: skipped (wall budget BENCH_TOTAL_S=$TOTAL spent)" | tee -a "$RESULTS/steps.txt"; return; fi
   echo "=== $name (limit ${limit}s): python $* ${!extra:-} ${BENCH_ARGS:-}"
   local t0=$(date +%s)
-  timeout -k 10 "$limit" python "$@" ${!extra:-} ${BENCH_ARGS:-} --out "$OUT/bench_$name.json" > "$OUT/bench_$name.log" 2>&1
+  timeout -k 10 "$limit" python "$@" ${!extra:-} ${BENCH_ARGS:-} --out "$RESULTS/bench_$name.json" > "$RESULTS/bench_$name.log" 2>&1
   local rc=$?
-  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s$( ((rc==124||rc==137)) && echo ' (TIME LIMIT: partial results in the JSON)')" | tee -a "$OUT/steps.txt"
-  if [ -f "$OUT/bench_$name.md" ] && (( rc == 0 )); then :; else tail -n 15 "$OUT/bench_$name.log"; fi
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s$( ((rc==124||rc==137)) && echo ' (TIME LIMIT: partial results in the JSON)')" | tee -a "$RESULTS/steps.txt"
+  if [ -f "$RESULTS/bench_$name.md" ] && (( rc == 0 )); then :; else tail -n 15 "$RESULTS/bench_$name.log"; fi
+  bundle
 }
 
 for step in "${steps[@]}"; do
@@ -62,7 +74,7 @@ for m in ("triton", "fla", "tilelang", "deepspeed", "megatron.core", "transforme
     except Exception as e:
         print(m, "MISSING", type(e).__name__, str(e)[:100])
 PY
-      } 2>&1 | tee "$OUT/env.txt" ;;
+      } 2>&1 | tee "$RESULTS/env.txt"; bundle ;;
     gdn)       run gdn 240 tools/bench_gdn.py ;;
     inference) run inference 200 tools/bench_inference.py ;;
     train)     run train 150 tools/bench_train.py --profile ;;
@@ -72,7 +84,9 @@ PY
   esac
 done
 
-tar czf "$OUT/kernel_cache.tgz" -C /tmp/kcache triton tilelang 2>/dev/null \
-  && echo "kernel caches: $OUT/kernel_cache.tgz ($(du -h "$OUT/kernel_cache.tgz" | cut -f1))"
+rm -f "$OUT"/kernel_cache.tgz.part-*
+tar czf - -C /tmp/kcache triton tilelang 2>/dev/null | split -b 15m - "$OUT/kernel_cache.tgz.part-" \
+  && echo "kernel caches: $(ls "$OUT"/kernel_cache.tgz.part-* | wc -l) piece(s), $(cat "$OUT"/kernel_cache.tgz.part-* | wc -c) bytes"
 echo "total wall: $(( $(date +%s) - START ))s"
-python -m megatron_tc.bench.summary "$OUT" | tee "$OUT/summary.md"
+python -m megatron_tc.bench.summary "$RESULTS" | tee "$OUT/summary.md"
+bundle

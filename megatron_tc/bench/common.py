@@ -233,6 +233,7 @@ class Report:
         with os.fdopen(fd, "w") as f:
             json.dump(self.data, f, indent=1, default=str)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are read by others (and come back from the device)
         os.replace(tmp, self.path)
 
     def finish(self, tables: list[tuple[str, str, list[str]]]) -> str:
