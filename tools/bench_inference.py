@@ -4,7 +4,8 @@
 
     python tools/bench_inference.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--gguf SmolLM2.gguf] [--prefill 4096,32768,131072] [--decode-context 32768]
-        [--decode-batches 1,8,32] [--decode-steps 32] [--no-graph]
+        [--decode-batches 1,8,32] [--decode-steps 32] [--no-graph] [--roles teacher,student]
+        [--sdpa-backend default|flash|cudnn|efficient|math] [--profile-decode]
 
 Both models are `HybridLM` with `HybridCache`, bf16, the GDN layers on fla's kernels (chunked
 for prefill, fused recurrent for decoding). Random weights unless --gguf gives the SmolLM2
@@ -26,6 +27,7 @@ import argparse
 import copy
 import gc
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -93,6 +95,28 @@ def restore(cache: HybridCache, state: list) -> None:
 
 
 @torch.no_grad()
+def profile_decode(model: HybridLM, cache: HybridCache, token: torch.Tensor, device, steps: int = 4,
+                   rows: int = 15) -> dict:
+    """Eager decoding steps under torch.profiler: host time per step by op (self CPU time, the
+    eager loop's cost) and kernel launches per step. The steps are undone afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    saved = snapshot(cache)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        decode(model, cache, token, steps)
+        sync(device)
+    restore(cache, saved)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                          "cudaLaunchKernelExC"))
+    return {"launches_per_step": launches / steps,
+            "aten_calls_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+            "top_cpu": [{"op": e.key[:80], "calls_per_step": e.count / steps,
+                         "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in top]}
+
+
 def graph_step(model: HybridLM, cache: HybridCache, token: torch.Tensor, device, budget_ms: float) -> dict:
     """One decoding step at the cache's context, captured in a CUDA graph; median replay time and
     the replay's logits against an eager step's (rel. error)."""
@@ -210,6 +234,11 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
             row["eager_tok_per_s"] = b * 1e3 / row["eager_ms"]
             floor_bytes = weight_bytes + sizes["kv_bytes"] + 2 * sizes["state_bytes"]
             row["floor_ms"] = floor_bytes / (peaks["copy_gbps"] * 1e9) * 1e3
+            if args.profile_decode and b == ints(args.decode_batches)[0]:
+                prof = profile_decode(model, cache, token, device)
+                row.update(launches_per_step=prof["launches_per_step"], aten_calls_per_step=prof["aten_calls_per_step"])
+                for entry in prof["top_cpu"]:
+                    report.add("decode_profile", {"model": name, "role": role, "B": b, **entry})
             if device.type == "cuda" and not args.no_graph:
                 try:
                     row.update(graph_step(model, cache, token, device, args.budget_ms))
@@ -276,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--check-t", type=int, default=300)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph decoding step")
+    p.add_argument("--roles", default="teacher,student", help="which of teacher,student to run")
+    p.add_argument("--sdpa-backend", default="default", choices=("default", "flash", "cudnn", "efficient", "math"),
+                   help="restrict torch's SDPA to one backend (torch.nn.attention.sdpa_kernel)")
+    p.add_argument("--profile-decode", action="store_true",
+                   help="profile 4 eager decoding steps at the first batch size: host time by op, launches per step")
     p.add_argument("--budget-ms", type=float, default=1500.0, help="timed milliseconds per row")
     args = parse_args(p, argv, dict(models="tiny", prefill="64", decode_context=64, decode_batches="1,2",
                                     decode_steps=4, check_t=40, budget_ms=20.0))
@@ -286,32 +320,52 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("inference", args.out, device, args)
     peaks = measure_peaks(device, quick=args.quick)
     report.data["peaks"] = peaks
-    for name in names:
-        arch = PRESETS[name]()
-        teacher_cpu = None
-        if args.gguf and name == "smollm2-135m":
-            teacher_cpu, _ = load_gguf_teacher(args.gguf)
-            arch = teacher_cpu.arch
-            report.note(f"{name}: weights from {args.gguf}")
-        for role, pattern in (("teacher", "A" * arch.num_layers), ("student", quarter_pattern(arch.num_layers))):
-            try:
-                model = build(arch, pattern, device, dtype, teacher_cpu)
-            except Exception as exc:
-                report.error(f"{name} {role} build", exc)
-                continue
-            bench_role(name, role, model, args, device, peaks, report)
-            del model
-            _free(device)
-        summarize(report, name)
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    if not roles or set(roles) - {"teacher", "student"}:
+        raise SystemExit(f"error: --roles takes teacher and/or student, got {args.roles!r}")
+    sdpa = nullcontext()
+    if args.sdpa_backend != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa = sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[args.sdpa_backend])
+        report.note(f"SDPA restricted to {args.sdpa_backend}")
+    with sdpa:
+        for name in names:
+            run_model(name, roles, args, device, dtype, peaks, report)
     report.finish([
         ("Checks", "checks", ["model", "role", "check", "rel_err", "rel_err_fp32", "bf16_vs_fp32"]),
         ("Prefill (batch 1)", "prefill", ["model", "role", "T", "ms", "tok_per_s", "tflops", "kv_bytes", "state_bytes",
                                           "peak_mem_GiB", "note"]),
         ("Decode", "decode", ["model", "role", "B", "context", "eager_ms", "eager_tok_per_s", "graph_ms",
-                              "graph_tok_per_s", "floor_ms", "total_bytes", "graph_vs_eager_err", "note"]),
+                              "graph_tok_per_s", "floor_ms", "total_bytes", "graph_vs_eager_err", "launches_per_step",
+                              "aten_calls_per_step", "note"]),
+        ("Decode profile: host time by op (eager step)", "decode_profile",
+         ["model", "role", "B", "op", "calls_per_step", "self_cpu_ms_per_step"]),
         ("Student vs teacher", "summary", ["model", "metric", "teacher", "student", "ratio", "goal", "met"]),
     ])
     return 0
+
+
+def run_model(name: str, roles: list[str], args, device, dtype, peaks, report: Report) -> None:
+    """Teacher and/or student of one preset: build, bench, free; then the student/teacher summary."""
+    arch = PRESETS[name]()
+    teacher_cpu = None
+    if args.gguf and name == "smollm2-135m":
+        teacher_cpu, _ = load_gguf_teacher(args.gguf)
+        arch = teacher_cpu.arch
+        report.note(f"{name}: weights from {args.gguf}")
+    patterns = {"teacher": "A" * arch.num_layers, "student": quarter_pattern(arch.num_layers)}
+    for role in roles:
+        try:
+            model = build(arch, patterns[role], device, dtype, teacher_cpu)
+        except Exception as exc:
+            report.error(f"{name} {role} build", exc)
+            continue
+        bench_role(name, role, model, args, device, peaks, report)
+        del model
+        _free(device)
+    summarize(report, name)
 
 
 if __name__ == "__main__":

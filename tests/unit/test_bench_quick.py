@@ -67,6 +67,15 @@ def test_bench_inference_quick(tmp_path):
     assert any(r["metric"].startswith("decode") for r in data["summary"])
 
 
+def test_bench_inference_decode_profile(tmp_path):
+    data = run("bench_inference", tmp_path, "--roles", "student", "--profile-decode", "--sdpa-backend", "math",
+               "--decode-batches", "1")
+    assert {r["role"] for r in data["decode"]} == {"student"}
+    (row,) = data["decode"]
+    assert row["aten_calls_per_step"] > 0
+    assert data["decode_profile"] and all(r["self_cpu_ms_per_step"] >= 0 for r in data["decode_profile"])
+
+
 def test_bench_train_quick(tmp_path):
     data = run("bench_train", tmp_path, "--profile")
     (row,) = data["rows"]
