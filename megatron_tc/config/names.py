@@ -11,7 +11,7 @@ from __future__ import annotations
 STAGES: tuple[str, ...] = ("convert", "select", "stats", "init", "stage1", "stage2", "eval", "export")
 
 # DESIGN section 7. Add the project's own strategy here (or register it at import time).
-INIT_STRATEGIES: tuple[str, ...] = ("naive", "zero_gate", "taylor", "taylor_calibrate")
+INIT_STRATEGIES: tuple[str, ...] = ("naive", "zero_gate", "taylor", "taylor_calibrate", "taylor_fit")
 
 # Retained-layer policies (DESIGN section 7): every k-th layer, attention-removal ranking,
 # greedy addition, and the cheap one computed from the statistics pass.
