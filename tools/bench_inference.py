@@ -17,7 +17,9 @@ teacher (speed does not depend on the values). Per model and role:
 - decode at --decode-context: prefill [B, ctx] (not timed), then (a) eager: --decode-steps
   greedy steps through `model(token, cache=cache)`, the project's decoding loop, and (b) graph:
   one decoding step at that context captured in a CUDA graph and replayed (no Python or launch
-  overhead: each replay recomputes the same step from the same cache);
+  overhead: each replay recomputes the same step from the same cache); (c) static graph: a real
+  greedy loop of --decode-steps tokens, each a replay of one `StaticDecoder` step captured once
+  (megatron_tc/bench/static_decode.py: static KV buffers, device-side length);
 - floor: bytes a step must read (weights, KV, 2 x GDN state) over the measured copy bandwidth.
 Summary: student/teacher ratios against the goals (decode >= 3x, cache <= 30% of the teacher's).
 """
@@ -40,6 +42,7 @@ from megatron_tc.bench.common import (  # noqa: E402
 from megatron_tc.bench.models import (  # noqa: E402
     PRESETS, cache_bytes, copy_shared_weights, forward_flops, load_gguf_teacher, parameter_bytes, quarter_pattern,
 )
+from megatron_tc.bench.static_decode import StaticDecoder  # noqa: E402
 from megatron_tc.model import HybridCache, HybridLM  # noqa: E402
 from megatron_tc.model.cache import AttentionCache, GDNCache  # noqa: E402
 
@@ -141,6 +144,17 @@ def graph_step(model: HybridLM, cache: HybridCache, token: torch.Tensor, device,
     timing = time_fn(graph.replay, device, budget_ms=budget_ms)
     del graph, out
     return {"graph_ms": timing.ms, "graph_vs_eager_err": err}
+
+
+@torch.no_grad()
+def static_graph_decode(static: StaticDecoder, token: torch.Tensor, steps: int, device) -> dict:
+    """A greedy loop of `steps` tokens replaying one captured `StaticDecoder` step per token (the
+    token fed in, the argmax read out): ms per step, after 2 replayed warm-up steps."""
+    static.capture()
+    token = static.decode(token, 2)[:, -1:]
+    sync(device)
+    total = time_once(lambda: static.decode(token, steps), device)
+    return {"static_graph_ms": total / steps}
 
 
 def build(arch, pattern: str, device, dtype, teacher_cpu) -> HybridLM:
@@ -246,6 +260,15 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
                 except Exception as exc:
                     row["note"] = f"graph failed: {type(exc).__name__}"
                     report.error(f"{name} {role} decode graph B={b}", exc)
+                try:  # last: it takes a copy of the KV, and the model's cache is freed first
+                    static = StaticDecoder(model, cache, capacity=cache.seen_tokens + args.decode_steps + 2)
+                    cache = None
+                    row.update(static_graph_decode(static, token, args.decode_steps, device))
+                    row["static_graph_tok_per_s"] = b * 1e3 / row["static_graph_ms"]
+                    del static
+                except Exception as exc:
+                    row["note"] = (row.get("note", "") + f" static graph failed: {type(exc).__name__}").strip()
+                    report.error(f"{name} {role} decode static graph B={b}", exc)
         except Exception as exc:
             row["note"] = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else f"failed: {type(exc).__name__}"
             report.error(f"{name} {role} decode B={b}", exc)
@@ -282,7 +305,7 @@ def summarize(report: Report, name: str) -> None:
     for row in report.data.get("decode", []):
         if row["model"] == name and row["role"] == "teacher":
             s = find("decode", "student", B=row["B"])
-            for kind in ("eager", "graph"):
+            for kind in ("eager", "graph", "static_graph"):
                 key = f"{kind}_tok_per_s"
                 if key in row and key in s:
                     ratio = s[key] / row[key]
@@ -338,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         ("Prefill (batch 1)", "prefill", ["model", "role", "T", "ms", "tok_per_s", "tflops", "kv_bytes", "state_bytes",
                                           "peak_mem_GiB", "note"]),
         ("Decode", "decode", ["model", "role", "B", "context", "eager_ms", "eager_tok_per_s", "graph_ms",
-                              "graph_tok_per_s", "floor_ms", "total_bytes", "graph_vs_eager_err", "launches_per_step",
+                              "graph_tok_per_s", "static_graph_ms", "static_graph_tok_per_s", "floor_ms", "total_bytes", "graph_vs_eager_err", "launches_per_step",
                               "aten_calls_per_step", "note"]),
         ("Decode profile: host time by op (eager step)", "decode_profile",
          ["model", "role", "B", "op", "calls_per_step", "self_cpu_ms_per_step"]),
