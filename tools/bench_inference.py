@@ -149,12 +149,17 @@ def graph_step(model: HybridLM, cache: HybridCache, token: torch.Tensor, device,
 @torch.no_grad()
 def static_graph_decode(static: StaticDecoder, token: torch.Tensor, steps: int, device) -> dict:
     """A greedy loop of `steps` tokens replaying one captured `StaticDecoder` step per token (the
-    token fed in, the argmax read out): ms per step, after 2 replayed warm-up steps."""
+    token fed in, the argmax read out): ms per step, after 2 replayed warm-up steps. First the same
+    loop without the graph (static_eager_ms): the host cost of the step without SDPA and the
+    model's cache bookkeeping, to compare with the model's eager loop."""
+    token = static.decode(token, 2)[:, -1:]
+    sync(device)
+    eager = time_once(lambda: static.decode(token, steps), device)
     static.capture()
     token = static.decode(token, 2)[:, -1:]
     sync(device)
     total = time_once(lambda: static.decode(token, steps), device)
-    return {"static_graph_ms": total / steps}
+    return {"static_eager_ms": eager / steps, "static_graph_ms": total / steps}
 
 
 def build(arch, pattern: str, device, dtype, teacher_cpu) -> HybridLM:
@@ -261,7 +266,7 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
                     row["note"] = f"graph failed: {type(exc).__name__}"
                     report.error(f"{name} {role} decode graph B={b}", exc)
                 try:  # last: it takes a copy of the KV, and the model's cache is freed first
-                    static = StaticDecoder(model, cache, capacity=cache.seen_tokens + args.decode_steps + 2)
+                    static = StaticDecoder(model, cache, capacity=cache.seen_tokens + 2 * args.decode_steps + 4)
                     cache = None
                     row.update(static_graph_decode(static, token, args.decode_steps, device))
                     row["static_graph_tok_per_s"] = b * 1e3 / row["static_graph_ms"]
@@ -361,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         ("Prefill (batch 1)", "prefill", ["model", "role", "T", "ms", "tok_per_s", "tflops", "kv_bytes", "state_bytes",
                                           "peak_mem_GiB", "note"]),
         ("Decode", "decode", ["model", "role", "B", "context", "eager_ms", "eager_tok_per_s", "graph_ms",
-                              "graph_tok_per_s", "static_graph_ms", "static_graph_tok_per_s", "floor_ms", "total_bytes", "graph_vs_eager_err", "launches_per_step",
+                              "graph_tok_per_s", "static_eager_ms", "static_graph_ms", "static_graph_tok_per_s",
+                              "floor_ms", "total_bytes", "graph_vs_eager_err", "launches_per_step",
                               "aten_calls_per_step", "note"]),
         ("Decode profile: host time by op (eager step)", "decode_profile",
          ["model", "role", "B", "op", "calls_per_step", "self_cpu_ms_per_step"]),

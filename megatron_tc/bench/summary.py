@@ -43,7 +43,8 @@ def summarize(directory: Path) -> str:
         elif run.get("benchmark") == "inference":
             parts.append(markdown_table(run.get("checks", []), ["model", "role", "rel_err", "rel_err_fp32", "bf16_vs_fp32"]))
             parts.append(markdown_table(run.get("summary", []), ["model", "metric", "teacher", "student", "ratio", "goal", "met"]))
-            parts.append(markdown_table(run.get("decode", []), ["model", "role", "B", "eager_ms", "graph_ms", "floor_ms", "note"]))
+            parts.append(markdown_table(run.get("decode", []), ["model", "role", "B", "eager_ms", "graph_ms",
+                                                                "static_eager_ms", "static_graph_ms", "floor_ms", "note"]))
         elif run.get("benchmark") == "train":
             parts.append(markdown_table(run.get("checks", []), ["model", "loss_rel_err", "grad_rel_err_global",
                                                                 "bf16_chunk_grad_rel_err_global", "max_grad_rel_err",
