@@ -5,6 +5,11 @@ window an independent forward; the token at t+1 predicted from positions <= t; s
 Under ZeRO-3 a forward gathers parameters collectively, so every rank must run the same number of
 forwards: windows are dealt round-robin and ranks that run out repeat a window whose scores they
 drop.
+
+Under tensor parallelism the logits are vocabulary shards ([1, T, V_pad / TP]); pass `vocab_size`
+and `tp_group`: log-probabilities are normalized over the TP group, per-token sums and the top-1
+token are reduced over it, and the full logits are never gathered. The teacher cache then holds
+this rank's shard of the teacher's log-probs.
 """
 from __future__ import annotations
 
@@ -24,8 +29,35 @@ def window_rows(windows: list[torch.Tensor]) -> list[torch.Tensor]:
     return [w[i:i + 1] for w in windows for i in range(w.shape[0])]
 
 
-def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+def _log_probs(logits: torch.Tensor, vocab_size: int | None = None, tp_group=None) -> tuple[torch.Tensor, int]:
+    """(log-probs of this rank's real vocabulary columns, global id of its first column)."""
+    if tp_group is None:
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1), 0
+    from megatron_tc.parallel.losses import vocab_parallel_log_softmax
+
+    return vocab_parallel_log_softmax(logits, vocab_size, tp_group)
+
+
+def _tp_sum(x: torch.Tensor, tp_group) -> torch.Tensor:
+    if tp_group is not None:
+        dist.all_reduce(x, group=tp_group)
+    return x
+
+
+def _target_log_probs(lp: torch.Tensor, start: int, targets: torch.Tensor, tp_group) -> torch.Tensor:
+    """Sum over positions of log p(target) [fp64 scalar]; each target lives on one TP shard."""
+    local = targets - start
+    mine = (local >= 0) & (local < lp.shape[-1])
+    picked = lp.gather(-1, torch.where(mine, local, 0)[:, None])[:, 0] if lp.shape[-1] else lp.new_zeros(targets.shape)
+    return _tp_sum(torch.where(mine, picked, 0.0).sum(dtype=torch.float64).cpu(), tp_group)
+
+
+def _top1(lp: torch.Tensor, start: int, tp_group) -> torch.Tensor:
+    if tp_group is None:
+        return lp.argmax(-1)
+    from megatron_tc.parallel.losses import vocab_parallel_argmax
+
+    return vocab_parallel_argmax(lp, start, tp_group)
 
 
 class TeacherCache:
@@ -44,10 +76,14 @@ class TeacherCache:
 
 @torch.no_grad()
 def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Tensor], dp_rank: int, dp_size: int,
-               dp_group=None, device: torch.device | str = "cpu", cache: TeacherCache | None = None) -> dict[str, float]:
+               dp_group=None, device: torch.device | str = "cpu", cache: TeacherCache | None = None,
+               vocab_size: int | None = None, tp_group=None) -> dict[str, float]:
     """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T]).
 
-    With a `cache`, the teacher runs only in the first call; later calls reuse its log-probs."""
+    With a `cache`, the teacher runs only in the first call; later calls reuse its log-probs.
+    With `tp_group` (TP > 1) the logits are vocabulary shards and `vocab_size` is required."""
+    if tp_group is not None and vocab_size is None:
+        raise ValueError("score_rows with a tp_group needs vocab_size (to mask the padded vocabulary rows)")
     if not rows:
         raise ValueError("no evaluation windows: data.eval_tokens is too small for the sequence length")
     # sums: nll, kl, teacher_nll, agree, tokens
@@ -69,15 +105,15 @@ def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Ten
         if not real:
             continue
         targets = ids[0, 1:]
-        lps = _log_probs(s_logits[0, :-1])
-        sums[0] += -lps.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
+        lps, start = _log_probs(s_logits[0, :-1], vocab_size, tp_group)
+        sums[0] += -_target_log_probs(lps, start, targets, tp_group)
         if teacher is not None:
-            lpt = cache.rows[index] if cached else _log_probs(t_logits[0, :-1])
+            lpt = cache.rows[index] if cached else _log_probs(t_logits[0, :-1], vocab_size, tp_group)[0]
             if filling:
                 store[index] = lpt
-            sums[1] += (lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu()
-            sums[2] += -lpt.gather(-1, targets[:, None]).sum(dtype=torch.float64).cpu()
-            sums[3] += float((lps.argmax(-1) == lpt.argmax(-1)).sum())
+            sums[1] += _tp_sum((lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu(), tp_group)
+            sums[2] += -_target_log_probs(lpt, start, targets, tp_group)
+            sums[3] += float((_top1(lps, start, tp_group) == _top1(lpt, start, tp_group)).sum())
         sums[4] += targets.numel()
     if filling:
         cache.rows = store

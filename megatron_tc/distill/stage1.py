@@ -9,7 +9,9 @@ DeepSpeed engine (ZeRO over the data-parallel group) — map x_l to o_l, and the
 
 so layers with large and small attention outputs weigh alike. Per-layer relative MSE goes to
 TensorBoard (`stage1/mse/L{l}`); checkpoints, NaN policy and the schedule are those of stage 2.
-At the end the aligned mixers are merged into the student, saved by the caller.
+At the end the aligned mixers are merged into the student, saved by the caller. With parallel.tp > 1
+the student (in place) and a copy of the teacher are tensor-parallel (the mixers' outputs after the
+row-parallel o_proj are whole, so the loss is unchanged) and the merge gathers the shards.
 """
 from __future__ import annotations
 
@@ -168,10 +170,14 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
 
     if not layers:
         raise ValueError("stage1 needs converted (Gated DeltaNet) layers; the layer pattern has none")
-    if ctx.tp_size > 1 or ctx.pp_size > 1:
-        raise NotImplementedError(f"stage1 runs with parallel.tp=1 and parallel.pp=1 (got tp={ctx.tp_size}, "
-                                  f"pp={ctx.pp_size}); its layers are independent, so use data parallelism")
+    if ctx.pp_size > 1:
+        raise NotImplementedError(f"stage1 runs with parallel.pp=1 (got pp={ctx.pp_size}); its layers are "
+                                  "independent, so use data (and tensor) parallelism")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.tp_size > 1:  # in place for the student (the caller merges from it), a copy of the teacher
+        from megatron_tc.distill.stage2 import shard_over_tp
+
+        student, teacher = shard_over_tp(student, teacher, ctx)
     wrapped = ConvertedMixers(student, layers)
     wrapped.requires_grad_(True)
     ds = stage2_deepspeed_config(cfg, ctx, device, None)
@@ -183,12 +189,22 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
 
 
 def merged_student_state(student: nn.Module, trainer: Stage1Trainer) -> dict[str, torch.Tensor] | None:
-    """The student's full state with the trained mixers (rank 0; None elsewhere). Collective."""
-    mixers = gather_full_state(trainer.engine)
+    """The student's full state with the trained mixers (rank 0; None elsewhere). Collective; a
+    tensor-parallel student's shards are gathered to the single-device tensors."""
+    from megatron_tc.parallel.tensor_parallel import gather_full
+
+    ctx = trainer.ctx
+    mixers = gather_full_state(trainer.engine, ctx)
+    params = dict(student.named_parameters())
+    state = {}
+    for name, value in student.state_dict().items():
+        if any(name.startswith(f"layers.{l}.mixer.") for l in trainer.layers):
+            continue  # trained: taken from the engine
+        if ctx.tp_size > 1 and name in params:
+            value = gather_full(value, params[name], ctx)
+        state[name] = value.detach().cpu().clone()
     if mixers is None:
         return None
-    state = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()
-             if not any(k.startswith(f"layers.{l}.mixer.") for l in trainer.layers)}
     for name, value in mixers.items():  # "mixers.<l>.<param>" -> "layers.<l>.mixer.<param>"
         _, layer, rest = name.split(".", 2)
         state[f"layers.{layer}.mixer.{rest}"] = value

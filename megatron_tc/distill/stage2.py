@@ -16,9 +16,16 @@ Files under `out_dir`: checkpoints/, train_log.jsonl (one record per step, DP-av
 the eval log (default `out_dir/eval_log.jsonl`; the pipeline puts it at `<run_dir>/eval_log.jsonl`),
 the format `megatron_tc.eval.tokens_to_target` reads: {"step", "tokens" (training tokens seen),
 "ppl", "kl", "top1_agree", "teacher_ppl", "eval_tokens"}, with the zero-shot point at tokens 0.
+
+With parallel.tp > 1 (pp = 1) the student and the teacher are sharded by
+`parallel.tensor_parallel.apply_tensor_parallel` before their engines are built: DeepSpeed gets the
+TP groups through `mpu` (ZeRO-3 over DP; gradient norms over TP), the losses and the evaluation
+work on vocabulary shards, DeepSpeed checkpoints hold one partition per TP rank, and the final
+student is gathered to its single-device form.
 """
 from __future__ import annotations
 
+import copy
 import math
 import resource
 import time
@@ -219,7 +226,7 @@ class Stage2Trainer:
         try:
             result = score_rows(lambda x: self.engine(x), lambda x: self.teacher(x), self.eval_rows,
                                 self.ctx.dp_rank, self.ctx.dp_size, self.ctx.dp_group, self.device,
-                                self.teacher_cache)
+                                self.teacher_cache, vocab_size=self.vocab_size, tp_group=self.tp_group)
         finally:
             self.engine.train()
         result["eval_tokens"] = result.pop("tokens")
@@ -296,8 +303,8 @@ class Stage2Trainer:
         pass
 
     def gather_student(self) -> dict[str, torch.Tensor] | None:
-        """The full student state dict on rank 0 (collective)."""
-        return gather_full_state(self.engine)
+        """The full student state dict on rank 0 (collective; TP shards gathered)."""
+        return gather_full_state(self.engine, self.ctx)
 
     def _save(self, state: TrainState) -> None:
         state.data = self.loader.state_dict()
@@ -306,9 +313,14 @@ class Stage2Trainer:
         log.info("stage2: checkpoint %s", path)
 
 
-def gather_full_state(engine: Any) -> dict[str, torch.Tensor] | None:
-    """The student's full state dict (CPU, fp32) on rank 0, None elsewhere. Collective under ZeRO-3."""
+def gather_full_state(engine: Any, ctx: Any = None) -> dict[str, torch.Tensor] | None:
+    """The student's full state dict (CPU, fp32) on rank 0, None elsewhere. Collective under ZeRO-3
+    and, with a ParallelContext of TP > 1, over the TP group (each shard gathered to its full size,
+    so the names and shapes are those of the single-device HybridLM)."""
+    from megatron_tc.parallel.tensor_parallel import gather_full, gather_full_state_dict
+
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tp = ctx is not None and ctx.tp_size > 1
     if engine.zero_optimization_partition_weights():
         import deepspeed
 
@@ -320,16 +332,19 @@ def gather_full_state(engine: Any) -> dict[str, torch.Tensor] | None:
             if not params:
                 continue
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-                if rank0:
+                if rank0 or tp:
                     for name, p in params:
-                        out[f"{prefix}.{name}" if prefix else name] = p.detach().float().cpu().clone()
+                        value = gather_full(p.detach(), p, ctx) if tp else p.detach()
+                        if rank0:
+                            out[f"{prefix}.{name}" if prefix else name] = value.float().cpu().clone()
         for name, buf in module.named_buffers():
             if rank0 and name in module.state_dict():
                 out[name] = buf.detach().cpu().clone()
         return out if rank0 else None
+    state = gather_full_state_dict(engine.module, ctx) if tp else engine.module.state_dict()
     if not rank0:
         return None
-    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
 def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None) -> dict:
@@ -353,6 +368,22 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
     return ds
 
 
+def shard_over_tp(student: nn.Module, teacher: nn.Module, ctx: Any) -> tuple[nn.Module, nn.Module]:
+    """Both models tensor-parallel (megatron-core layers, shards of the full weights every rank
+    holds); their logits are then vocabulary shards, which the losses and the evaluation reduce
+    over the TP group."""
+    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
+
+    s_pad, t_pad = student.arch.padded_vocab_size, teacher.arch.padded_vocab_size
+    if s_pad != t_pad:
+        raise ValueError(f"with parallel.tp={ctx.tp_size} the student's and the teacher's logits are compared shard by "
+                         f"shard, so their padded vocabularies must be equal (student {s_pad}, teacher {t_pad}); "
+                         "build the student from this teacher (init stage)")
+    # the teacher is sharded as a copy: the caller's (the run context's cached teacher) stays whole
+    # for the stages that score it on one device (eval)
+    return apply_tensor_parallel(student, ctx), apply_tensor_parallel(copy.deepcopy(teacher), ctx)
+
+
 def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: Any, eval_rows: list[torch.Tensor],
                  out_dir: Path, tb: Any, device: torch.device, tensorboard_dir: str | None = None,
                  eval_log: Path | None = None) -> Stage2Trainer:
@@ -364,17 +395,18 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
         raise ValueError(f"the student's vocabulary ({student.arch.vocab_size} tokens) differs from the teacher's "
                          f"({teacher.arch.vocab_size}): the KL compares their logits token by token; build the "
                          "student from this teacher (init stage)")
-    if ctx.tp_size > 1:
+    if ctx.tp_size > 1 and ctx.pp_size > 1:
         raise NotImplementedError(
-            f"distillation with parallel.tp={ctx.tp_size} is not wired into the pipeline yet (the tensor-parallel "
-            "model exists in megatron_tc.parallel.tensor_parallel); run stage1/stage2 with parallel.tp=1 "
-            "(ZeRO-3 data parallelism, or parallel.pp > 1)")
+            f"stage2 with parallel.tp={ctx.tp_size} and parallel.pp={ctx.pp_size} together is not wired yet; "
+            "use tensor parallelism with ZeRO (pp=1) or pipeline parallelism with tp=1")
     if ctx.pp_size > 1:
         from megatron_tc.distill.stage2_pipeline import build_pipeline_stage2
 
         return build_pipeline_stage2(cfg, ctx, student, teacher, loader, out_dir, tb, device, tensorboard_dir, eval_log)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = student.arch.vocab_size
+    if ctx.tp_size > 1:
+        student, teacher = shard_over_tp(student, teacher, ctx)
     names = select_trainable(student, cfg.distill.stage2.trainable)
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))

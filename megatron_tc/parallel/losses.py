@@ -159,3 +159,28 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int
         raise ValueError(f"target ids must be in [0, {vocab_size}) or {ignore_index}; got "
                          f"{target[bad].unique()[:8].tolist()}")
     return _VocabParallelCE.apply(logits, target, vocab_size, ignore_index, tp_group)
+
+
+# ---- evaluation helpers (no autograd) ----------------------------------------------------------
+@torch.no_grad()
+def vocab_parallel_log_softmax(logits: Tensor, vocab_size: int, tp_group: ProcessGroup | None = None,
+                               ) -> tuple[Tensor, int]:
+    """(log_probs [..., V_real_local] fp32, start): the log-probabilities of this shard's real
+    tokens, normalized over the whole vocabulary, and the global id of its first column."""
+    real = _real_columns(logits, vocab_size, tp_group)
+    return _global_log_softmax(_fp32_or_wider(real), tp_group), _shard_range(logits.shape[-1], tp_group)[0]
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(values: Tensor, start: int, tp_group: ProcessGroup | None = None) -> Tensor:
+    """Global token id [...] of the largest of `values` [..., V_local] (this shard's columns,
+    starting at global id `start`); ties go to the smallest id, as torch.argmax over the full row."""
+    if values.shape[-1]:
+        best, index = values.max(dim=-1)
+        index = index + start
+    else:  # a shard of padding only
+        best = values.new_full(values.shape[:-1], -torch.inf)
+        index = torch.zeros(values.shape[:-1], dtype=torch.long, device=values.device)
+    top = _all_reduce(best.clone(), dist.ReduceOp.MAX, tp_group)
+    candidate = torch.where(best == top, index, torch.iinfo(torch.long).max)
+    return _all_reduce(candidate, dist.ReduceOp.MIN, tp_group)
