@@ -137,7 +137,11 @@ main() {
       if (( print )); then
         NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; return
       fi
-      exec deepspeed --no_python --no_local_rank --num_gpus "$nproc" --master_port "$port" "$SELF" "$@"
+      # The `deepspeed` console script when it is on PATH (an activated venv), else the same
+      # launcher through the interpreter that will run the ranks.
+      local launcher=(deepspeed)
+      command -v deepspeed >/dev/null 2>&1 || launcher=("$PYTHON" -m deepspeed.launcher.runner)
+      exec "${launcher[@]}" --no_python --no_local_rank --num_gpus "$nproc" --master_port "$port" "$SELF" "$@"
       ;;
   esac
   if (( print )); then print_env; return; fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ def tiny_assets(tmp_path_factory) -> Path:
 
 def launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
-    env.update(NPROC="2", OMP_NUM_THREADS="1")
+    # This interpreter runs every rank; without an activated venv (as in CI) the launcher finds
+    # DeepSpeed's launcher through it too.
+    env.update(NPROC="2", OMP_NUM_THREADS="1", PYTHON=sys.executable)
     cmd = ["bash", str(ROOT / "launch" / "distill.sh"), "configs/tiny.yaml", f"model.teacher={assets / 'teacher'}",
            f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
