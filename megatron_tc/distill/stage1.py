@@ -28,7 +28,7 @@ from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
 from megatron_tc.distill.evaluation import append_jsonl, truncate_jsonl
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
-from megatron_tc.distill.stage2 import gather_full_state
+from megatron_tc.distill.stage2 import gather_full_state, restore_vocab_padding
 from megatron_tc.monitor import get_logger, progress
 
 log = get_logger(__name__)
@@ -208,4 +208,4 @@ def merged_student_state(student: nn.Module, trainer: Stage1Trainer) -> dict[str
     for name, value in mixers.items():  # "mixers.<l>.<param>" -> "layers.<l>.mixer.<param>"
         _, layer, rest = name.split(".", 2)
         state[f"layers.{layer}.mixer.{rest}"] = value
-    return state
+    return restore_vocab_padding(state, student)

@@ -304,7 +304,8 @@ class Stage2Trainer:
 
     def gather_student(self) -> dict[str, torch.Tensor] | None:
         """The full student state dict on rank 0 (collective; TP shards gathered)."""
-        return gather_full_state(self.engine, self.ctx)
+        state = gather_full_state(self.engine, self.ctx)
+        return None if state is None else restore_vocab_padding(state, self.engine.module)
 
     def _save(self, state: TrainState) -> None:
         state.data = self.loader.state_dict()
@@ -372,16 +373,60 @@ def shard_over_tp(student: nn.Module, teacher: nn.Module, ctx: Any) -> tuple[nn.
     """Both models tensor-parallel (megatron-core layers, shards of the full weights every rank
     holds); their logits are then vocabulary shards, which the losses and the evaluation reduce
     over the TP group."""
+    from megatron_tc.model.config import pad_vocab
     from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
 
-    s_pad, t_pad = student.arch.padded_vocab_size, teacher.arch.padded_vocab_size
-    if s_pad != t_pad:
-        raise ValueError(f"with parallel.tp={ctx.tp_size} the student's and the teacher's logits are compared shard by "
-                         f"shard, so their padded vocabularies must be equal (student {s_pad}, teacher {t_pad}); "
-                         "build the student from this teacher (init stage)")
     # the teacher is sharded as a copy: the caller's (the run context's cached teacher) stays whole
     # for the stages that score it on one device (eval)
-    return apply_tensor_parallel(student, ctx), apply_tensor_parallel(copy.deepcopy(teacher), ctx)
+    teacher = copy.deepcopy(teacher)
+    s_pad, t_pad = student.arch.padded_vocab_size, teacher.arch.padded_vocab_size
+    if s_pad != t_pad or s_pad % ctx.tp_size:
+        # logits are compared shard by shard, so both need one padding that TP divides (students
+        # are saved padded for tp=1, the converted teacher for parallel.tp)
+        padded = pad_vocab(student.arch.vocab_size, ctx.tp_size)
+        set_vocab_padding(student, padded)
+        set_vocab_padding(teacher, padded)
+    return apply_tensor_parallel(student, ctx), apply_tensor_parallel(teacher, ctx)
+
+
+def set_vocab_padding(model: nn.Module, padded: int) -> None:
+    """Resize a single-device HybridLM's embedding (and untied LM head) to `padded` rows, in place:
+    the real rows are kept, rows past vocab_size are zero (they never produce logits)."""
+    import dataclasses
+
+    vocab = model.arch.vocab_size
+    if padded < vocab:
+        raise ValueError(f"padded vocabulary {padded} < vocab_size {vocab}")
+    for name in ("embed_tokens", "lm_head"):
+        module = getattr(model, name, None)
+        if module is None:
+            continue
+        old = module.weight
+        weight = old.new_zeros(padded, old.shape[1])
+        with torch.no_grad():
+            weight[:vocab] = old[:vocab]
+        module.weight = nn.Parameter(weight, requires_grad=old.requires_grad)
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = padded
+        else:
+            module.out_features = padded
+    if not hasattr(model, "saved_padded_vocab_size"):
+        model.saved_padded_vocab_size = model.arch.padded_vocab_size  # restored in the gathered state
+    model.arch = dataclasses.replace(model.arch, padded_vocab_size=padded)
+
+
+def restore_vocab_padding(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A gathered state of a model whose padding `set_vocab_padding` changed, with the vocabulary
+    tables back at the model's original row count (so it loads into the original architecture)."""
+    padded = getattr(model, "saved_padded_vocab_size", None)
+    if padded is None:
+        return state
+    vocab = model.arch.vocab_size
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in state:
+            table = state[name][:vocab]
+            state[name] = torch.cat([table, table.new_zeros(padded - vocab, table.shape[1])])
+    return state
 
 
 def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: Any, eval_rows: list[torch.Tensor],

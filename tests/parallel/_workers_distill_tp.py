@@ -3,7 +3,8 @@ ZeRO-3 through mpu) against the same run with TP=1 on one process.
 
 The tiny teacher/student pair, packed documents and config of _workers_distill (hybrid AGAG student,
 GQA: 4 query heads, 2 KV heads), with the CE and hidden-state terms on so that every loss path runs
-on vocabulary shards. Each run saves its train log, eval log and gathered student to `out`.
+on vocabulary shards, and the teacher padded to 256 vocabulary rows while the student has 96 (as
+after the init stage). Each run saves its train log, eval log and gathered student to `out`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ STEPS = 4
 EXTRA = {"distill__stage2__ce_weight": "0.5", "distill__stage2__hidden_weight": "0.1"}
 
 
+def padded_teacher(teacher):
+    """The teacher with 256 vocabulary rows (96 real), as a converted checkpoint would be, while the
+    student keeps 96: stage 2 under TP must bring both to one padding before comparing shards."""
+    from megatron_tc.convert.layout import resize_vocab
+    from megatron_tc.model.transformer import HybridLM
+
+    state, arch = resize_vocab(teacher.state_dict(), teacher.arch, 256)
+    padded = HybridLM(arch)
+    padded.load_state_dict(state)
+    return padded
+
+
 def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = None):
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.evaluation import window_rows
@@ -28,6 +41,7 @@ def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = 
     ctx = init_parallel(tp, 1)
     cfg = tiny_config(out, steps, parallel__tp=str(tp), **EXTRA)
     teacher, student = teacher_and_student(0)
+    teacher = padded_teacher(teacher)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
     eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (4, SEQ)))
@@ -52,6 +66,7 @@ def run_stage1(out: Path, tp: int, steps: int = 3) -> None:
     cfg = tiny_config(out, STEPS, parallel__tp=str(tp), distill__stage1__steps=str(steps),
                       distill__stage1__lr="1.0e-2")
     teacher, student = teacher_and_student(0)
+    teacher = padded_teacher(teacher)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
     tb = TBWriter(out / "tb")
