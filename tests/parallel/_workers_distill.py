@@ -62,7 +62,9 @@ def tiny_config(out: Path, steps: int, pp: int = 1, **extra: str):
     overrides = [f"distill.stage2.steps={steps}", "distill.stage2.lr=3.0e-3", "distill.stage2.warmup_steps=1",
                  "distill.eval_interval=2", "distill.checkpoint_interval=2", "data.global_batch_size=4",
                  "data.micro_batch_size=1", f"data.seq_len={SEQ}", "logging.progress_bar=false"]
-    overrides += [f"parallel.deepspeed_config={ds_json}"] if pp == 1 else [f"parallel.pp={pp}", "parallel.zero_stage=1"]
+    # Only stage 2 runs here; with pp > 1 the config may not list stage 1 (it runs with pp = 1).
+    overrides += ([f"parallel.deepspeed_config={ds_json}"] if pp == 1
+                  else [f"parallel.pp={pp}", "parallel.zero_stage=1", "run.stages=[stage2]"])
     overrides += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
     return load_config(Path(__file__).resolve().parents[2] / "configs/tiny.yaml", overrides)
 

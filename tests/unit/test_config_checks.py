@@ -138,6 +138,12 @@ def test_stages():
         validate_config(make("run.stages=[eval, eval]"))
     with raises("run.stages is empty"):
         validate_config(make("run.stages=[]"))
+    with raises(r"stage1 with parallel.pp=2: stage 1 runs with pp=1"):
+        validate_config(make("run.stages=[stage1]", "parallel.pp=2", "parallel.zero_stage=1"))
+    with raises(r"stage2 with parallel.tp=2 and parallel.pp=2 together is not supported"):
+        validate_config(make("run.stages=[stage2]", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"))
+    validate_config(make("run.stages=[stage2]", "parallel.pp=2", "parallel.zero_stage=1"))
+    validate_config(make("run.stages=[stage1, stage2]", "parallel.tp=2"))
 
 
 def test_data_checks():
@@ -206,7 +212,7 @@ def _is_valid(tp, pp, dp, zero, world, heads, kv, inter, layers, micro, gbs) -> 
 )
 def test_parallel_layouts_property(tp, pp, dp, zero, world, kv, group, inter, layers, micro, gbs):
     heads = kv * group
-    cfg = make()
+    cfg = make("run.stages=[convert, stats, init, eval]")  # layouts only; trainer limits: test_stages
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero_stage = tp, pp, dp, zero
     cfg.data.micro_batch_size, cfg.data.global_batch_size = micro, gbs
     teacher = arch(num_layers=layers, num_heads=heads, num_kv_heads=kv, intermediate_size=inter, head_dim=8)
@@ -227,7 +233,7 @@ def test_valid_parallel_layouts_pass_property(tp, pp, dp, zero, give_dp, kv_per_
                                               extra_layers, micro, accum):
     zero = min(zero, 1) if pp > 1 else zero
     kv = kv_per_tp * tp
-    cfg = make()
+    cfg = make("run.stages=[convert, stats, init, eval]")  # layouts only; trainer limits: test_stages
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero_stage = tp, pp, dp if give_dp else 0, zero
     cfg.data.micro_batch_size, cfg.data.global_batch_size = micro, micro * dp * accum
     teacher = arch(num_layers=pp + extra_layers, num_heads=kv * group, num_kv_heads=kv,
