@@ -232,17 +232,19 @@ def collect_stats(
 
 def log_stats(stats: TaylorStats, writer, step: int = 0) -> None:
     """Per-head statistics to TensorBoard: `stats/L{l}/{name}` plotted against the head index,
-    and `stats_layer/{name}` (mean over heads) against the layer index."""
+    and `stats_layer/{name}` (mean over heads) against the layer index. `writer`: the project's
+    TBWriter (`scalar`) or a torch SummaryWriter (`add_scalar`)."""
+    log = writer.scalar if hasattr(writer, "scalar") else writer.add_scalar
     names = ("dist", "dist_nosink", "entropy", "conc", "conc_nosink", "sink", "logit_var", "out_energy_o")
     for index in stats.layers:
         sums = stats.layer(index)
         for name in names:
             values = stats.mean(index, name)
             for head, value in enumerate(values.tolist()):
-                writer.add_scalar(f"stats/L{index:02d}/{name}", value, head)
-            writer.add_scalar(f"stats_layer/{name}", float(values.mean()), index)
+                log(f"stats/L{index:02d}/{name}", value, head)
+            log(f"stats_layer/{name}", float(values.mean()), index)
         ratio = float(sums["Y_energy"] / sums["resid_energy"].clamp_min(1e-30))
-        writer.add_scalar("stats_layer/attn_to_resid_energy", ratio, index)
+        log("stats_layer/attn_to_resid_energy", ratio, index)
     writer.flush()
 
 

@@ -70,7 +70,7 @@ step_setup() {
 }
 
 step_stats() {
-  run "$R/stats.json" python tools/stats.py $DATA --out "$R/stats.pt"  # (--tb: log_stats calls writer.add_scalar, TBWriter has .scalar)
+  run "$R/stats.json" python tools/stats.py $DATA --out "$R/stats.pt"
 }
 
 step_teacher() {
