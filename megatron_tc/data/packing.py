@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_tc.model.ops.masks import positions_from_doc_ids
+
 IGNORE_INDEX = -100
 
 
@@ -133,13 +135,9 @@ def attention_mask_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids [B, T] (non-decreasing per row) -> position_ids [B, T] restarting at each document."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_pos = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - start_pos
+    """doc_ids [B, T] (non-decreasing per row) -> position_ids [B, T] restarting at each document
+    (the model's own rule, so packed data and the model never disagree)."""
+    return positions_from_doc_ids(doc_ids)
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
