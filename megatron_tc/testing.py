@@ -1,8 +1,10 @@
-"""Run a function in N gloo processes and turn any rank's failure into a test failure.
+"""Run a function in N gloo (CPU) or NCCL (one GPU per rank) processes and turn any rank's failure
+into a test failure.
 
 Every parallel test goes through `run_distributed`. Each child gets RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT in its environment, one intra-op thread, and an initialized gloo
-process group; the function's exception (with its traceback) comes back to the parent, which
+MASTER_ADDR and MASTER_PORT in its environment, one intra-op thread, and an initialized process
+group (gloo by default; with backend="nccl" rank r uses GPU r, and NVLink multicast is switched off
+in the parent's and the children's environment, see `NCCL_ENV`); the function's exception (with its traceback) comes back to the parent, which
 raises one AssertionError naming every failed rank. A child that dies without a Python exception
 (a segfault, os._exit) or hangs past `timeout` fails the test as well.
 """
@@ -25,7 +27,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+BACKENDS = ("gloo", "nccl")
+# NVLink SHARP / multicast stays off on the lent machines (their device README): set before any
+# NCCL communicator or symmetric-memory buffer exists, in every process.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """Raise ValueError/RuntimeError, before any process starts, if `backend` cannot run `world_size` ranks."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is unknown; use one of {BACKENDS}")
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise RuntimeError("backend='nccl' asked for, but this torch build has no NCCL; use backend='gloo'")
+        gpus = torch.cuda.device_count()
+        if gpus < world_size:
+            raise RuntimeError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, but "
+                               f"{gpus} CUDA device(s) are visible; use fewer ranks or backend='gloo'")
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, backend: str = "gloo") -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -33,7 +54,12 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        kwargs = {}
+        if backend == "nccl":
+            os.environ.update(NCCL_ENV)
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)  # binds the communicator to this GPU up front
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120), **kwargs)
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, traceback.format_exc()))
@@ -43,16 +69,22 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` in `world_size` spawned gloo processes.
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 300.0,
+                    backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` in `world_size` spawned processes.
 
-    `fn` and `args` must be picklable (a module-level function). Raises AssertionError if any rank
-    raised, exited non-zero or did not finish within `timeout` seconds.
+    backend: "gloo" (CPU) or "nccl" (rank r on GPU r; needs world_size visible GPUs, else an error
+    before anything starts). `fn` and `args` must be picklable (a module-level function). Raises
+    AssertionError if any rank raised, exited non-zero or did not finish within `timeout` seconds.
     """
+    check_backend(backend, world_size)
+    if backend == "nccl":
+        os.environ.update(NCCL_ENV)  # spawned children inherit it; _child sets it again
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, errors, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:

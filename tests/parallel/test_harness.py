@@ -17,3 +17,13 @@ def test_child_exception_is_reported_with_rank_and_traceback():
 def test_child_hard_exit_is_reported():
     with pytest.raises(AssertionError, match="rank 0 exited with code 3"):
         run_distributed(_workers.hard_exit_on_rank_zero, 2, timeout=60)
+
+
+def test_nccl_without_enough_gpus_or_unknown_backend_is_refused_before_spawning():
+    import torch
+
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(RuntimeError, match=r"one GPU per rank|no NCCL"):
+        run_distributed(_workers.all_reduce_sum, too_many, backend="nccl")
+    with pytest.raises(ValueError, match="backend 'mpi' is unknown"):
+        run_distributed(_workers.all_reduce_sum, 2, backend="mpi")
