@@ -79,6 +79,16 @@ def _param_groups(mixer: nn.Module, settings: AlignSettings) -> list[dict]:
     ]
 
 
+def _minibatch_loss(mixer: nn.Module, train: LayerData, settings: AlignSettings, generator) -> float:
+    """Relative MSE of the current parameters on one random training minibatch (no update)."""
+    n = train.x.shape[0]
+    rows = torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
+    with torch.no_grad():
+        part = train.rows(rows.to(train.x.device))
+        out = mixer(part.x, doc_ids=part.doc_ids)
+        return float((out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30))
+
+
 def align_layer(
     mixer: nn.Module, train: LayerData, settings: AlignSettings, heldout: LayerData | None = None,
     seed: int = 0, log=None, tag: str = "",
@@ -102,6 +112,10 @@ def align_layer(
         part = train.rows(rows.to(device))
         out = mixer(part.x, doc_ids=part.doc_ids)
         loss = (out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30)
+        if score is None and float(loss.detach()) < best:
+            # the paper's reading: the step with the lowest training loss. That loss was measured
+            # on the parameters *before* this step, so those are the ones kept (step - 1 updates).
+            best, best_step, best_state = float(loss.detach()), step - 1, copy.deepcopy(mixer.state_dict())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
@@ -110,7 +124,8 @@ def align_layer(
             log(f"align/{tag}/train", float(loss.detach()), step)
         value = None
         if score is None:
-            value = float(loss.detach())  # the paper's reading: the step with the lowest training loss
+            if step == settings.steps:  # the last update is scored on one more minibatch
+                value = _minibatch_loss(mixer, train, settings, generator)
         elif step % settings.eval_every == 0 or step == settings.steps:
             mixer.eval()
             value = score()

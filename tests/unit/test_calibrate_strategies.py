@@ -145,3 +145,20 @@ def test_policies(setup):
     assert uniform(4, 1).keep == [3]
     sel = readout_gap(setup[1], 1)
     assert len(sel.keep) == 1 and sel.scores[sel.keep[0]] == max(sel.scores.values())
+
+
+@pytest.mark.parametrize("lr_gates", [3e-2, 3.0])
+def test_train_criterion_keeps_the_parameters_whose_loss_it_recorded(setup, lr_gates):
+    """best_on='train': the loss of a step is measured before the optimizer step, so the kept
+    parameters must be the ones that loss was measured on (not those after the step). With one
+    training row (every minibatch is that row) the recorded best is exactly reproducible."""
+    from megatron_tc.calibrate.align import align_layer
+
+    io = setup[3]
+    student = _student(setup, "taylor")
+    settings = AlignSettings(steps=5, lr_gates=lr_gates, lr_proj=1e-2, batch_rows=1, best_on="train")
+    for layer in CONVERTED:
+        mixer, row = student.layers[layer].mixer, io[layer].rows(torch.arange(1))
+        report = align_layer(mixer, row, settings)
+        assert report["best"] <= report["initial"]
+        assert abs(relative_mse(mixer, row) - report["best"]) < 1e-5 * max(1.0, report["best"])
