@@ -79,8 +79,10 @@ class Trainer:
         if ctx is not None:
             from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config, build_student_engine
 
-            ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch, global_batch_size=args.batch,
-                                        dp_size=1, bf16=device.type == "cuda", lr=1e-5)
+            # every data-parallel rank its own micro-batch of args.batch rows (tools/bench_scaling.py)
+            ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch,
+                                        global_batch_size=args.batch * ctx.dp_size, dp_size=ctx.dp_size,
+                                        bf16=device.type == "cuda", lr=1e-5)
             self.engine, self.student, self.optimizer = build_student_engine(student, ds, ctx), None, None
         else:
             self.engine, self.student = None, student
