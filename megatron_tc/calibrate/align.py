@@ -13,6 +13,7 @@ closed-form init) is a candidate, so alignment never returns something worse by 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,13 @@ def align_layer(
     if settings.best_on == "heldout" and heldout is None:
         raise ValueError("best_on='heldout' needs held-out calibration data")
     generator = torch.Generator(device="cpu").manual_seed(seed)  # the same rows on every device
+    if settings.schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {settings.schedule!r}")
     optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=(0.9, 0.95))
+    scheduler = None
+    if settings.schedule == "cosine":
+        total = max(settings.steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     n, device = train.x.shape[0], train.x.device
     score = (lambda: relative_mse(mixer, heldout)) if settings.best_on == "heldout" else None
     initial = score() if score else relative_mse(mixer, train.rows(torch.arange(min(n, settings.batch_rows), device=device)))
@@ -120,6 +127,8 @@ def align_layer(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         if log is not None:
             log(f"align/{tag}/train", float(loss.detach()), step)
         value = None

@@ -21,6 +21,7 @@ from .statsfile import TaylorStats
 
 State = dict[str, torch.Tensor]
 GATE_GAMMAS = (0.01, 0.03, 0.1, 0.3, 1.0)
+MEAN_GATE_GAMMAS = (1.0, 4.0, 16.0)
 PAPER_GATE_DAMPING = 0.01
 BETA_RANGE = (0.05, 0.95)
 
@@ -53,6 +54,7 @@ class AlignSettings:
     batch_rows: int = 1
     eval_every: int = 10
     best_on: str = "heldout"
+    schedule: str = "constant"  # or "cosine": both learning rates decay to 0 at the last step
 
 
 def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
@@ -210,6 +212,25 @@ class Taylor(Strategy):
         return params
 
 
+def mean_input_direction(ctx: LayerContext) -> torch.Tensor:
+    """x̄/|x̄|² [hidden] with x̄ the layer's mean mixer input on the calibration text: a row r with
+    r·x_t = (x̄·x_t)/|x̄|² is 1 for the mean input and near 1 where inputs share its direction."""
+    layer = _stats(ctx).layer(ctx.index)
+    mean = layer["x_sum"] / layer["count"]
+    return (mean / mean.pow(2).sum().clamp_min(1e-30)).float()
+
+
+def candidate_prefix(readout: dict[str, torch.Tensor], count: int, heads: int) -> dict[str, torch.Tensor]:
+    """The readout sums of the first `count` gate candidates (sums are laid out candidate-major,
+    index c*H + h), so an ablation whose candidates are a prefix of ours reuses ours' sums."""
+    if readout["uy"].shape[0] == count:
+        return readout
+    n = count * heads
+    out = dict(readout)
+    out.update(G=readout["G"][:n, :n], r=readout["r"][:n], uy=readout["uy"][:count], uu=readout["uu"][:count])
+    return out
+
+
 @dataclass
 class TaylorFit(Taylor):
     """Ours (docs/method.md, `taylor_fit`); each flag is one component for the ablation."""
@@ -218,7 +239,9 @@ class TaylorFit(Taylor):
     bias: bool = True  # b_proj bias sets the mean write strength
     sink_free: bool = True  # half-life and write target from sink-free attention
     gate_fit: bool = True  # output gate chosen from candidates + joint OLS after o_proj
-    description: str = "b_proj bias = logit(target); sink-free timescale/concentration; fitted output gate + joint OLS scales"
+    mean_gate: bool = True  # near-constant candidates γ·1 x̄ᵀ/|x̄|² among the output gates
+    description: str = ("b_proj bias = logit(target); sink-free timescale/concentration; output gate chosen "
+                        "from γ W_v and near-constant γ 1 x̄ᵀ/|x̄|² candidates + joint OLS scales after o_proj")
 
     def target_half_life(self, ctx: LayerContext) -> torch.Tensor:
         key = "dist_nosink" if self.sink_free else "dist"
@@ -240,10 +263,17 @@ class TaylorFit(Taylor):
         params["b_proj.bias"] = logit(self.target_beta(ctx)).to(params["b_proj.bias"].dtype)
 
     def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
+        """g_proj weights [H*D, hidden] the readout sums score: γ W_v (γ in GATE_GAMMAS), then
+        (mean_gate) γ·1 x̄ᵀ/|x̄|² (γ in MEAN_GATE_GAMMAS)."""
         if not self.gate_fit:
             return [None]
         w_v = value_per_query_head(ctx)
-        return [gamma * w_v for gamma in GATE_GAMMAS]
+        candidates = [gamma * w_v for gamma in GATE_GAMMAS]
+        if self.mean_gate:
+            direction = mean_input_direction(ctx).to(w_v.dtype)
+            rows = direction[None, :].expand(w_v.shape[0], -1)
+            candidates += [gamma * rows.clone() for gamma in MEAN_GATE_GAMMAS]
+        return candidates
 
     def closed_form(self, ctx: LayerContext) -> State:
         params = super().closed_form(ctx)
@@ -252,18 +282,25 @@ class TaylorFit(Taylor):
         return params
 
     def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
+        """Per head, the candidate with the largest explained energy uy²/uu; then the joint
+        least squares over heads after o_proj sets the per-head scales (folded into o_proj)."""
         if not self.gate_fit:
             return super().finish(ctx, params, readout)
-        h = ctx.arch.num_heads
+        h, d = ctx.arch.num_heads, ctx.arch.head_dim
+        candidates = self.gate_candidates(ctx, params)
+        if readout["uy"].shape[0] < len(candidates):
+            raise StrategyError(
+                f"layer {ctx.index}: the readout sums of {self.readout_name!r} score {readout['uy'].shape[0]} "
+                f"gate candidates, {self.name} has {len(candidates)}; rerun tools/stats.py with this version"
+            )
+        readout = candidate_prefix(readout, len(candidates), h)
         explained = readout["uy"].pow(2) / readout["uu"].clamp_min(1e-30)  # [C, H]
         choice = explained.argmax(dim=0)  # [H]
         index = choice * h + torch.arange(h, device=choice.device)
         scales = solve_joint_scales(readout["G"][index][:, index], readout["r"][index])
-        w_v = value_per_query_head(ctx)
-        rows = torch.tensor([GATE_GAMMAS[int(c)] for c in choice], dtype=w_v.dtype, device=w_v.device)
-        rows = rows.repeat_interleave(ctx.arch.head_dim)
-        params["g_proj.weight"] = w_v * rows[:, None]
-        fold_head_scales(params, scales, ctx.arch.head_dim)
+        weight = torch.cat([candidates[int(c)][i * d:(i + 1) * d] for i, c in enumerate(choice)])
+        params["g_proj.weight"] = weight.to(params["g_proj.weight"].dtype)
+        fold_head_scales(params, scales, d)
         return params
 
 
@@ -296,4 +333,6 @@ register("taylor_fit-closed", lambda: TaylorFit(name="taylor_fit-closed", readou
 register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(OURS_ALIGN)))
 register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(OURS_ALIGN)))
 register("taylor_fit-gatefit", lambda: TaylorFit(name="taylor_fit-gatefit", gate_fit=False, align=replace(OURS_ALIGN)))
+register("taylor_fit-meangate", lambda: TaylorFit(name="taylor_fit-meangate", mean_gate=False, readout_key="taylor_fit",
+                                                  align=replace(OURS_ALIGN)))
 register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))

@@ -11,21 +11,23 @@
 #   closed     uniform policy, strategies without alignment (naive ... taylor_fit-closed, ablations)
 #   aligned    uniform policy, taylor_calibrate / taylor_fit / taylor_fit-heldout (per-layer alignment)
 #   select     readout_gap, ar and ga layer selections (ar/ga: a cheap proxy, see PROXY_TOKENS)
+#   ablation   ours with one component removed (aligned like ours; the held-out one is in `aligned`)
 #   policies   taylor_calibrate and taylor_fit (and naive) for the layers each policy chose
+#   table      markdown rows from every JSON in $R
 #   paperstats the paper's setting for the closed form: statistics on the evaluation text itself
 #
 # Calibration text: hamlet (tokens [0, CAL_TOKENS) for statistics and alignment, the next
 # HELDOUT_TOKENS for best-step selection). Evaluation text: macbeth (first EVAL_TOKENS tokens).
 # Every row writes $R/<policy>_<init>.json (the calibrate report; perplexity at .eval.ppl).
 set -euo pipefail
-R=${R:-runs/zs}
+R=${R:-runs/zs2}
 T=${T:-runs/teacher_smollm2}
 CORPUS=${CORPUS:-runs/corpus}
 CAL=${CAL:-$CORPUS/shakespeare/hamlet.txt}
 EV=${EV:-$CORPUS/shakespeare/macbeth.txt}
 SEQ=${SEQ:-512}
-CAL_TOKENS=${CAL_TOKENS:-2048}
-HELDOUT_TOKENS=${HELDOUT_TOKENS:-512}
+CAL_TOKENS=${CAL_TOKENS:-16384}
+HELDOUT_TOKENS=${HELDOUT_TOKENS:-1024}
 EVAL_TOKENS=${EVAL_TOKENS:-4096}
 ALIGN_STEPS=${ALIGN_STEPS:-40}
 NUM_KEEP=${NUM_KEEP:-8}
@@ -85,7 +87,7 @@ step_closed() {
   for init in taylor taylor_fit-closed; do
     row uniform "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
-  for init in taylor_fit-bias taylor_fit-sinkfree taylor_fit-gatefit; do  # ablations of the closed form
+  for init in taylor_fit-bias taylor_fit-sinkfree taylor_fit-gatefit taylor_fit-meangate; do  # ablations of the closed form
     row uniform-noalign "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
 }
@@ -107,34 +109,8 @@ step_aligned() {
 step_ablation() {  # ours with one component removed, aligned like ours (held-out component: in step aligned)
   local init
   need "$R/stats.json"
-  for init in ${INITS:-taylor_fit-gatefit taylor_fit-bias taylor_fit-sinkfree}; do
+  for init in ${INITS:-taylor_fit-gatefit taylor_fit-meangate taylor_fit-bias taylor_fit-sinkfree}; do
     aligned_row uniform "$init" --policy uniform --num-keep "$NUM_KEEP"
-  done
-}
-
-step_meangate() {  # proposal: ours + near-constant output-gate candidates (tools/experiments/meangate.py)
-  run "$R/meangate_readout.json" python tools/experiments/meangate.py readout --teacher "$T" --text "$CAL" \
-    --tokens "$CAL_TOKENS" --heldout-tokens "$HELDOUT_TOKENS" --seq-len "$SEQ" --stats "$R/stats.pt" \
-    --out "$R/stats_meangate.pt"
-  local init
-  for init in taylor_fit-meangate-closed taylor_fit-meangate; do
-    local extra="--no-align"
-    [ "$init" = taylor_fit-meangate ] && extra="--heldout-tokens $HELDOUT_TOKENS --align-steps $ALIGN_STEPS"
-    run "$R/uniform_$init.json" python tools/experiments/meangate.py calibrate $DATA --init "$init" $EVAL \
-      --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats_meangate.pt" $extra
-  done
-}
-
-step_meangate_policies() {  # the proposal and ours-without-gate-fit on the layers of the other policies
-  local policy keep
-  need "$R/meangate_readout.json"
-  for policy in ${POLICIES:-readout_gap ar ga}; do
-    need "$R/select_$policy.keep.json"
-    keep=$(keep_of "$R/select_$policy.keep.json")
-    aligned_row "$policy" taylor_fit-gatefit --keep "$keep"
-    run "$R/${policy}_taylor_fit-meangate.json" python tools/experiments/meangate.py calibrate $DATA \
-      --init taylor_fit-meangate $EVAL --keep "$keep" --stats "$R/stats_meangate.pt" \
-      --heldout-tokens "$HELDOUT_TOKENS" --align-steps "$ALIGN_STEPS"
   done
 }
 
