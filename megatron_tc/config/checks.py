@@ -84,6 +84,7 @@ _MIN_INT = {
     "distill.stage2.steps": 0, "distill.stage2.warmup_steps": 0,
     "distill.eval_interval": 0, "distill.checkpoint_interval": 0, "distill.keep_last": 1, "distill.max_skipped": 0,
     "eval.tokens": 0, "eval.batch_size": 1, "logging.log_interval": 1,
+    "pretrain.steps": 0, "pretrain.warmup_steps": 0,
 }
 _MIN_FLOAT = {  # key: (minimum, whether the minimum itself is allowed)
     "calibrate.lr_qkv": (0.0, False), "calibrate.lr_gates": (0.0, False),
@@ -91,6 +92,8 @@ _MIN_FLOAT = {  # key: (minimum, whether the minimum itself is allowed)
     "distill.stage2.weight_decay": (0.0, True), "distill.stage2.grad_clip": (0.0, True),
     "distill.stage2.temperature": (0.0, False), "distill.stage2.ce_weight": (0.0, True),
     "distill.stage2.hidden_weight": (0.0, True),
+    "pretrain.init_std": (0.0, False), "pretrain.lr": (0.0, False), "pretrain.min_lr": (0.0, True),
+    "pretrain.weight_decay": (0.0, True), "pretrain.grad_clip": (0.0, True),
 }
 
 
@@ -112,7 +115,7 @@ def _range_errors(cfg: Config) -> list[str]:
         errors.append(f"model.keep_fraction={m.keep_fraction} must be in (0, 1]")
     if m.keep_count is not None and m.keep_count < 0:
         errors.append(f"model.keep_count={m.keep_count} must be >= 0 (or null to use keep_fraction)")
-    for key in ("distill.stage2.tokens", "eval.seq_len"):
+    for key in ("distill.stage2.tokens", "pretrain.tokens", "eval.seq_len"):
         value = _get(cfg, key)
         if value is not None and value < 1:
             errors.append(f"{key}={value} must be >= 1 (or null)")
@@ -308,4 +311,21 @@ def _data_errors(cfg: Config) -> list[str]:
         )
     if s2.min_lr > s2.lr:
         errors.append(f"distill.stage2.min_lr={s2.min_lr} exceeds distill.stage2.lr={s2.lr}: the schedule decays from lr to min_lr")
+    return errors + _pretrain_errors(cfg)
+
+
+def _pretrain_errors(cfg: Config) -> list[str]:
+    if "pretrain" not in cfg.run.stages:
+        return []
+    p, errors = cfg.pretrain, []
+    if not p.hf_config:
+        errors.append("run.stages has pretrain but pretrain.hf_config is not set: name the HF config.json of the "
+                      "model to pretrain (e.g. configs/paper/teacher_qwen2.json)")
+    if not cfg.data.tokenizer:
+        errors.append("run.stages has pretrain but data.tokenizer is not set: the model has no teacher whose "
+                      "tokenizer could be used; name an HF tokenizer directory or a .gguf file")
+    if p.tokens is not None and p.tokens < cfg.data.global_batch_size * cfg.data.seq_len:
+        errors.append(f"pretrain.tokens={p.tokens} is less than one step (global_batch_size * seq_len); raise it")
+    if p.min_lr > p.lr:
+        errors.append(f"pretrain.min_lr={p.min_lr} exceeds pretrain.lr={p.lr}: the schedule decays from lr to min_lr")
     return errors

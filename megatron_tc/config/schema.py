@@ -169,6 +169,25 @@ class Stage2Config:
 
 
 @dataclass
+class PretrainConfig:
+    """The `pretrain` stage: a model trained from scratch on the training split with the plain
+    next-token objective (no teacher), through the stage-2 trainer (DeepSpeed engine, data loader,
+    checkpoints, TensorBoard, eval log); distill.eval_interval / checkpoint_interval / keep_last
+    apply. The result is exported as an HF directory of its family at model.teacher."""
+
+    hf_config: Optional[str] = opt(None, "HF config.json (llama, qwen2, mistral, qwen3, gemma3) of the model to pretrain: architecture, family and token ids.")
+    init_std: float = opt(0.02, "Standard deviation of the normal init of projections and embeddings.")
+    steps: int = opt(100, "Optimizer steps (ignored when tokens is set).")
+    tokens: Optional[int] = opt(None, "Training tokens; sets the steps as tokens / (global_batch_size * seq_len). More than the split holds means more epochs.")
+    lr: float = opt(1e-3, "Peak learning rate.")
+    min_lr: float = opt(1e-4, "Final learning rate of the schedule.")
+    warmup_steps: int = opt(20, "Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = opt("cosine", "Decay from lr to min_lr after warmup.")
+    weight_decay: float = opt(0.1, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Global gradient-norm clip; 0 disables clipping.")
+
+
+@dataclass
 class DistillConfig:
     """Distillation stages and their run control (checkpoints, evaluation, numerical faults)."""
 
@@ -220,6 +239,7 @@ class Config:
     data: DataConfig = section(DataConfig, "Text sources, tokenizer, sequence length and batch sizes.")
     calibrate: CalibrateConfig = section(CalibrateConfig, "Statistics pass, initialization strategy and per-layer alignment.")
     distill: DistillConfig = section(DistillConfig, "Stage 1 and stage 2 distillation.")
+    pretrain: PretrainConfig = section(PretrainConfig, "The optional pretrain stage (a teacher trained from scratch).")
     eval: EvalConfig = section(EvalConfig, "Final evaluation.")
     logging: LoggingConfig = section(LoggingConfig, "Console logging, TensorBoard, progress bars.")
     export: ExportConfig = section(ExportConfig, "Exported student formats.")

@@ -67,6 +67,7 @@ class RunPaths:
 
 # Config keys each stage's output depends on (prefixes of dotted keys).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
+    "pretrain": ("pretrain", "model.teacher", "data", "run.seed", "run.precision"),
     "convert": ("model.teacher", "model.teacher_format", "model.dtype", "model.make_vocab_size_divisible_by"),
     "select": ("model.layer_pattern", "model.policy", "model.keep_fraction", "model.keep_count", "model.keep_layers",
                "data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens"),

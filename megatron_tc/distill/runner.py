@@ -99,7 +99,10 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
 def _stage_table() -> dict[str, tuple[Callable[..., dict], Callable[[RunPaths, Any], list[Path]]]]:
     from megatron_tc.distill import final, stages
 
+    from megatron_tc.distill.pretrain import pretrain_outputs, run_pretrain
+
     return {
+        "pretrain": (run_pretrain, pretrain_outputs),
         "convert": (stages.run_convert, lambda p, c: [p.teacher / "manifest.json"]),
         "select": (stages.run_select, lambda p, c: [p.selection]),
         "stats": (stages.run_stats, lambda p, c: [p.stats]),
@@ -115,7 +118,7 @@ def _forget_outputs(ctx: RunContext, stage: str) -> None:
     """A forced stage starts from nothing: training stages lose their checkpoints and logs."""
     if not ctx.rank0:
         return
-    if stage in ("stage1", "stage2"):
+    if stage in ("stage1", "stage2", "pretrain"):
         shutil.rmtree(ctx.paths.stage_dir(stage), ignore_errors=True)
         if stage == "stage2":
             ctx.paths.eval_log.unlink(missing_ok=True)
@@ -186,7 +189,8 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
     cfg = ctx.cfg
     from megatron_tc.config import config_to_dict
 
-    fingerprints = stage_fingerprints(config_to_dict(cfg), list(STAGES))
+    # the pretrain stage joins the fingerprint chain only when it runs (runs without it keep theirs)
+    fingerprints = stage_fingerprints(config_to_dict(cfg), [s for s in STAGES if s != "pretrain" or s in cfg.run.stages])
     manifest = RunManifest(ctx.paths.root) if ctx.rank0 else None
     if ctx.rank0:
         manifest.data["run"] = run_info() | {"stages": list(cfg.run.stages)}
@@ -212,7 +216,7 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
             ctx.barrier()
             log.info("stage %s: running", stage)
             t0 = time.time()
-            kwargs = {"stop_after": stop_after} if stage in ("stage1", "stage2") else {}
+            kwargs = {"stop_after": stop_after} if stage in ("pretrain", "stage1", "stage2") else {}
             try:
                 summary = fn(ctx, **kwargs)
             except StageStopped as stop:
