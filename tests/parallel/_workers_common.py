@@ -50,3 +50,66 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert err <= TOL, f"{what}: all tensors together, relative error {err:.3g} > {TOL:g}"
     for name in sorted(want):
         assert_close(got[name], want[name], f"{what}: {name}", 10 * TOL)
+
+
+# ---- device / precision (the same checks on CPU-gloo and on CUDA-NCCL) -------------------------
+def place(model: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` in `dtype` on `device`. Models are always built on the CPU first (same seed, same
+    weights on every device); on CUDA the GDN op is the pure-PyTorch 'chunk' kernel, so parity
+    tests do not wait for fla's Triton compilation (fla has its own tests in tests/gpu)."""
+    model = model.to(device=device, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        model.set_gdn_backend("chunk")
+    return model
+
+
+def on(device: str, data):
+    """batches(...) (nested lists/tuples of tensors) moved to `device`."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    return type(data)(on(device, x) for x in data)
+
+
+class ReferenceAdamW:
+    """The single-process optimizer the DeepSpeed runs are compared with: torch AdamW plus global
+    gradient-norm clipping; for bf16 parameters it keeps fp32 master weights and fp32 gradients, as
+    DeepSpeed's bf16 optimizers do (AdamW on bf16 weights would lose most updates to rounding)."""
+
+    def __init__(self, params, lr: float, clip: float, betas=(0.9, 0.95), eps: float = 1e-8):
+        self.params = [p for p in params if p.requires_grad]
+        self.mixed = any(p.dtype == torch.bfloat16 for p in self.params)
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params] if self.mixed else self.params
+        self.opt = torch.optim.AdamW(self.master, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+        self.clip = clip
+
+    def step(self) -> float:
+        """Clip, step, zero the gradients; returns the gradient norm before clipping."""
+        if self.mixed:
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.clip)) if self.clip else 0.0
+        self.opt.step()
+        self.opt.zero_grad()
+        if self.mixed:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+                    p.grad = None
+        return norm
+
+
+# Below what the low-precision run can resolve, an error ratio means nothing: the floor.
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float64: 1e-9}
+
+
+def assert_as_accurate(got: torch.Tensor, single: torch.Tensor, exact: torch.Tensor, what: str,
+                       dtype: torch.dtype, floor: float | None = None) -> None:
+    """The parallel result `got` is at most 2x as far from the fp64 result `exact` as the
+    single-device result `single` of the same precision is, plus a floor: rel(got, exact) <=
+    2 rel(single, exact) + floor. Sharding/reduction bugs give errors of order 1e-2..1; rounding
+    differences of the same precision stay near the single-device error."""
+    assert got.shape == single.shape == exact.shape, f"{what}: shapes {got.shape}, {single.shape}, {exact.shape}"
+    floor = FLOOR[dtype] if floor is None else floor
+    err, base = rel_err(got, exact), rel_err(single, exact)
+    assert err <= 2 * base + floor, (f"{what} ({dtype}): parallel error vs fp64 {err:.3g} > 2 x single-device "
+                                     f"error {base:.3g} + {floor:g}")

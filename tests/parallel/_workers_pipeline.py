@@ -11,7 +11,8 @@ from megatron_tc.model import HybridLM
 from megatron_tc.parallel import pipeline as pipe
 from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config
 from megatron_tc.parallel.state import destroy_parallel, init_parallel
-from tests.parallel._workers_common import VOCAB, assert_close, assert_same_weights, batches, tiny_arch
+from tests.parallel._workers_common import (VOCAB, ReferenceAdamW, assert_close, assert_same_weights, batches, on,
+                                            place, tiny_arch)
 
 STEPS, MICRO, BATCH, SEQ = 5, 2, 2, 16
 LR, CLIP, TEMPERATURE, CE_WEIGHT = 2e-3, 0.5, 2.0, 0.5
@@ -28,50 +29,55 @@ def models(tied: bool) -> tuple[HybridLM, HybridLM]:
     return student, teacher
 
 
-def single_process_run(tied: bool, data, loss_fn) -> tuple[list[float], HybridLM]:
-    student, teacher = models(tied)
+def single_process_run(tied: bool, data, loss_fn, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> tuple[list[float], HybridLM]:
+    student, teacher = (place(m, device, dtype) for m in models(tied))
     teacher.requires_grad_(False)
-    opt = torch.optim.AdamW(student.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    opt = ReferenceAdamW(student.parameters(), lr=LR, clip=CLIP)
     losses = []
     for step in data:
         total = 0.0
-        for ids, labels in step:
+        for ids, labels in on(device, step):
             (ids, pos, doc), labels = pipe.pipeline_batch(ids, labels)
             with torch.no_grad():
                 teacher_logits = teacher(ids, pos, doc)
             loss = loss_fn((student(ids, pos, doc), pipe.pack(teacher_logits)), labels) / len(step)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), CLIP)
         opt.step()
-        opt.zero_grad()
         losses.append(total)
     return losses, student
+
+
+def pp_run(ctx, tied: bool, partition: str, checkpointing: bool, data, device: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor], HybridLM]:
+    """STEPS pipeline steps; returns (step losses, the weights this stage trained, the teacher)."""
+    student, teacher = (place(m, device, dtype) for m in models(tied))
+    cfg = build_deepspeed_config(zero_stage=1, micro_batch_size=BATCH, global_batch_size=BATCH * MICRO,
+                                 dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, pipeline=True,
+                                 bf16=dtype == torch.bfloat16, base=deepspeed_template_path(ctx.pp_size))
+    loss_fn = pipe.DistillLoss(VOCAB, TEMPERATURE, CE_WEIGHT, tp_group=ctx.tp_group)
+    engine = pipe.build_pipeline_engine(student, teacher, cfg, ctx, loss_fn, partition, checkpointing)
+    assert engine.num_stages == 2 and engine.stage_id == ctx.pp_rank
+    if partition == "pattern":  # 2 embeddings + 3 layers | 3 layers + norms + head
+        assert engine.module.parts == [0, 5, 10], engine.module.parts
+    losses = [engine.train_batch(pipe.pipeline_batches(step)).item() for step in data]
+    # The stage's modules are the student's own objects: the ones this stage trained.
+    local = {id(p) for p in engine.module.parameters()}
+    trained = {n: p.detach() for n, p in student.named_parameters() if id(p) in local}
+    assert trained, f"stage {ctx.pp_rank} trained nothing"
+    assert all(p.device.type == torch.device(device).type for p in trained.values())
+    return losses, trained, teacher
 
 
 def check_setup(ctx, tied: bool, partition: str, checkpointing: bool) -> None:
     data = batches(STEPS, MICRO, BATCH, SEQ)
     loss_fn = pipe.DistillLoss(VOCAB, TEMPERATURE, CE_WEIGHT, tp_group=None)
     want_losses, reference = single_process_run(tied, data, loss_fn)
-
-    student, teacher = models(tied)
-    cfg = build_deepspeed_config(zero_stage=1, micro_batch_size=BATCH, global_batch_size=BATCH * MICRO,
-                                 dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, pipeline=True,
-                                 base=deepspeed_template_path(ctx.pp_size))
-    loss_fn = pipe.DistillLoss(VOCAB, TEMPERATURE, CE_WEIGHT, tp_group=ctx.tp_group)
-    engine = pipe.build_pipeline_engine(student, teacher, cfg, ctx, loss_fn, partition, checkpointing)
+    losses, trained, teacher = pp_run(ctx, tied, partition, checkpointing, data)
     what = f"PP=2 tied={tied} partition={partition} checkpointing={checkpointing}"
-    assert engine.num_stages == 2 and engine.stage_id == ctx.pp_rank
-    if partition == "pattern":  # 2 embeddings + 3 layers | 3 layers + norms + head
-        assert engine.module.parts == [0, 5, 10], engine.module.parts
-    losses = [engine.train_batch(pipe.pipeline_batches(step)).item() for step in data]
     for got, want in zip(losses, want_losses):
         assert_close(torch.tensor(got), torch.tensor(want), f"{what} step loss")
-
-    # The stage's modules are the student's own objects: compare the ones this stage trained.
-    local = {id(p) for p in engine.module.parameters()}
-    trained = {n: p.detach() for n, p in student.named_parameters() if id(p) in local}
-    assert trained, f"{what}: stage {ctx.pp_rank} trained nothing"
     want = {n: p.detach() for n, p in reference.named_parameters() if n in trained}
     assert_same_weights(trained, want, f"{what} stage {ctx.pp_rank}")
     if ctx.is_first_stage:

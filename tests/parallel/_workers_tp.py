@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from megatron_tc.model import HybridLM
 from megatron_tc.parallel.losses import vocab_parallel_cross_entropy, vocab_parallel_kl
 from megatron_tc.parallel.state import destroy_parallel, init_parallel
-from megatron_tc.parallel.tensor_parallel import (apply_tensor_parallel, full_grad_slice, gather_full,
+from megatron_tc.parallel.tensor_parallel import (apply_tensor_parallel, gather_full,
                                                   gather_full_state_dict, gather_vocab_shards)
-from tests.parallel._workers_common import VOCAB, assert_close, assert_same_weights, rel_err, tiny_arch
+from tests.parallel._workers_common import VOCAB, assert_close, assert_same_weights, on, place, rel_err, tiny_arch
 
 # Two layouts that between them exercise every sharding rule: q/k norms, q/k/v biases, short convs,
 # tied and untied heads, GDN with its own GQA (gdn_expand_kv=False), Gemma's sandwich norms,
@@ -41,48 +41,64 @@ def _loss_tp(local: torch.Tensor, teacher_local: torch.Tensor, target: torch.Ten
     return ce + kl
 
 
-def check_model(variant: str, ctx, dtype: torch.dtype) -> None:
-    """fp32: logits within 1e-5 and all gradients together within 1e-5 (relative). Per tensor,
-    fp32 cannot resolve 1e-5: the single-process model's own fp32 gradients differ from its fp64
-    ones by up to ~3e-5 on small tensors such as A_log (summation order). So the fp64 run checks
-    every tensor's gradient to 1e-5 (the model keeps GDN gates and output norm in fp32 even
-    then, which leaves ~1e-6 of rounding); sharding mistakes show up as 1e-2 or more."""
+def tp_and_single_forward_backward(variant: str, ctx, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """One forward + backward of the TP model and of the unsharded model, same weights and data.
+
+    Returns {"tp_logits", "logits": [2, 24, VOCAB]; "tp_grads", "grads": {name: full gradient}}
+    (TP values gathered over the TP group, on every rank)."""
     opts = dict(VARIANTS[variant])
     arch = tiny_arch(opts.pop("pattern"), tp=ctx.tp_size, **opts)
     torch.manual_seed(0)
-    reference = HybridLM(arch, init_std=0.2).to(dtype)
+    reference = place(HybridLM(arch, init_std=0.2), device, dtype)
     full_state = {k: v.clone() for k, v in reference.state_dict().items()}
     model = apply_tensor_parallel(copy.deepcopy(reference), ctx)
     assert sorted(model.state_dict()) == sorted(full_state), "sharded state dict must keep HybridLM's names"
     for name, tensor in gather_full_state_dict(model, ctx).items():
         assert torch.equal(tensor, full_state[name]), f"gathered {name} differs from the unsharded weight"
+    assert all(p.device.type == torch.device(device).type for p in model.parameters()), f"TP model not on {device}"
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, 24), generator=g)
     target = torch.randint(0, VOCAB, (2, 24), generator=g)
     doc_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
     teacher = (torch.randn(2, 24, arch.padded_vocab_size, generator=g) * 3).to(dtype)
+    ids, target, doc_ids, teacher = on(device, (ids, target, doc_ids, teacher))
 
     want = reference(ids, doc_ids=doc_ids)
     _loss_full(want, teacher, target).backward()
     local = model(ids, doc_ids=doc_ids)
     assert local.shape[-1] == arch.padded_vocab_size // ctx.tp_size
-    tol = 1e-5 if dtype == torch.float32 else 1e-7  # fp64 logits: only the fp32 GDN islands round
-    assert_close(gather_vocab_shards(local, VOCAB, ctx), want, f"{variant} {dtype} logits", tol)
     teacher_local = teacher.chunk(ctx.tp_size, -1)[ctx.tp_rank]
     _loss_tp(local, teacher_local, target, ctx).backward()
 
     ref_params = dict(reference.named_parameters())
-    got_all, want_all = [], []
+    tp_grads, grads = {}, {}
     for name, param in model.named_parameters():
-        want_grad = ref_params[name].grad
         assert param.grad is not None, f"{variant}: {name} got no gradient"
-        got_all.append(gather_full(param.grad, param, ctx).flatten())
-        want_all.append(want_grad.flatten())
-        if dtype == torch.float64:
-            assert_close(param.grad, full_grad_slice(want_grad, param, ctx), f"{variant} grad of {name}", 1e-5)
-    assert len(got_all) == len(ref_params)
-    err = rel_err(torch.cat(got_all), torch.cat(want_all))
+        tp_grads[name] = gather_full(param.grad, param, ctx)
+        grads[name] = ref_params[name].grad
+    assert len(tp_grads) == len(ref_params)
+    return {"tp_logits": gather_vocab_shards(local, VOCAB, ctx).detach(), "logits": want.detach(),
+            "tp_grads": tp_grads, "grads": grads}
+
+
+def all_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([grads[k].flatten() for k in sorted(grads)])
+
+
+def check_model(variant: str, ctx, dtype: torch.dtype, device: str = "cpu") -> None:
+    """fp32: logits within 1e-5 and all gradients together within 1e-5 (relative). Per tensor,
+    fp32 cannot resolve 1e-5: the single-process model's own fp32 gradients differ from its fp64
+    ones by up to ~3e-5 on small tensors such as A_log (summation order). So the fp64 run checks
+    every tensor's gradient to 1e-5 (the model keeps GDN gates and output norm in fp32 even
+    then, which leaves ~1e-6 of rounding); sharding mistakes show up as 1e-2 or more."""
+    out = tp_and_single_forward_backward(variant, ctx, dtype, device)
+    tol = 1e-5 if dtype == torch.float32 else 1e-7  # fp64 logits: only the fp32 GDN islands round
+    assert_close(out["tp_logits"], out["logits"], f"{variant} {dtype} logits", tol)
+    if dtype == torch.float64:
+        for name, want in out["grads"].items():
+            assert_close(out["tp_grads"][name], want, f"{variant} grad of {name}", 1e-5)
+    err = rel_err(all_grads(out["tp_grads"]), all_grads(out["grads"]))
     assert err <= 1e-5, f"{variant} {dtype}: all gradients, relative error {err:.3g} > 1e-5"
 
 

@@ -10,15 +10,16 @@ from megatron_tc.model import HybridLM
 from megatron_tc.parallel import deepspeed_engine as dse
 from megatron_tc.parallel.losses import vocab_parallel_kl
 from megatron_tc.parallel.state import destroy_parallel, init_parallel
-from tests.parallel._workers_common import VOCAB, assert_close, assert_same_weights, batches, tiny_arch
+from tests.parallel._workers_common import (VOCAB, ReferenceAdamW, assert_close, assert_same_weights, batches, on,
+                                            place, tiny_arch)
 
 STEPS, GLOBAL_BATCH, SEQ = 5, 4, 16
 LR, CLIP, TEMPERATURE = 2e-3, 0.5, 2.0
 
 
-def models() -> tuple[HybridLM, HybridLM]:
+def models(tp: int = 1) -> tuple[HybridLM, HybridLM]:
     """A hybrid student (both layer kinds, GQA, tied) and an all-attention teacher."""
-    arch = tiny_arch("AGGA", tie_embeddings=True)
+    arch = tiny_arch("AGGA", tp=tp, tie_embeddings=True, qk_norm=tp > 1)
     torch.manual_seed(0)
     teacher = HybridLM(arch.with_pattern("AAAA"), init_std=0.2)
     student = HybridLM(arch, init_std=0.2)
@@ -29,32 +30,79 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tp_group
     return vocab_parallel_kl(student_logits, teacher_logits, VOCAB, TEMPERATURE, tp_group).mean()
 
 
-def single_process_run(data) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """The reference: plain AdamW with gradient clipping over the whole global batch."""
-    student, teacher = models()
+def single_process_run(data, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                       tp: int = 1) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """The reference: AdamW with gradient clipping over the whole global batch (`ReferenceAdamW`)."""
+    student, teacher = (place(m, device, dtype) for m in models(tp))
     teacher.requires_grad_(False)
-    opt = torch.optim.AdamW(student.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    opt = ReferenceAdamW(student.parameters(), lr=LR, clip=CLIP)
     losses, clipped = [], 0
     for step in data:
         total = 0.0
-        for ids, _labels in step:
+        for ids, _labels in on(device, step):
             with torch.no_grad():
                 teacher_logits = teacher(ids)
             loss = kl_loss(student(ids), teacher_logits) / len(step)
             loss.backward()
             total += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(student.parameters(), CLIP)
-        clipped += int(norm > CLIP)
-        opt.step()
-        opt.zero_grad()
+        clipped += int(opt.step() > CLIP)
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in student.state_dict().items()}, clipped / len(data)
 
 
-def zero3_matches_single_process(rank: int, world_size: int) -> None:
+def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """ZeRO-3 over ctx's DP group (TP inside when ctx.tp_size > 1): step losses (averaged over the
+    global batch) and the final full student state dict, on every rank."""
     import deepspeed
     import torch.distributed as dist
 
+    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel, gather_full
+
+    student, teacher = (apply_tensor_parallel(place(m, device, dtype), ctx) for m in models(ctx.tp_size))
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    # the shipped template, with persistence off: this tiny model's tensors would otherwise all
+    # stay whole on every rank (below stage3_param_persistence_threshold) and nothing be sharded
+    base = json.loads(deepspeed_template_path(1).read_text())
+    base["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg = dse.build_deepspeed_config(zero_stage=3, micro_batch_size=1, global_batch_size=GLOBAL_BATCH,
+                                     dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, base=base,
+                                     bf16=dtype == torch.bfloat16)
+    engine = dse.build_student_engine(student, cfg, ctx)
+    teacher_engine = dse.build_teacher(teacher, cfg, ctx, mode="engine")
+    for what, eng in (("student", engine), ("teacher", teacher_engine)):
+        sharded = [p for p in eng.module.parameters() if p.ds_tensor.numel() < p.ds_numel]
+        assert len(sharded) == len(list(eng.module.parameters())), f"ZeRO-3 left {what} tensors whole"
+    assert engine.zero_optimization_stage() == 3 and teacher_engine.zero_optimization_stage() == 3
+    assert type(teacher_engine.optimizer).__name__ == "DeepSpeedZeRoOffload", "teacher engine must have no optimizer"
+
+    losses = []
+    for step in data:
+        mine = step[ctx.dp_rank::ctx.dp_size]  # this rank's share of the global batch
+        total = torch.zeros((), device=device)  # NCCL reduces device tensors only
+        for ids, _labels in on(device, mine):
+            with torch.no_grad():
+                teacher_logits = teacher_engine(ids)
+            loss = kl_loss(engine(ids), teacher_logits, ctx.tp_group)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / len(step)
+            dse.assert_no_grads(teacher_engine)
+        dist.all_reduce(total, group=ctx.dp_group)
+        losses.append(total.item())
+    assert engine.global_steps == len(data)
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = dict(engine.module.named_parameters())
+        state = {k: gather_full(v.detach(), params[k], ctx).clone() if k in params else v.detach().clone()
+                 for k, v in engine.module.state_dict().items()}
+    with deepspeed.zero.GatheredParameters(list(teacher_engine.module.parameters())):
+        for name, value in teacher_engine.module.state_dict().items():
+            assert torch.equal(value, teacher_before[name]), f"teacher weight {name} changed"
+    return losses, state
+
+
+def zero3_matches_single_process(rank: int, world_size: int) -> None:
     data = batches(STEPS, GLOBAL_BATCH, 1, SEQ)  # per step: GLOBAL_BATCH micro-batches of one sequence
     want_losses, want_state, clipped = single_process_run(data)
     assert clipped > 0, "the reference never clipped: gradient clipping would go untested"
@@ -62,45 +110,9 @@ def zero3_matches_single_process(rank: int, world_size: int) -> None:
     ctx = init_parallel(tp=1, pp=1)
     try:
         assert ctx.dp_size == 2
-        student, teacher = models()
-        teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
-        # the shipped template, with persistence off: this tiny model's tensors would otherwise all
-        # stay whole on every rank (below stage3_param_persistence_threshold) and nothing be sharded
-        base = json.loads(deepspeed_template_path(1).read_text())
-        base["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        cfg = dse.build_deepspeed_config(zero_stage=3, micro_batch_size=1, global_batch_size=GLOBAL_BATCH,
-                                         dp_size=ctx.dp_size, lr=LR, betas=(0.9, 0.95), grad_clip=CLIP, base=base)
-        engine = dse.build_student_engine(student, cfg, ctx)
-        teacher_engine = dse.build_teacher(teacher, cfg, ctx, mode="engine")
-        for what, eng in (("student", engine), ("teacher", teacher_engine)):
-            sharded = [p for p in eng.module.parameters() if p.ds_tensor.numel() < p.ds_numel]
-            assert len(sharded) == len(list(eng.module.parameters())), f"ZeRO-3 left {what} tensors whole"
-        assert engine.zero_optimization_stage() == 3 and teacher_engine.zero_optimization_stage() == 3
-        assert type(teacher_engine.optimizer).__name__ == "DeepSpeedZeRoOffload", "teacher engine must have no optimizer"
-
-        losses = []
-        for step in data:
-            mine = step[ctx.dp_rank::ctx.dp_size]  # this rank's share of the global batch
-            total = torch.zeros(())
-            for ids, _labels in mine:
-                with torch.no_grad():
-                    teacher_logits = teacher_engine(ids)
-                loss = kl_loss(engine(ids), teacher_logits, ctx.tp_group)
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach() / len(step)
-                dse.assert_no_grads(teacher_engine)
-            dist.all_reduce(total, group=ctx.dp_group)
-            losses.append(total.item())
-        assert engine.global_steps == STEPS
+        losses, got_state = zero3_run(ctx, data)
         for got, want in zip(losses, want_losses):
             assert_close(torch.tensor(got), torch.tensor(want), "ZeRO-3 step loss")
-
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            got_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         assert_same_weights(got_state, want_state, "ZeRO-3 final")
-        with deepspeed.zero.GatheredParameters(list(teacher_engine.module.parameters())):
-            for name, value in teacher_engine.module.state_dict().items():
-                assert torch.equal(value, teacher_before[name]), f"teacher weight {name} changed"
     finally:
         destroy_parallel()
