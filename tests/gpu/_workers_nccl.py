@@ -1,0 +1,189 @@
+"""Workers for tests/gpu/test_parallel_nccl.py: the parallel parity checks of tests/parallel, on
+CUDA over NCCL (one GPU per rank), in fp32 and bf16.
+
+Every check compares the parallel run with the same run on one GPU (same weights, same data):
+- fp32 (TF32 off): directly, with tight relative tolerances (below);
+- bf16 (and fp32 as well): against an fp64 run of the single-GPU reference on the GPU, by
+  `assert_as_accurate`: rel(parallel, fp64) <= 2 x rel(one GPU, fp64) + floor. bf16 cannot be
+  compared with bf16 directly at any useful tolerance (different GEMM splits round differently),
+  but a sharding or reduction bug makes the parallel run much worse than the one-GPU run of the
+  same precision, which this check catches.
+The GDN op is the pure-PyTorch 'chunk' kernel (`place`): fla compiles for about a minute per shape
+and is tested against it in tests/gpu/test_fla_parity.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_tc.parallel import pipeline as pipe
+from megatron_tc.parallel.state import destroy_parallel, init_parallel
+from tests.parallel import _workers_pipeline as wpp
+from tests.parallel import _workers_tp as wtp
+from tests.parallel import _workers_zero as wz
+from tests.parallel._workers_common import VOCAB, assert_as_accurate, assert_close, batches, rel_err
+
+DTYPES = (torch.float32, torch.bfloat16)
+# fp32 on GPU, parallel vs one GPU. TP splits every GEMM, so cuBLAS reduces in another order:
+# twice the CPU tolerance (1e-5). PP and DP run the very same GEMM shapes as one GPU: the CPU
+# tolerances (step losses 1e-5; weights after 5 AdamW steps 1e-5 together, 1e-4 per tensor).
+TP_FP32_TOL = 2e-5
+# bf16 TP may be up to 3x (not 2x) as far from fp64 as one GPU: a row-parallel layer rounds each
+# rank's partial sum to bf16 and the all-reduce adds them in bf16 (one GPU rounds once, after an
+# fp32 accumulation), and replicated gradients (norm weights) are summed in bf16 too. Measured on
+# CPU-gloo with these workers: TP/one-GPU error ratio 1.05 on logits, 1.4-1.9 on all gradients.
+# A sharding bug gives errors of order 1 (>10x the one-GPU bf16 error of ~3e-2 here).
+TP_RATIO = 3.0
+# Per-tensor floors of the 2x rule (whole-vector checks use FLOOR): small tensors (A_log, norm
+# weights, biases) have few elements to average rounding over.
+TENSOR_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def exact_numerics(device: str) -> None:
+    """fp32 parity needs true fp32 GEMMs and convolutions (TF32 would round inputs to 10 bits)."""
+    if device == "cpu":  # the workers also run on CPU/gloo (a dry run of this suite's logic)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.cuda.manual_seed_all(0)
+
+
+def _cat(tensors: dict[str, torch.Tensor], names) -> torch.Tensor:
+    return torch.cat([tensors[n].detach().double().flatten() for n in names])
+
+
+def _fp32_same_weights(got: dict, want: dict, what: str, tol_all: float, tol_each: float) -> None:
+    names = sorted(want)
+    assert sorted(got) == names, f"{what}: different tensor names"
+    err = rel_err(_cat(got, names), _cat(want, names))
+    assert err <= tol_all, f"{what}: all tensors together, relative error {err:.3g} > {tol_all:g}"
+    for n in names:
+        assert_close(got[n], want[n], f"{what}: {n}", tol_each)
+
+
+def _updates_as_accurate(got: dict, single: dict, exact: dict, init: dict, init_exact: dict, what: str,
+                         dtype: torch.dtype) -> None:
+    """bf16: the weight *changes* of training (final - initial), parallel vs one GPU vs fp64: the
+    check on the updates is ~10x more sensitive than on the weights (which mostly are the init).
+    (fp32 weights are compared with the one-GPU run directly, which is stronger: AdamW turns
+    rounding noise of near-zero gradients into +-lr update flips, so an fp32 ratio test on
+    updates would measure those flips rather than parallelism.)"""
+    if dtype != torch.bfloat16:
+        return
+    names = sorted(got)
+    delta = {n: got[n].double() - init[n].double() for n in names}
+    delta_1 = {n: single[n].double() - init[n].double() for n in names}
+    delta_x = {n: exact[n].double() - init_exact[n].double() for n in names}
+    total = assert_as_accurate(_cat(delta, names), _cat(delta_1, names), _cat(delta_x, names), f"{what} all updates",
+                               dtype)
+    worst = max(assert_as_accurate(delta[n], delta_1[n], delta_x[n], f"{what} update of {n}", dtype, TENSOR_FLOOR[dtype])
+                for n in names)
+    print(f"{what} {dtype}: update error ratio parallel / one GPU (vs fp64): all {total:.2f}, worst tensor "
+          f"{worst:.2f}; one-GPU update error {rel_err(_cat(delta_1, names), _cat(delta_x, names)):.2e}", flush=True)
+
+
+# ---- TP = 2 -------------------------------------------------------------------------------------
+def tp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> None:
+    """Logits and the gradient of every parameter, both variants of tests/parallel/_workers_tp."""
+    exact_numerics(device)
+    ctx = init_parallel(tp=2, pp=1)
+    try:
+        assert ctx.tp_size == 2 and (device == "cpu" or torch.cuda.current_device() == rank)
+        for variant in wtp.VARIANTS:
+            exact = wtp.tp_and_single_forward_backward(variant, ctx, torch.float64, device)
+            assert exact["logits"].device.type == device
+            # fp64 (GDN gates and output norm stay fp32 islands, and cuBLAS may pick other kernels for
+            # the halved batched GEMMs there): 1e-6 on logits (CPU: 1e-7), 1e-5 per gradient (as CPU)
+            assert_close(exact["tp_logits"], exact["logits"], f"{variant} fp64 logits", 1e-6)
+            for name, want in exact["grads"].items():
+                assert_close(exact["tp_grads"][name], want, f"{variant} fp64 grad of {name}", 1e-5)
+            for dtype in DTYPES:
+                out = wtp.tp_and_single_forward_backward(variant, ctx, dtype, device)
+                what = f"{variant} {dtype}"
+                tp_all, one_all, exact_all = (wtp.all_grads(out["tp_grads"]), wtp.all_grads(out["grads"]),
+                                              wtp.all_grads(exact["grads"]))
+                if dtype == torch.float32:
+                    assert_close(out["tp_logits"], out["logits"], f"{what} logits", TP_FP32_TOL)
+                    assert_close(tp_all, one_all, f"{what} all gradients", TP_FP32_TOL)
+                assert_as_accurate(out["tp_logits"], out["logits"], exact["logits"], f"{what} logits", dtype,
+                                   ratio=TP_RATIO)
+                assert_as_accurate(tp_all, one_all, exact_all, f"{what} all gradients", dtype, ratio=TP_RATIO)
+                worst = max(assert_as_accurate(out["tp_grads"][name], want, exact["grads"][name],
+                                               f"{what} grad of {name}", dtype, TENSOR_FLOOR[dtype], TP_RATIO)
+                            for name, want in out["grads"].items())
+                print(f"rank {rank} TP=2 {what}: logits err vs fp64 {rel_err(out['tp_logits'], exact['logits']):.2e} "
+                      f"(1 GPU {rel_err(out['logits'], exact['logits']):.2e}), grads "
+                      f"{rel_err(tp_all, exact_all):.2e} (1 GPU {rel_err(one_all, exact_all):.2e}); worst per-tensor "
+                      f"error ratio {worst:.2f}", flush=True)
+    finally:
+        destroy_parallel()
+
+
+# ---- PP = 2 -------------------------------------------------------------------------------------
+def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> None:
+    """DeepSpeed's pipeline engine (ZeRO-1), five distillation steps: step losses and the weights
+    each stage trained, for both setups of tests/parallel/_workers_pipeline."""
+    exact_numerics(device)
+    ctx = init_parallel(tp=1, pp=2)
+    try:
+        assert (ctx.pp_size, ctx.dp_size) == (2, 1)
+        data = wpp.batches(wpp.STEPS, wpp.MICRO, wpp.BATCH, wpp.SEQ)
+        loss_fn = pipe.DistillLoss(VOCAB, wpp.TEMPERATURE, wpp.CE_WEIGHT, tp_group=None)
+        for tied, partition, checkpointing in wpp.SETUPS:
+            what = f"PP=2 tied={tied} partition={partition} checkpointing={checkpointing}"
+            init_exact = {n: p.detach().to(device, torch.float64) for n, p in wpp.models(tied)[0].named_parameters()}
+            exact_losses, exact = wpp.single_process_run(tied, data, loss_fn, device, torch.float64)
+            exact = {n: p.detach() for n, p in exact.named_parameters()}
+            for dtype in DTYPES:
+                init = {n: p.to(dtype) for n, p in init_exact.items()}
+                want_losses, single = wpp.single_process_run(tied, data, loss_fn, device, dtype)
+                losses, trained, teacher = wpp.pp_run(ctx, tied, partition, checkpointing, data, device, dtype)
+                single = {n: p.detach() for n, p in single.named_parameters() if n in trained}
+                assert not any(p.requires_grad or p.grad is not None for p in teacher.parameters())
+                got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64) for x in (losses, want_losses, exact_losses))
+                if dtype == torch.float32:
+                    assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)
+                    _fp32_same_weights(trained, single, f"{what} fp32 stage {ctx.pp_rank}", 1e-5, 1e-4)
+                assert_as_accurate(got_l, one_l, exact_l, f"{what} step losses", dtype)
+                _updates_as_accurate(trained, single, {n: exact[n] for n in trained}, init, init_exact,
+                                     f"{what} stage {ctx.pp_rank}", dtype)
+                print(f"rank {rank} {what} {dtype}: losses err vs fp64 {rel_err(got_l, exact_l):.2e} "
+                      f"(1 GPU {rel_err(one_l, exact_l):.2e})", flush=True)
+    finally:
+        destroy_parallel()
+
+
+# ---- ZeRO-3 over DP (TP inside when the world has 4 ranks) ---------------------------------------
+def zero3_matches_one_gpu(rank: int, world_size: int, device: str = "cuda", tp: int = 1) -> None:
+    """ZeRO-3 student and teacher engines over DP = world_size / tp, five steps on the global
+    batch == the single-GPU reference on the union of the data."""
+    exact_numerics(device)
+    data = batches(wz.STEPS, wz.GLOBAL_BATCH, 1, wz.SEQ)
+    exact_losses, exact, clipped = wz.single_process_run(data, device, torch.float64, tp)
+    assert clipped > 0, "the reference never clipped: gradient clipping would go untested"
+    init_exact = {k: v.to(device, torch.float64) for k, v in wz.models(tp)[0].state_dict().items()}
+    ctx = init_parallel(tp=tp, pp=1)
+    try:
+        assert ctx.dp_size == world_size // tp == 2
+        what = f"ZeRO-3 DP={ctx.dp_size} TP={tp}"
+        for dtype in DTYPES:
+            want_losses, single, _ = wz.single_process_run(data, device, dtype, tp)
+            losses, got = wz.zero3_run(ctx, data, device, dtype)
+            assert all(v.device.type == device for v in got.values())
+            got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64) for x in (losses, want_losses, exact_losses))
+            if dtype == torch.float32:
+                tol = TP_FP32_TOL if tp > 1 else 1e-5
+                assert_close(got_l, one_l, f"{what} fp32 step losses", tol)
+                _fp32_same_weights(got, single, f"{what} fp32 final", tol, 10 * tol)
+            assert_as_accurate(got_l, one_l, exact_l, f"{what} step losses", dtype)
+            init = {n: p.to(dtype) for n, p in init_exact.items()}
+            _updates_as_accurate(got, single, exact, init, init_exact, what, dtype)
+            print(f"rank {rank} {what} {dtype}: losses err vs fp64 {rel_err(got_l, exact_l):.2e} "
+                  f"(1 GPU {rel_err(one_l, exact_l):.2e})", flush=True)
+    finally:
+        destroy_parallel()
+
+
+def tp2_dp2_zero3_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> None:
+    zero3_matches_one_gpu(rank, world_size, device, tp=2)
+
