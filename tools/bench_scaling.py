@@ -181,6 +181,22 @@ def worker_argv(args, result: Path) -> list[str]:
     return out + (["--quick"] if args.quick else [])
 
 
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's process group (it and every rank), SIGKILL after 15 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _terminated(signum, frame):  # noqa: ARG001
+    raise SystemExit(f"terminated by signal {signum}")
+
+
 def run_one(n: int, args, logs: Path, cuda: bool) -> dict:
     """Start the N-rank job; its rank 0's result, or a row with a note on failure/timeout."""
     result = logs / f"ranks{n}.json"
@@ -197,13 +213,11 @@ def run_one(n: int, args, logs: Path, cuda: bool) -> dict:
         try:
             rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _end_group(proc)
             rc = "timeout"
+        except BaseException:  # SIGTERM of an outer `timeout` (see main), Ctrl-C: no orphaned ranks
+            _end_group(proc)
+            raise
     wall = time.perf_counter() - start
     if rc == 0 and result.exists():
         row = json.loads(result.read_text())
@@ -255,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         counts = rank_counts(torch.cuda.device_count() if cuda else args.max_ranks)
     if cuda and max(counts) > torch.cuda.device_count():
         raise SystemExit(f"error: --ranks {args.ranks} asks for {max(counts)} GPUs; {torch.cuda.device_count()} visible")
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` around the driver ends the ranks too
     report = Report("scaling", args.out, torch.device("cpu"), args)
     report.data["env"]["device"] = "cuda" if cuda else "cpu"
+    report.save()
     logs = report.path.with_name(report.path.stem + "_logs")
     logs.mkdir(parents=True, exist_ok=True)
     for n in counts:
