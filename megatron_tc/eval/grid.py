@@ -223,11 +223,14 @@ def run_cell(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
 
 # ---- the grid ---------------------------------------------------------------------------------
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
-             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every cell (skipping finished ones), then write <out>/results.json and results.md."""
+             log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
+    """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
+    `max_seconds`: start no cell that would likely end after this many seconds (judged by the
+    longest cell so far); those are recorded as 'pending' and run by the next invocation."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records = []
+    started, longest = time.perf_counter(), 0.0
     for n, cell in enumerate(cells, 1):
         path = os.path.join(cell.run_dir, CELL_FILE)
         if os.path.isfile(path) and not force:
@@ -237,6 +240,11 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
                 records.append(rec)
                 continue
+        if max_seconds is not None and time.perf_counter() - started + longest > max_seconds:
+            log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
+            records.append({"teacher": cell.teacher, "policy": cell.policy, "init": cell.init,
+                            "run_dir": cell.run_dir, "status": "pending", "seconds": 0.0})
+            continue
         os.makedirs(cell.run_dir, exist_ok=True)
         atomic_write_text(os.path.join(cell.run_dir, "run.json"), json.dumps(
             {"name": cell.init, "init": cell.init, "policy": cell.policy, "teacher": cell.teacher}) + "\n")
@@ -251,6 +259,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
             rec.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
             log(f"    failed: {rec['error']}")
         rec["seconds"] = round(time.perf_counter() - start, 2)
+        longest = max(longest, rec["seconds"])
         atomic_write_text(path, json.dumps(rec, indent=1, default=str) + "\n")
         records.append(rec)
     write_results(grid, records)
@@ -308,7 +317,11 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
                      + md_table(["init", *grid.axes["policy"]], pivot))
     if trained:
         parts.append("## Tokens to target\n\n" + "\n\n".join(_tokens_to_target_sections(grid, records)))
-    failed = [r for r in records if r["status"] != "ok"]
+    pending = [r for r in records if r["status"] == "pending"]
+    if pending:
+        parts.append("## Pending cells (not run yet: rerun the grid)\n\n"
+                     + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}" for r in pending))
+    failed = [r for r in records if r["status"] not in ("ok", "pending")]
     if failed:
         parts.append("## Failed cells\n\n" + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}: {r['error']}"
                                                         for r in failed))
@@ -325,12 +338,16 @@ def grid_main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rerun cells that finished before")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
     p.add_argument("--list", action="store_true", help="print the cells and exit")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no cell likely to end after this many seconds; the rest stay pending for the next run")
     args = p.parse_args(argv)
     grid = load_grid(args.grid, out=args.out)
     if args.list:
         for c in grid.cells():
             print(c.key, " ".join(c.overrides()))
         return 0
-    records = run_grid(grid, force=args.force, fail_fast=args.fail_fast)
+    records = run_grid(grid, force=args.force, fail_fast=args.fail_fast, max_seconds=args.max_seconds)
     print(os.path.join(grid.out, "results.md"))
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    if any(r["status"] == "failed" for r in records):
+        return 1
+    return 3 if any(r["status"] == "pending" for r in records) else 0

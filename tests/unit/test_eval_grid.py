@@ -65,6 +65,17 @@ def test_grid_runs_every_cell_resumes_and_writes_tables(tmp_path, monkeypatch):
     assert "## Failed cells" not in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_time_budget_leaves_cells_pending_for_the_next_run(tmp_path):
+    grid = load_grid(_grid_file(tmp_path))
+    CALLS.clear()
+    records = run_grid(grid, log=lambda msg: None, max_seconds=0.0)  # no time: nothing starts
+    assert CALLS == [] and {r["status"] for r in records} == {"pending"}
+    assert not list((tmp_path / "out").rglob("cell.json"))
+    assert "## Pending cells" in (tmp_path / "out" / "results.md").read_text()
+    records = run_grid(grid, log=lambda msg: None, max_seconds=3600.0)
+    assert len(CALLS) == 12 and all(r["status"] == "ok" for r in records)
+
+
 def test_grid_file_errors(tmp_path):
     with pytest.raises(GridError, match="unknown keys"):
         load_grid(_grid_file(tmp_path, typo=1))
