@@ -19,9 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_tc.parallel.chunked_losses import chunked_cross_entropy, chunked_kl
 from megatron_tc.parallel.losses import vocab_parallel_cross_entropy, vocab_parallel_kl
 
 IGNORE = -100
+# "chunked": per chunk of tokens, fused on CUDA, no [tokens, vocab] fp32 tensors (the default);
+# "reference": the closed-form autograd functions over the whole batch (parity tests, benchmarks)
+LOSS_IMPLS = {"chunked": (chunked_kl, chunked_cross_entropy),
+              "reference": (vocab_parallel_kl, vocab_parallel_cross_entropy)}
 
 
 @dataclass(frozen=True)
@@ -44,25 +49,30 @@ def next_token_labels(input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
 def distill_loss(student_logits: Tensor, teacher_logits: Tensor, input_ids: Tensor, vocab_size: int,
                  weights: LossWeights, doc_ids: Tensor | None = None, labels: Tensor | None = None, tp_group=None,
                  student_hidden: Tensor | None = None, teacher_hidden: Tensor | None = None,
-                 ) -> tuple[Tensor, dict[str, Tensor]]:
+                 impl: str = "chunked") -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss and its detached parts ({"kl", "ce", "hidden"} as present).
 
     student_logits, teacher_logits: [B, T, V_local]; input_ids, doc_ids: [B, T]; labels [B, T]: the
     packer's next-token targets (IGNORE where none), else derived from input_ids and doc_ids;
     student_hidden, teacher_hidden: [B, T, d] (needed when weights.hidden_weight > 0).
     "kl" in the parts is the per-token KL at the temperature, without the T^2 factor.
+    impl: "chunked" (default) or "reference": the same values and gradients (to fp32 rounding),
+    see megatron_tc.parallel.chunked_losses.
     """
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r} is unknown; use one of {sorted(LOSS_IMPLS)}")
+    kl_fn, ce_fn = LOSS_IMPLS[impl]
     temp = weights.temperature
     if labels is None:
         labels = next_token_labels(input_ids, doc_ids)
     keep = (labels != IGNORE).to(torch.float32)
     count = keep.sum().clamp(min=1.0)
-    per_token_kl = vocab_parallel_kl(student_logits, teacher_logits.detach(), vocab_size, temp, tp_group)
+    per_token_kl = kl_fn(student_logits, teacher_logits.detach(), vocab_size, temp, tp_group)
     kl = (per_token_kl * keep).sum() / count
     loss = kl * temp**2
     parts = {"kl": kl.detach()}
     if weights.ce_weight:
-        per_token = vocab_parallel_cross_entropy(student_logits, labels, vocab_size, IGNORE, tp_group)
+        per_token = ce_fn(student_logits, labels, vocab_size, IGNORE, tp_group)
         ce = per_token.sum() / count
         loss = loss + weights.ce_weight * ce
         parts["ce"] = ce.detach()
