@@ -53,7 +53,9 @@ def _sync_barrier(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.barrier()
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
 
 
 def _all_reduce(value: float, op: str, device: torch.device) -> float:
@@ -144,7 +146,7 @@ def run_worker(args) -> None:
         os.replace(tmp, path)
         print(f"N={n}: {step_ms:.1f} ms/step, {result['tok_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
               f"peak {peak:.2f} GiB", flush=True)
-    dist.barrier()
+    _sync_barrier(device)
     dist.destroy_process_group()
 
 
