@@ -4,11 +4,15 @@ on the KL loss + optimizer step, bf16, GDN layers on fla's kernels; tokens/s and
 
     python tools/bench_train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--batch 8 --seq 2048] [--steps 5] [--deepspeed] [--trainable all] [--profile]
+        [--loss-impl reference,chunked]
 
 Plain torch (default): fp32 student weights under bf16 autocast, fused AdamW; the teacher in
 bf16. --deepspeed: the student through `megatron_tc.parallel.deepspeed_engine` (ZeRO-3 on one
 rank, bf16, fp32 master weights), as stage 2 runs it. The loss is `distill.losses.distill_loss`
-(KL at temperature 1) on random token ids.
+(KL at temperature 1) on random token ids. --loss-impl: which implementation of the vocabulary
+losses (`distill.losses.LOSS_IMPLS`): "chunked" (default in stage 2: per chunk of tokens, fused)
+and/or "reference" (the whole-batch fp32 formulas); a comma list times each in the same run (one
+row per implementation, same models, a fresh optimizer each), so one call gives before and after.
 
 Check before timing: one forward/backward at [1, 512] with the GDN layers on fla under bf16
 autocast against the PyTorch chunked backend in fp32 (same weights, same teacher logits):
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_once  # noqa: E402
 from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
-from megatron_tc.distill.losses import LossWeights, distill_loss  # noqa: E402
+from megatron_tc.distill.losses import LOSS_IMPLS, LossWeights, distill_loss  # noqa: E402
 from megatron_tc.distill.stage2 import select_trainable  # noqa: E402
 from megatron_tc.model import HybridLM  # noqa: E402
 
@@ -71,8 +75,9 @@ def deepspeed_context():
 class Trainer:
     """The student (plain module + AdamW, or a DeepSpeed engine) and the frozen teacher."""
 
-    def __init__(self, student: HybridLM, teacher: HybridLM, args, device: torch.device, ctx=None):
-        self.teacher, self.device, self.args = teacher, device, args
+    def __init__(self, student: HybridLM, teacher: HybridLM, args, device: torch.device, ctx=None,
+                 loss_impl: str = "chunked"):
+        self.teacher, self.device, self.args, self.loss_impl = teacher, device, args, loss_impl
         self.vocab = student.arch.vocab_size
         self.weights = LossWeights(temperature=1.0)
         self.amp = device.type == "cuda"
@@ -93,13 +98,13 @@ class Trainer:
         with torch.no_grad():
             t_logits = self.teacher(ids)
         if self.engine is not None:
-            loss, _ = distill_loss(self.engine(ids), t_logits, ids, self.vocab, self.weights)
+            loss, _ = distill_loss(self.engine(ids), t_logits, ids, self.vocab, self.weights, impl=self.loss_impl)
             self.engine.backward(loss)
             self.engine.step()
             return loss.detach()
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext():
             s_logits = self.student(ids)
-        loss, _ = distill_loss(s_logits, t_logits, ids, self.vocab, self.weights)
+        loss, _ = distill_loss(s_logits, t_logits, ids, self.vocab, self.weights, impl=self.loss_impl)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -134,15 +139,17 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
     with torch.no_grad():
         t_logits = teacher(ids)
     amp = device.type == "cuda"
-    runs = [("ref", "chunk", False), ("test", "auto", amp)] + ([("bf16_chunk", "chunk", True)] if amp else [])
+    runs = [("ref", "chunk", False, "reference"), ("test", "auto", amp, "reference")]
+    runs += [("bf16_chunk", "chunk", True, "reference")] if amp else []
+    runs += [("chunked_loss", "auto", amp, "chunked")]  # same as "test" but the chunked losses
     results = {}
-    for label, backend, use_amp in runs:
+    for label, backend, use_amp, impl in runs:
         student.set_gdn_backend(backend)
         student.zero_grad(set_to_none=True)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else nullcontext()
         with ctx:
             logits = student(ids)
-        loss, _ = distill_loss(logits, t_logits, ids, student.arch.vocab_size, LossWeights())
+        loss, _ = distill_loss(logits, t_logits, ids, student.arch.vocab_size, LossWeights(), impl=impl)
         loss.backward()
         results[label] = (loss.detach(), {n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None})
     student.set_gdn_backend("auto")
@@ -150,6 +157,9 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
     ref_loss, ref_grads = results["ref"]
     test_loss, test_grads = results["test"]
     out = {"loss_ref": float(ref_loss), "loss_rel_err": rel_err(test_loss, ref_loss), **_grad_errors(test_grads, ref_grads)}
+    chunked_loss, chunked_grads = results["chunked_loss"]  # chunked vs reference losses, same model run
+    out.update(chunked_vs_reference_loss_rel_err=rel_err(chunked_loss, test_loss),
+               chunked_vs_reference_grad_rel_err_global=_grad_errors(chunked_grads, test_grads)["grad_rel_err_global"])
     if "bf16_chunk" in results:
         base = _grad_errors(results["bf16_chunk"][1], ref_grads)
         out.update(bf16_chunk_grad_rel_err_global=base["grad_rel_err_global"],
@@ -185,6 +195,44 @@ def profile_steps(trainer: Trainer, make_ids, device, rows: int = 20) -> tuple[s
     return table, out, busy
 
 
+def time_steps(trainer: Trainer, make_ids, row: dict, flops: dict, args, device, peaks, report: Report) -> None:
+    """Warm-up steps, then the median of args.steps timed steps (and the profile) -> one row."""
+    name, impl = row["model"], row["loss_impl"]
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        warm = [time_once(lambda: trainer.step(make_ids()), device) for _ in range(args.warmup)]
+        times, losses = [], []
+        for _ in range(args.steps):
+            ids = make_ids()
+            holder = {}
+            times.append(time_once(lambda: holder.setdefault("loss", trainer.step(ids)), device))
+            losses.append(float(holder["loss"]))
+        times.sort()
+        ms = times[len(times) // 2]
+        row.update(step_ms=ms, first_step_ms=warm[0] if warm else None, tok_per_s=args.batch * args.seq / (ms * 1e-3),
+                   tflops=flops["flops"] / (ms * 1e-3) / 1e12, mfu=flops["flops"] / (ms * 1e-3) / (peaks["matmul_tflops"] * 1e12),
+                   loss_first=losses[0], loss_last=losses[-1], finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
+                   **{k: v / 1e12 for k, v in flops.items()})
+        if device.type == "cuda":
+            row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"{name} ({impl} loss): {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
+    except Exception as exc:
+        row["note"] = f"failed: {type(exc).__name__}"
+        report.error(f"{name} train step ({impl} loss)", exc)
+    report.add("rows", row)
+    if args.profile and "step_ms" in row:
+        try:
+            table, top, busy = profile_steps(trainer, make_ids, device)
+            print(f"profile {name}, {impl} loss (2 steps):\n{table}", flush=True)
+            row["busy_ms"] = busy  # kernel time per step (CUDA) / op time (CPU); step_ms - busy_ms: idle
+            report.save()
+            for entry in top:
+                report.add("profile", {"model": name, "loss_impl": impl, **entry})
+        except Exception as exc:
+            report.error(f"{name} profile ({impl} loss)", exc)
+
+
 def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
     arch = PRESETS[name]()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -205,41 +253,10 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
         report.error(f"{name} {base['mode']} set-up", exc)
         return
     make_ids = lambda: torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device)  # noqa: E731
-    row = dict(base)
-    try:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        warm = [time_once(lambda: trainer.step(make_ids()), device) for _ in range(args.warmup)]
-        times, losses = [], []
-        for _ in range(args.steps):
-            ids = make_ids()
-            holder = {}
-            times.append(time_once(lambda: holder.setdefault("loss", trainer.step(ids)), device))
-            losses.append(float(holder["loss"]))
-        times.sort()
-        ms = times[len(times) // 2]
-        flops = step_flops(student.arch, arch, args.trainable, args.batch, args.seq)
-        row.update(step_ms=ms, first_step_ms=warm[0] if warm else None, tok_per_s=args.batch * args.seq / (ms * 1e-3),
-                   tflops=flops["flops"] / (ms * 1e-3) / 1e12, mfu=flops["flops"] / (ms * 1e-3) / (peaks["matmul_tflops"] * 1e12),
-                   loss_first=losses[0], loss_last=losses[-1], finite=all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
-                   **{k: v / 1e12 for k, v in flops.items()})
-        if device.type == "cuda":
-            row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-        print(f"{name}: {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
-    except Exception as exc:
-        row["note"] = f"failed: {type(exc).__name__}"
-        report.error(f"{name} train step", exc)
-    report.add("rows", row)
-    if args.profile and "step_ms" in row:
-        try:
-            table, top, busy = profile_steps(trainer, make_ids, device)
-            print(f"profile {name} (2 steps):\n{table}", flush=True)
-            row["busy_ms"] = busy  # kernel time per step (CUDA) / op time (CPU); step_ms - busy_ms: idle
-            report.save()
-            for entry in top:
-                report.add("profile", {"model": name, **entry})
-        except Exception as exc:
-            report.error(f"{name} profile", exc)
+    flops = step_flops(student.arch, arch, args.trainable, args.batch, args.seq)
+    for impl in args.loss_impl:  # one trainer (one engine): only the loss implementation changes
+        trainer.loss_impl = impl
+        time_steps(trainer, make_ids, dict(base, loss_impl=impl), flops, args, device, peaks, report)
     del trainer, student, teacher
     gc.collect()
     if device.type == "cuda":
@@ -260,8 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
     p.add_argument("--check-t", type=int, default=512)
+    p.add_argument("--loss-impl", default="reference,chunked",
+                   help="vocabulary-loss implementations to time, comma list of: reference, chunked "
+                        "(reference = before the chunked losses; each gets its own row)")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, steps=2, warmup=1, check_t=48))
     names = model_names(args.models, PRESETS)
+    args.loss_impl = [x.strip() for x in args.loss_impl.split(",") if x.strip()]
+    unknown = [x for x in args.loss_impl if x not in LOSS_IMPLS]
+    if unknown or not args.loss_impl:
+        p.error(f"--loss-impl {unknown or args.loss_impl}: use a comma list of {sorted(LOSS_IMPLS)}")
     device = pick_device(args.device)
     torch.manual_seed(0)
     report = Report("train", args.out, device, args)
@@ -281,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         ("Check: fla + bf16 autocast vs PyTorch chunked fp32 (one fwd/bwd)", "checks",
          ["model", "loss_ref", "loss_rel_err", "grad_rel_err_global", "bf16_chunk_grad_rel_err_global",
           "global_err_vs_bf16_chunk", "median_grad_rel_err", "max_grad_rel_err", "worst_param",
-          "worst_param_err_vs_global_norm"]),
-        ("Distillation step", "rows", ["model", "mode", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
+          "worst_param_err_vs_global_norm", "chunked_vs_reference_loss_rel_err",
+          "chunked_vs_reference_grad_rel_err_global"]),
+        ("Distillation step", "rows", ["model", "mode", "loss_impl", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
                                        "flops", "peak_mem_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
-        ("Profile: top kernels per step", "profile", ["model", "kernel", "calls", "ms_per_step", "share"]),
+        ("Profile: top kernels per step", "profile", ["model", "loss_impl", "kernel", "calls", "ms_per_step", "share"]),
     ])
     return 0
 

@@ -77,16 +77,20 @@ def test_bench_inference_decode_profile(tmp_path):
 
 
 def test_bench_train_quick(tmp_path):
-    data = run("bench_train", tmp_path, "--profile")
-    (row,) = data["rows"]
-    assert row["finite"] and row["mfu"] > 0
-    student, teacher = tiny().with_pattern(quarter_pattern(4)), tiny()
-    tokens = row["B"] * row["T"]
-    expected = 3 * forward_flops(student, tokens, row["T"]) + forward_flops(teacher, tokens, row["T"])
-    assert row["flops"] == pytest.approx(expected / 1e12)
-    assert data["profile"] and row["busy_ms"] > 0
+    data = run("bench_train", tmp_path, "--profile")  # default --loss-impl reference,chunked: a row each
+    assert [r["loss_impl"] for r in data["rows"]] == ["reference", "chunked"]
+    for row in data["rows"]:
+        assert row["finite"] and row["mfu"] > 0
+        student, teacher = tiny().with_pattern(quarter_pattern(4)), tiny()
+        tokens = row["B"] * row["T"]
+        expected = 3 * forward_flops(student, tokens, row["T"]) + forward_flops(teacher, tokens, row["T"])
+        assert row["flops"] == pytest.approx(expected / 1e12)
+        assert row["busy_ms"] > 0
+    assert {r["loss_impl"] for r in data["profile"]} == {"reference", "chunked"}
     (check,) = data["checks"]  # on CPU both sides run the PyTorch chunked backend in fp32
     assert check["grad_rel_err_global"] < 1e-6 and check["loss_rel_err"] < 1e-6
+    assert check["chunked_vs_reference_loss_rel_err"] < 1e-5
+    assert check["chunked_vs_reference_grad_rel_err_global"] < 1e-5
 
 
 def test_gradient_errors_global_and_per_tensor():
