@@ -22,6 +22,7 @@ dropped, reductions go over the group, the returned per-token values are identic
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,29 @@ def _kernel(name: str, fn, on_cuda: bool):
     if mode == "0" or (not on_cuda and mode != "force"):
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=None, fullgraph=True)
+        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=None, fullgraph=True), fn, name)
     return _COMPILED[name]
+
+
+def _with_eager_fallback(compiled, fn, name: str):
+    """The compiled function; if compiling fails (no working Triton/inductor toolchain), warn once
+    and use the eager one from then on: the numbers are the same, only slower."""
+    state = {"use": compiled}
+
+    def call(*args):
+        try:
+            return state["use"](*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an eager rerun raises any real error again
+            if state["use"] is fn:
+                raise
+            warnings.warn(f"torch.compile of the chunked loss {name!r} failed ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); running it eagerly", RuntimeWarning, stacklevel=2)
+            state["use"] = fn
+            return fn(*args)
+
+    return call
 
 
 def _rows_per_chunk(width: int, n: int) -> int:

@@ -119,3 +119,20 @@ def test_distill_loss_chunked_equals_reference(ce_weight):
     assert out["chunked"][1].keys() == out["reference"][1].keys()
     with pytest.raises(ValueError, match="impl"):
         distill_loss(s, t, ids, VOCAB, weights, impl="fast")
+
+
+def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no triton here")
+        return run
+
+    monkeypatch.setattr(chunked_losses, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setenv("MEGATRON_TC_COMPILE_LOSS", "force")
+    s, t = logits(torch.float64, 15), logits(torch.float64, 16)
+    want, want_grad = grads_of(vocab_parallel_kl, s, t, VOCAB, 1.0)
+    with pytest.warns(RuntimeWarning, match="running it eagerly"):
+        got, got_grad = grads_of(chunked_kl, s, t, VOCAB, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
