@@ -142,6 +142,8 @@ def _stage2_run(out: Path, device: str) -> None:
     from megatron_tc.parallel.state import destroy_parallel, init_parallel
 
     cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
         ctx = init_parallel(1, 1)
