@@ -14,8 +14,8 @@
 #
 # Environment: OUT (default runs/gpu_multi), GPU_TOTAL_S (wall budget of the whole script, default
 # 540 s; every step gets min(its limit, what is left)), LIMIT_NCCL / LIMIT_SCALING / LIMIT_SMOKE
-# (seconds: 110 / 240 / 170), ARGS_NCCL / ARGS_SCALING / ARGS_SMOKE (extra arguments), SCALING_PER_N_S
-# (limit of one N of the scaling bench, default 200: the first N compiles fla). Kernel caches as in tools/bench_all_gpu.sh:
+# (seconds: 90 / 230 / 200), ARGS_NCCL / ARGS_SCALING / ARGS_SMOKE (extra arguments), SCALING_PER_N_S
+# (limit of one N of the scaling bench, default 190: the first N compiles fla). Kernel caches as in tools/bench_all_gpu.sh:
 # /tmp/kcache (restored from .kernel_cache/ when carried), packed at the end into
 # $OUT/kernel_cache.tgz.part-* (15 MiB pieces). Files back from the device: at most 8, so every log
 # and result goes to $RESULTS (default $OUT/../gpu_multi_results) and $OUT/results.tgz is rebuilt
@@ -89,13 +89,13 @@ for s in "${steps[@]}"; do
   case $s in
     nccl)
       if [ -f tests/gpu/test_parallel_nccl.py ]; then
-        step nccl "$(limit_for nccl 110)" python -m pytest -q -s tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
+        step nccl "$(limit_for nccl 90)" python -m pytest -q -s tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
       else
         echo "=== nccl: skipped (tests/gpu/test_parallel_nccl.py absent)" | tee -a "$RESULTS/steps.txt"
       fi ;;
     scaling)
-      step scaling "$(limit_for scaling 240)" python tools/bench_scaling.py --out "$RESULTS/bench_scaling.json" \
-        --timeout "${SCALING_PER_N_S:-200}" ${ARGS_SCALING:-} ;;
+      step scaling "$(limit_for scaling 230)" python tools/bench_scaling.py --out "$RESULTS/bench_scaling.json" \
+        --timeout "${SCALING_PER_N_S:-190}" ${ARGS_SCALING:-} ;;
     smoke)
       if [ ! -f .gpudata/teacher/config.json ]; then
         echo "=== smoke: skipped (.gpudata/ missing: run python tools/prepare_gpu_smoke.py here and carry .gpudata)" | tee -a "$RESULTS/steps.txt"
@@ -103,7 +103,7 @@ for s in "${steps[@]}"; do
       fi
       bash launch/distill.sh --print-env > "$RESULTS/smoke_print_env.txt" 2>&1
       rm -rf "$SMOKE_RUN"; touch /tmp/gpu_multi_smoke_marker
-      step smoke "$(limit_for smoke 170)" bash launch/distill.sh configs/gpu_smoke.yaml "run.run_dir=$SMOKE_RUN" ${ARGS_SMOKE:-}
+      step smoke "$(limit_for smoke 200)" bash launch/distill.sh configs/gpu_smoke.yaml "run.run_dir=$SMOKE_RUN" ${ARGS_SMOKE:-}
       mkdir -p "$RESULTS/smoke_run"
       for f in manifest.json config.yaml run.json eval_log.jsonl stage1/train_log.jsonl stage2/train_log.jsonl eval/results.json; do
         [ -f "$SMOKE_RUN/$f" ] && cp "$SMOKE_RUN/$f" "$RESULTS/smoke_run/${f//\//_}"
