@@ -101,6 +101,7 @@ for s in "${steps[@]}"; do
         echo "=== smoke: skipped (.gpudata/ missing: run python tools/prepare_gpu_smoke.py here and carry .gpudata)" | tee -a "$RESULTS/steps.txt"
         continue
       fi
+      chmod +x launch/distill.sh  # the deepspeed launcher executes it directly (--no_python)
       bash launch/distill.sh --print-env > "$RESULTS/smoke_print_env.txt" 2>&1
       rm -rf "$SMOKE_RUN"; touch /tmp/gpu_multi_smoke_marker
       step smoke "$(limit_for smoke 200)" bash launch/distill.sh configs/gpu_smoke.yaml "run.run_dir=$SMOKE_RUN" ${ARGS_SMOKE:-}
