@@ -140,7 +140,9 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
         batches = _all_calibration_rows(ctx, ctx.cfg.data.calib_tokens)
         extra: dict[str, Any] = {}
         stats = None
-        if policy == "readout_gap":
+        if policy in ("readout_gap", "ar", "ga"):
+            # readout_gap reads these statistics; ar / ga score students initialized in closed form
+            # from them (taylor_fit-closed, as tools/select_layers.py --stats does)
             from megatron_tc.calibrate.stats import collect_stats
             from megatron_tc.calibrate.strategies import get_strategy
 
@@ -149,7 +151,7 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
                                   {"teacher_sha256": teacher.sha256}, readout_strategies=[get_strategy("taylor_fit")],
                                   student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
                                   chunk_size=ctx.cfg.calibrate.stats_chunk_size, progress=_progress(ctx))
-        else:
+        if policy != "readout_gap":
             extra["teacher_sha256"] = teacher.sha256
         chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
     if dist.is_initialized() and dist.get_world_size() > 1:

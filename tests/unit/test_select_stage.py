@@ -1,0 +1,38 @@
+"""The pipeline's select stage with the forward-scored policies: `ar` scores students built in closed
+form from a statistics pass over every layer (as tools/select_layers.py --stats does); before the
+fix the stage passed no statistics and the default scoring init refused to build."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ar_policy_selects_from_scored_students(tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megatron_tc.data.synthetic import train_tiny_tokenizer, write_synthetic_corpus
+
+    tok = AutoTokenizer.from_pretrained(str(train_tiny_tokenizer(tmp_path / "teacher", vocab_size=320)))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path / "teacher"))
+    write_synthetic_corpus(tmp_path / "text", n_docs=24, words_per_doc=(50, 200))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, str(ROOT / "tools" / "distill.py"), "configs/tiny.yaml", "run.stages=[convert,select]",
+           f"run.run_dir={tmp_path / 'run'}", f"model.teacher={tmp_path / 'teacher'}", "model.policy=ar",
+           "model.keep_count=1", f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    selection = json.loads((tmp_path / "run" / "select" / "selection.json").read_text())
+    assert selection["policy"] == "ar" and len(selection["keep"]) == 1 and selection["pattern"].count("A") == 1
+    scores = {int(k): v for k, v in selection["scores"].items()}
+    assert sorted(scores) == [0, 1, 2, 3] and selection["keep"] == [max(scores, key=scores.get)]
