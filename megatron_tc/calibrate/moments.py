@@ -10,6 +10,9 @@ matmuls), with the distribution's log taken from the logits, never as log(probab
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from megatron_tc.model.ops import attention_mask, positions_from_doc_ids
@@ -49,6 +52,32 @@ def _sink_index(doc_ids: torch.Tensor | None, b: int, t: int, device: torch.devi
     return index - positions_from_doc_ids(doc_ids)
 
 
+STATS_KERNEL_ENV = "MEGATRON_TC_STATS_KERNEL"  # auto (CUDA + triton), triton, reference
+CLOSE_ROWS = 8192  # queries closed at once (bounds the [B, H, rows, D] fp32 temporaries)
+ROW_KEYS = ("m", "z_rest", "ent_sum", "dist_sum", "n", "var", "s_sink")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_stats_kernel(q: torch.Tensor) -> bool:
+    """Whether `attention_sums` takes the fused Triton kernel (`moments_triton`): with
+    $MEGATRON_TC_STATS_KERNEL=auto (default) when q is on CUDA and triton imports; `triton`
+    forces it (on CPU: under TRITON_INTERPRET=1), `reference` forces the PyTorch chunks."""
+    mode = os.environ.get(STATS_KERNEL_ENV, "auto")
+    if mode not in ("auto", "triton", "reference"):
+        raise ValueError(f"${STATS_KERNEL_ENV}={mode!r}: use auto, triton or reference")
+    if mode == "triton" and not _triton_importable():
+        raise ImportError(f"${STATS_KERNEL_ENV}=triton needs the triton package; unset it to use the PyTorch path")
+    return mode == "triton" or (mode == "auto" and q.is_cuda and _triton_importable())
+
+
 NEG = -1e30  # masked logits: exp() is exactly 0, and 0 * NEG is 0 (not NaN as with -inf)
 
 
@@ -62,22 +91,19 @@ def _rowdot_shared(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhct,ct->bhc", p, w)
 
 
-def _chunk_head_sums(
+def _chunk_rows(
     s: torch.Tensor, mask: torch.Tensor, dist: torch.Tensor, sink: torch.Tensor, v: torch.Tensor,
-    vbar: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Sums over the queries of one chunk, from its logits in a few passes.
+    """Per-query-row statistics of one chunk from its logits, in a few passes (the PyTorch
+    reference of `moments_triton.attention_rows`).
 
     s [B, H, c, Tk] fp32 logits (overwritten), mask [B, 1, c, Tk] bool, dist [c, Tk] query-key
     distance, sink [B, c] position of each query's sink among the Tk keys (-1: not among them),
-    v [B, Hkv, Tk, D] fp32, vbar [B, Hkv, c, D] mean visible value (the zero-order term).
-    Returns (per-head sums [H] in fp64, y [B, H, c, D] fp32 head outputs).
-
-    The sink is split off first: with m the largest visible non-sink logit, s0 = s - m (0 where
-    masked or at the sink) and e = exp(s0), the sink-free distribution is q = e / sum(e), exactly
-    representable however much mass the sink holds (in fp32, its p would underflow). Then
-    entropy_ns = log sum(e) - sum q s0 and dist_ns = sum q d (no cancellation), and the full
-    distribution follows from the sink's share p_sink = sigmoid(l_sink - log sum(e)), l_sink = s_sink - m.
+    v [B, Hkv, Tk, D] fp32. Returns ({key: [B, H or 1, c]} for ROW_KEYS, y_ns [B, H, c, D]):
+    m the largest visible non-sink logit, z_rest = sum e, ent_sum = sum e s0, dist_sum = sum e d
+    with s0 = s - m (0 where masked or at the sink) and e = exp(s0); n the visible keys, var the
+    logit variance over them (sink included), s_sink the sink's logit (NEG when hidden), y_ns the
+    output of the sink-free distribution e / z_rest.
     """
     b, h, c, tk = s.shape
     hkv = v.shape[1]
@@ -92,28 +118,54 @@ def _chunk_head_sums(
     s.sub_(m)
     e = s.exp()  # 0 where masked and at the sink
     s.masked_fill_(~mask, 0.0).scatter_(-1, at, torch.where(has_sink, 0.0, s.gather(-1, at)))  # s0
-    z_rest = e.sum(-1, keepdim=True)  # >= 1 when a non-sink key is visible, else 0
-    l_sink = s_sink - m
-    log_z = torch.logaddexp(z_rest.log(), l_sink)  # log sum over all visible keys (shifted by m)
-    p_sink = (l_sink - log_z).exp()
-    z_ns = (z_rest.log() - log_z).exp()  # non-sink mass, without cancellation
-    ok = z_rest > 0
-    z_rest_safe = torch.where(ok, z_rest, 1.0)
-    dist_ns = _rowdot_shared(e, dist) / z_rest_safe.squeeze(-1)
-    ent_ns = z_rest_safe.log().squeeze(-1) - _rowdot(e, s) / z_rest_safe.squeeze(-1)
-    e.mul_(torch.where(ok, z_ns / z_rest_safe, 0.0)).scatter_add_(-1, at, p_sink)  # p (full)
-    y = (e.view(b, hkv, -1, tk) @ v).view(b, h, c, -1)
-    zero_err = (y.view(b, hkv, h // hkv, c, -1) - vbar[:, :, None]).pow(2).sum(-1).view(b, h, c)
-    p_sink, z_ns, l_sink = p_sink.squeeze(-1), z_ns.squeeze(-1), l_sink.squeeze(-1)
-    d_sink = dist.gather(-1, sink.clamp_min(0).T.contiguous()).T[:, None]  # [B, 1, c]
-    ent = z_ns * ent_ns - torch.special.xlogy(z_ns, z_ns) - torch.special.xlogy(p_sink, p_sink)
+    z_rest = e.sum(-1)
+    y_ns = (e.view(b, hkv, -1, tk) @ v).view(b, h, c, -1) / torch.where(z_rest > 0, z_rest, 1.0)[..., None]
     n = mask.sum(-1, dtype=torch.float32)  # [B, 1, c] visible keys
-    sink_seen = (s_sink[:, :1, :, 0] > NEG / 2)  # [B, 1, c]
-    n_ns = n - sink_seen.float()
     # logit variance over the visible keys, from the logits shifted by m (the sink's is l_sink)
-    seen = sink_seen.float()
+    l_sink = (s_sink - m).squeeze(-1)
+    seen = (s_sink.squeeze(-1) > NEG / 2).float()
     mean_s = (s.sum(-1) + seen * l_sink) / n
     var_s = (_rowdot(s, s).double() + (seen * l_sink).double().pow(2)) / n - mean_s.double().pow(2)
+    rows = {
+        "m": m.squeeze(-1), "z_rest": z_rest, "ent_sum": _rowdot(e, s), "dist_sum": _rowdot_shared(e, dist),
+        "n": n, "var": var_s.float(), "s_sink": s_sink.squeeze(-1),
+    }
+    return rows, y_ns
+
+
+def close_rows(
+    rows: dict[str, torch.Tensor], y_ns: torch.Tensor, v_sink: torch.Tensor, d_sink: torch.Tensor,
+    vbar: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-head fp64 sums over the queries of a slice from their per-row statistics (shared by
+    the PyTorch chunks and the Triton kernel).
+
+    rows {key: [B, H or 1, c]} (ROW_KEYS, see `_chunk_rows`), y_ns [B, H, c, D], v_sink
+    [B, Hkv, c, D] the value at each query's sink, d_sink [B, 1, c] the distance to it, vbar
+    [B, Hkv, c, D] the mean visible value (the zero-order term). Returns (sums [H], y [B, H, c, D]).
+
+    The sink-free distribution q = e / z_rest is exactly representable however much mass the
+    sink holds (in fp32, its p would underflow): entropy_ns = log z_rest - sum q s0 and
+    dist_ns = sum q d (no cancellation); the full distribution follows from the sink's share
+    p_sink = sigmoid(l_sink - log z_rest), l_sink = s_sink - m.
+    """
+    b, h, c, d = y_ns.shape
+    hkv = v_sink.shape[1]
+    s_sink, z_rest, n = rows["s_sink"], rows["z_rest"], rows["n"]
+    m = torch.where(rows["m"] > NEG / 2, rows["m"], s_sink)
+    l_sink = s_sink - m
+    log_rest = z_rest.log()  # -inf when only the sink is visible
+    log_z = torch.logaddexp(log_rest, l_sink)  # log sum over all visible keys (shifted by m)
+    p_sink = (l_sink - log_z).exp()
+    z_ns = (log_rest - log_z).exp()  # non-sink mass, without cancellation
+    ok = z_rest > 0
+    z_safe = torch.where(ok, z_rest, 1.0)
+    dist_ns = rows["dist_sum"] / z_safe
+    ent_ns = z_safe.log() - rows["ent_sum"] / z_safe
+    y = (z_ns[..., None] * y_ns).view(b, hkv, h // hkv, c, d) + p_sink.view(b, hkv, -1, c, 1) * v_sink[:, :, None]
+    zero_err = (y - vbar[:, :, None]).pow(2).sum(-1).view(b, h, c)
+    ent = z_ns * ent_ns - torch.special.xlogy(z_ns, z_ns) - torch.special.xlogy(p_sink, p_sink)
+    n_ns = n - (s_sink > NEG / 2).float()
 
     def total(x: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
         x = x.to(F64)
@@ -121,14 +173,14 @@ def _chunk_head_sums(
             x = torch.where(where, x, 0.0)
         return x.sum(dim=(0, 2))
 
-    has2, ok_ns = n >= 2, ok.squeeze(-1)
+    has2 = n >= 2
     sums = {
         "dist": total(z_ns * dist_ns + p_sink * d_sink), "entropy": total(ent), "sink": total(p_sink),
-        "logit_var": total(var_s.clamp_min(0)), "zero_order_err": total(zero_err),
-        "dist_nosink": total(dist_ns, has2 & ok_ns), "conc": total(1 - ent / torch.log(n.clamp_min(2)), has2),
-        "conc_nosink": total(1 - ent_ns / torch.log(n_ns.clamp_min(2)), (n_ns >= 2) & ok_ns),
+        "logit_var": total(rows["var"].clamp_min(0)), "zero_order_err": total(zero_err),
+        "dist_nosink": total(dist_ns, has2 & ok), "conc": total(1 - ent / torch.log(n.clamp_min(2)), has2),
+        "conc_nosink": total(1 - ent_ns / torch.log(n_ns.clamp_min(2)), (n_ns >= 2) & ok),
     }
-    return sums, y
+    return sums, y.view(b, h, c, d)
 
 
 def running_mean_values(v: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -161,7 +213,6 @@ def attention_sums(
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
-    group = hq // hkv
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key heads ({hkv})")
     vf = v.float()
@@ -169,27 +220,25 @@ def attention_sums(
     k_index = torch.arange(t, device=q.device)
     lo = sink_index if sliding_window is None else torch.maximum(sink_index, k_index[None] - sliding_window + 1)
     vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
-    kf_t = k.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
+    v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
+    d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
     sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
     ys = []
-    for start in range(0, t, chunk_size):
-        stop = min(start + chunk_size, t)
-        # keys a query of this chunk may see: causal (< stop) and, with a window, >= start - W + 1
-        k_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
-        q_index, keys = k_index[start:stop], k_index[k_lo:stop]
-        qc = q[:, :, start:stop].float().mul(scale).view(b, hkv, group, stop - start, d)
-        logits = (qc @ kf_t[..., k_lo:stop]).view(b, hq, stop - start, stop - k_lo)
-        doc_q = doc_ids[:, start:stop] if doc_ids is not None else None
-        doc_k = doc_ids[:, k_lo:stop] if doc_ids is not None else None
-        mask = attention_mask(q_index, keys, sliding_window, doc_q, doc_k)
-        mask = mask.expand(b, 1, -1, -1)
-        dist = (q_index[:, None] - keys[None, :]).clamp_min(0).float()
-        sink = sink_index[:, start:stop] - k_lo  # < 0: the sink is outside this chunk's keys
-        sink = torch.where(sink >= 0, sink, -1)
-        chunk, y = _chunk_head_sums(logits, mask, dist, sink, vf[:, :, k_lo:stop], vbar[:, :, start:stop])
-        for key, value in chunk.items():
-            sums[key] += value
-        ys.append(y)
+    if use_stats_kernel(q):
+        from .moments_triton import attention_rows
+
+        rows, y_ns = attention_rows(q, k, v, scale, lo, sink_index)
+        pieces = ((rows, y_ns, slice(0, t)),)
+    else:
+        pieces = _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index)
+    for rows, y_ns, span in pieces:
+        for start in range(0, y_ns.shape[2], CLOSE_ROWS):  # bounded fp32 temporaries per slice
+            part = slice(start, start + CLOSE_ROWS)
+            at = slice(span.start + start, min(span.start + start + CLOSE_ROWS, span.stop))
+            chunk, y = close_rows({key: r[:, :, part] for key, r in rows.items()}, y_ns[:, :, part],
+                                  v_sink[:, :, at], d_sink[..., at], vbar[:, :, at])
+            add_into(sums, chunk)
+            ys.append(y)
     y = torch.cat(ys, dim=2)
     y64 = y.to(F64)
     sums["out_energy"] = y64.pow(2).sum(dim=(0, 2, 3))
@@ -204,6 +253,29 @@ def attention_sums(
         sums[f"{name}_sum"] = x64.sum(dim=(0, 2))
         sums[f"{name}_sq"] = torch.einsum("bhtd,bhte->hde", x64, x64)
     return sums, y
+
+
+def _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index):
+    """Yields (rows, y_ns, slice of queries) chunk by chunk of queries (see `_chunk_rows`): logits
+    against the keys a chunk can see (causal: keys < chunk end; sliding: the last window)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    k_index = torch.arange(t, device=q.device)
+    kf_t = k.float().unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, T]
+    for start in range(0, t, chunk_size):
+        stop = min(start + chunk_size, t)
+        k_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        q_index, keys = k_index[start:stop], k_index[k_lo:stop]
+        qc = q[:, :, start:stop].float().mul(scale).view(b, hkv, hq // hkv, stop - start, d)
+        logits = (qc @ kf_t[..., k_lo:stop]).view(b, hq, stop - start, stop - k_lo)
+        doc_q = doc_ids[:, start:stop] if doc_ids is not None else None
+        doc_k = doc_ids[:, k_lo:stop] if doc_ids is not None else None
+        mask = attention_mask(q_index, keys, sliding_window, doc_q, doc_k).expand(b, 1, -1, -1)
+        dist = (q_index[:, None] - keys[None, :]).clamp_min(0).float()
+        sink = sink_index[:, start:stop] - k_lo  # < 0: the sink is outside this chunk's keys
+        sink = torch.where(sink >= 0, sink, -1)
+        rows, y_ns = _chunk_rows(logits, mask, dist, sink, vf[:, :, k_lo:stop])
+        yield rows, y_ns, slice(start, stop)
 
 
 def layer_input_sums(
