@@ -1,0 +1,115 @@
+"""Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks, on CPU.
+
+The parity tests run the kernel in Triton's interpreter and need a Python environment with triton
+(the project venv must not have it; CI skips them). How they were run:
+
+    python -m venv /tmp/venv-triton && /tmp/venv-triton/bin/pip install triton==3.6.0 "numpy<2.4"
+    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
+        > /tmp/venv-triton/lib/python3.11/site-packages/zz_project.pth
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q tests/unit/test_calibrate_stats_kernel.py
+
+(numpy < 2.4: the 3.6 interpreter converts 1-element arrays to scalars, an error from numpy 2.4.)
+The dispatch tests run everywhere. The GPU twin is tests/gpu/test_stats_kernel_cuda.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron_tc.calibrate import moments
+from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, attention_sums, use_stats_kernel
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton and TRITON_INTERPRET=1 (see the module docstring)",
+)
+
+
+def make_case(b, hq, hkv, t, d, docs, logit_scale, dtype, seed=0):
+    """q/k/v [B, H, T, D] (q scaled: large logit_scale = peaked rows with a dominant sink),
+    o_weight and doc_ids (packed documents of unequal lengths, one ending mid-block)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=gen) * logit_scale
+    k, v = torch.randn(b, hkv, t, d, generator=gen), torch.randn(b, hkv, t, d, generator=gen)
+    o_weight = torch.randn(3 * d, hq * d, generator=gen)
+    doc_ids = None
+    if docs:
+        doc_ids = torch.zeros(b, t, dtype=torch.long)
+        doc_ids[:, t // 3:] = 1
+        doc_ids[-1, t // 2 + 1:] = 2
+        doc_ids[-1, t - 3:] = 3
+    return q.to(dtype), k.to(dtype), v.to(dtype), o_weight, doc_ids
+
+
+def both_paths(monkeypatch, q, k, v, o_weight, doc_ids, window, chunk=32):
+    out = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv(STATS_KERNEL_ENV, mode)
+        out[mode] = attention_sums(q, k, v, 0.3, o_weight, doc_ids, window, chunk)
+    return out["reference"], out["triton"]
+
+
+def worst_rel(got: dict, ref: dict) -> tuple[float, str]:
+    """Largest per-key error relative to the key's largest magnitude (over heads / entries)."""
+    return max((float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-30)), key) for key in ref)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, docs, window, logit_scale",
+    [
+        ((1, 2, 1, 40, 16), False, None, 1.0),  # T < one block; GQA 2:1
+        ((2, 4, 2, 150, 16), True, None, 2.0),  # T not a multiple of 64, packed docs, 3 key blocks
+        ((2, 4, 2, 150, 24), True, 20, 2.0),  # sliding window hides the sink; D not a power of 2
+        ((1, 3, 3, 90, 16), True, None, 8.0),  # peaked rows: the sink's mass near 1 (fp32 p underflows)
+    ],
+)
+def test_kernel_matches_pytorch_chunks(monkeypatch, shape, docs, window, logit_scale, dtype):
+    q, k, v, o_weight, doc_ids = make_case(*shape, docs, logit_scale, dtype)
+    (ref, y_ref), (got, y_got) = both_paths(monkeypatch, q, k, v, o_weight, doc_ids, window)
+    # fp32: summation order only; bf16 operands: the kernel's p split in two bf16 halves (~16 bits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-5
+    err, key = worst_rel(got, ref)
+    assert err < tol, f"{key}: {err:.2e}"
+    assert torch.allclose(y_got, y_ref, rtol=0, atol=tol * float(y_ref.abs().max()))
+
+
+@interpreter
+def test_kernel_rows_rescale_across_key_blocks(monkeypatch):
+    """Small blocks (16): every row's max moves several times (the online rescaling), and a
+    query block whose documents start late skips the key blocks before them."""
+    from megatron_tc.calibrate import moments_triton
+
+    real = moments_triton.attention_rows
+    monkeypatch.setattr(moments_triton, "attention_rows",
+                        lambda *a, **kw: real(*a, block_m=16, block_n=16))
+    q, k, v, o_weight, doc_ids = make_case(2, 2, 1, 77, 16, True, 3.0, torch.float32, seed=3)
+    # increasing logits along the keys: the running max grows block after block
+    k = k + torch.linspace(0, 3, 77)[None, None, :, None]
+    (ref, y_ref), (got, y_got) = both_paths(monkeypatch, q, k, v, o_weight, doc_ids, None)
+    err, key = worst_rel(got, ref)
+    assert err < 1e-5, f"{key}: {err:.2e}"
+    assert torch.allclose(y_got, y_ref, rtol=0, atol=1e-5 * float(y_ref.abs().max()))
+
+
+def test_dispatch_env(monkeypatch):
+    q = torch.zeros(1, 1, 2, 4)
+    monkeypatch.setenv(STATS_KERNEL_ENV, "reference")
+    assert not use_stats_kernel(q)
+    monkeypatch.setenv(STATS_KERNEL_ENV, "auto")
+    assert not use_stats_kernel(q)  # CPU tensors: the PyTorch path
+    monkeypatch.setenv(STATS_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="auto, triton or reference"):
+        use_stats_kernel(q)
+
+
+def test_forcing_the_kernel_without_triton_says_so(monkeypatch):
+    monkeypatch.setattr(moments, "_triton_importable", lambda: False)
+    monkeypatch.setenv(STATS_KERNEL_ENV, "triton")
+    with pytest.raises(ImportError, match="needs the triton package"):
+        use_stats_kernel(torch.zeros(1, 1, 2, 4))
