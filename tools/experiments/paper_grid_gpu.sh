@@ -17,7 +17,7 @@
 #                          POLICIES (comma-separated), within what is left of $BUDGET_S; the rest stay pending
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
 #                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
-#                          teacher made on this machine and not carried (unpack into .paper_runs/teachers)
+#                          teacher made on this machine, once (unpack into .paper_runs/teachers)
 #   report                 (here, on CPU) tables and plots from .paper_runs/runs -> docs/reports/paper_grid/
 #
 # Environment: R (work dir; /tmp/paper, or runs/paper_quick with --quick), BUDGET_S (seconds this
@@ -95,7 +95,7 @@ step_pretrain() {
     say "pretrain $fam (timeout ${t} s)"
     timeout "$t" $PY tools/distill.py $CFG/base.yaml run.stages=[pretrain] "run.run_dir=$run" "model.teacher=$run/hf" \
       "data.tokenizer=$DATA/tokenizer" "data.source.paths=[$DATA/text]" "pretrain.hf_config=$qdir/teacher_$fam.json" \
-      $QOVR 2>&1 | tail -n 25
+      distill.eval_interval=64 distill.checkpoint_interval=256 $QOVR 2>&1 | tail -n 25
     local rc=${PIPESTATUS[0]}
     if [ "$rc" != 0 ]; then say "pretrain $fam: exit $rc (124 = out of time: the next call resumes from its checkpoint)"; return 3; fi
     $PY tools/convert_megatron_to_hf.py --ckpt "$run/pretrain/model" --out "$R/teachers/$fam" --dtype $TDTYPE --overwrite \
@@ -142,8 +142,9 @@ step_pack() {
       -not -path '*/hf/*' -not -path '*/model/*' -not -path '*/export/*' -print0 \
     | tar czf "$OUT/paper_results.tgz" --null -T - ) && say "pack: $OUT/paper_results.tgz ($(du -h "$OUT/paper_results.tgz" | cut -f1))"
   for fam in $TEACHERS; do
-    if [ -f "$R/teachers/$fam/config.json" ] && [ ! -d ".paper_runs/teachers/$fam" ]; then
-      tar czf "$OUT/teacher_$fam.tgz" -C "$R/teachers" "$fam" && say "pack: $OUT/teacher_$fam.tgz ($(du -h "$OUT/teacher_$fam.tgz" | cut -f1))"
+    if [ -f "$R/teachers/$fam/config.json" ] && [ ! -d ".paper_runs/teachers/$fam" ] && [ ! -f "$R/teachers/$fam.packed" ]; then
+      tar czf "$OUT/teacher_$fam.tgz" -C "$R/teachers" "$fam" && touch "$R/teachers/$fam.packed" \
+        && say "pack: $OUT/teacher_$fam.tgz ($(du -h "$OUT/teacher_$fam.tgz" | cut -f1))"
     fi
   done
 }

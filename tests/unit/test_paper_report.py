@@ -1,0 +1,48 @@
+"""tools/experiments/paper_report.py on hand-made grid results: the zero-shot and tokens-to-target
+tables, the goals checked cell by cell, and unfinished cells listed rather than guessed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("paper_report", ROOT / "tools" / "experiments" / "paper_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(root: Path, part: str, init: str, curve: list[tuple[int, float]], zero_shot: dict[str, float]) -> None:
+    d = root / "grid" / part / "qwen2" / "uniform" / init
+    (d / "eval").mkdir(parents=True)
+    metrics = {"ppl": curve[-1][1], "kl": 0.5}
+    (d / "cell.json").write_text(json.dumps({"status": "ok", "metrics": metrics}))
+    (d / "run.json").write_text(json.dumps({"name": init, "init": init}))
+    (d / "eval_log.jsonl").write_text("".join(json.dumps({"step": i, "tokens": t, "ppl": p, "teacher_ppl": 20.0}) + "\n"
+                                              for i, (t, p) in enumerate(curve)))
+    rows = [{"model": "teacher", "ppl": 20.0, "kl": 0.0}] + [{"model": k, "ppl": v, "kl": v / 100} for k, v in zero_shot.items()]
+    (d / "eval" / "results.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_tables_ratios_and_goals(tmp_path):
+    runs = tmp_path / "runs"
+    _cell(runs, "stage2", "naive", [(0, 4000.0), (1000, 100.0), (100000, 24.0)], {"naive zero-shot": 4000.0})
+    _cell(runs, "stage2", "taylor_calibrate", [(0, 80.0), (1000, 30.0), (100000, 21.0)],
+          {"naive zero-shot": 4000.0, "taylor_calibrate zero-shot": 80.0})
+    _cell(runs, "stage2", "ours", [(0, 60.0), (1000, 30.0), (100000, 21.0)],  # taylor_calibrate's curve after 0
+          {"naive zero-shot": 4000.0, "ours zero-shot": 60.0})
+    _cell(runs, "zero_shot", "zero_gate", [(0, 900.0)], {})
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    md = (tmp_path / "out" / "README.md").read_text()
+    assert "| qwen2 | uniform | 20 | 4000 / 40 | 900 / 0.5 (4.4x) | 80 / 0.8 (50.0x) | 60 / 0.6 (66.7x) |" in md
+    assert "zero-shot qwen2/uniform" not in md  # ours has the best zero-shot perplexity: no miss
+    line = next(l for l in md.splitlines() if l.startswith("| qwen2 | uniform | 1.10x"))
+    assert line.endswith("| not reached | 54.8k | 54.8k | ≥ 1.82x | 1.00x |"), line  # naive never gets to 22
+    assert (tmp_path / "out" / "qwen2_uniform" / "ppl_vs_tokens.png").is_file()
+    assert "- missed: tokens qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x)" in md
+    assert "- missed: tokens qwen2/uniform 1.10x teacher: ours vs taylor_calibrate 1.00x (goal ≥ 1.5x)" in md
+    assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
