@@ -19,6 +19,7 @@ from torch import nn
 
 from .cache import GDNCache
 from .config import ArchConfig
+from .fused import fused, gated_output, gdn_gates
 from .norm import RMSNorm
 from .ops.gated_delta_rule import BACKENDS, gated_delta_rule
 
@@ -92,9 +93,8 @@ class GatedDeltaNet(nn.Module):
         """Log decay g and write strength beta, both [B, T, H] in fp32."""
         # exp(A_log) must stay finite: inf * softplus(...) = inf * 0 is NaN. A decay below -1e4
         # per token is already exp(-1e4) = 0, so the floor changes no value, only avoids -inf.
-        rate = self.A_log.float().clamp(max=MAX_A_LOG).exp()
-        g = (-rate * F.softplus(self.a_proj(x).float() + self.dt_bias.float())).clamp(min=MIN_LOG_DECAY)
-        return g, torch.sigmoid(self.b_proj(x).float())
+        a, b = self.a_proj(x), self.b_proj(x)
+        return fused("gdn_gates", gdn_gates, a)(a, b, self.A_log, self.dt_bias, MAX_A_LOG, MIN_LOG_DECAY)
 
     def qkv(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: GDNCache | None = None
@@ -146,6 +146,7 @@ class GatedDeltaNet(nn.Module):
         )
         if cache is not None:
             cache.state, cache.seen = state, cache.seen + t
-        gate = F.silu(self.g_proj(x).float()).view(b, t, self.num_heads, self.head_dim)
-        o = (self.o_norm(o.float()) * gate).to(x.dtype)
+        gate_pre = self.g_proj(x)
+        normed = self.o_norm(o.float())
+        o = fused("gdn_gated_output", gated_output, normed)(normed, gate_pre, x.dtype)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))

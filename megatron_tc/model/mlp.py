@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .fused import fused, glu
 
 
 class GatedMLP(nn.Module):
@@ -19,6 +20,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused("glu", glu, gate)(gate, up, self.activation))
