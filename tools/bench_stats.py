@@ -4,7 +4,7 @@ of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
 
     python tools/bench_stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
-        [--align-steps N] [--no-calibrate]
+        [--align-steps N] [--no-calibrate] [--sweep1-reference]
 
 Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
@@ -13,8 +13,12 @@ Tokens: random ids (the cost does not depend on them). The converted layers are 
 Rows (median ms over the same batches): plain forward `teacher(ids)` (full logits, no grad);
 sweep 1 `calibrate.stats.collect_attention_stats` (attention moments, probabilities chunk by
 chunk of queries); sweep 2 `collect_readout_stats` (readout sums of --readout); their ratios
-to the forward (goal: the statistics pass <= 1.5x). Check: sweep-1 sums of one [1, 256] batch
-on the device against the same pass of an fp32 copy of the teacher on the CPU.
+to the forward (goal: the statistics pass <= 1.5x). Sweep 1 takes the fused Triton kernel on CUDA
+(`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
+the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
+measures the kernel's gain. Checks: sweep-1 sums of one [1, 256] batch on the device against the
+same pass of an fp32 copy of the teacher on the CPU; with --sweep1-reference also the kernel's
+sums against the PyTorch chunks' on the device (same teacher and dtype).
 
 Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
 --calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels in fp32 (their
@@ -23,7 +27,9 @@ first use compiles), timed wall clock; goal < 3 min on one H200.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import sys
 import time
 from dataclasses import replace
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_tc.bench.common import Report, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402
+from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel  # noqa: E402
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats  # noqa: E402
 from megatron_tc.calibrate.strategies import get_strategy  # noqa: E402
 from megatron_tc.calibrate.student import calibrate_student, converted_layers  # noqa: E402
@@ -58,6 +65,34 @@ def stats_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk:
     errors = {k: rel_err(got.sums[k].cpu(), v) for k, v in ref.sums.items() if v.abs().sum() > 0}
     worst = max(errors, key=errors.get)
     return {"check": "sweep-1 sums: device vs fp32 CPU", "max_rel_err": errors[worst], "worst": worst,
+            "median_rel_err": sorted(errors.values())[len(errors) // 2]}
+
+
+@contextlib.contextmanager
+def stats_kernel(mode: str):
+    """$MEGATRON_TC_STATS_KERNEL=mode inside (auto, triton, reference)."""
+    old = os.environ.get(STATS_KERNEL_ENV)
+    os.environ[STATS_KERNEL_ENV] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(STATS_KERNEL_ENV, None)
+        else:
+            os.environ[STATS_KERNEL_ENV] = old
+
+
+def kernel_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
+    """Sweep-1 sums of one [1, 256] batch: the kernel vs the PyTorch chunks, both on the device."""
+    batch = random_batches(teacher.arch.vocab_size, 1, 256, 1, device)
+    out = {}
+    for mode in ("triton", "reference"):
+        with stats_kernel(mode):
+            out[mode] = collect_attention_stats(teacher, batch, layers, meta, chunk_size=chunk, progress=False)
+    ref = out["reference"].sums
+    errors = {k: rel_err(out["triton"].sums[k], v) for k, v in ref.items() if v.abs().sum() > 0}
+    worst = max(errors, key=errors.get)
+    return {"check": "sweep-1 sums: kernel vs PyTorch chunks (device)", "max_rel_err": errors[worst], "worst": worst,
             "median_rel_err": sorted(errors.values())[len(errors) // 2]}
 
 
@@ -92,6 +127,7 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
     def sweep1():
         holder["stats"] = collect_attention_stats(teacher, batches, layers, meta, chunk_size=args.chunk_size, progress=False)
 
+    sweep1_impl = "triton" if use_stats_kernel(batches[0]["input_ids"]) else "pytorch"
     rows = [("stats sweep 1 (attention moments)", sweep1)]
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     if strategies:
@@ -103,7 +139,7 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
         rows.append((f"stats sweep 2 (readout: {args.readout})", sweep2))
     total = 0.0
     for label, fn in rows:
-        row = {**base, "pass": label}
+        row = {**base, "pass": label, "impl": sweep1_impl if label.startswith("stats sweep 1") else None}
         try:
             timing = time_fn(fn, device, budget_ms=args.budget_ms, max_reps=5)
             total += timing.ms
@@ -116,6 +152,17 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
         report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
                             "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
                             "goal": f"<= {STATS_GOAL}", "met": total / fwd.ms <= STATS_GOAL})
+    if args.sweep1_reference:  # the PyTorch chunks, for the kernel's gain (not in the total)
+        label = "stats sweep 1 (attention moments), PyTorch reference"
+        row = {**base, "pass": label, "impl": "pytorch"}
+        try:
+            with stats_kernel("reference"):
+                timing = time_fn(sweep1, device, budget_ms=args.budget_ms, max_reps=5)
+            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
+        except Exception as exc:
+            row["note"] = f"failed: {type(exc).__name__}"
+            report.error(label, exc)
+        report.add("rows", row)
 
 
 def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
@@ -162,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-seq", type=int, default=512)
     p.add_argument("--align-steps", type=int, default=None, help="override taylor_calibrate's 300 steps per layer")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--sweep1-reference", action="store_true",
+                   help="also time sweep 1 with the PyTorch chunks (and check the kernel against them)")
     p.add_argument("--budget-ms", type=float, default=2000.0)
     args = parse_args(p, argv, dict(batch=2, seq=64, num_batches=2, chunk_size=16, calib_tokens=256, calib_seq=32,
                                     align_steps=3, budget_ms=50.0))
@@ -185,13 +234,19 @@ def main(argv: list[str] | None = None) -> int:
                                          args.chunk_size))
     except Exception as exc:
         report.error("stats check", exc)
+    if args.sweep1_reference and use_stats_kernel(torch.zeros(1, device=device)):
+        try:
+            report.add("checks", kernel_check(teacher, layers, device, {"teacher_sha256": "bench", "seq_len": 256},
+                                              args.chunk_size))
+        except Exception as exc:
+            report.error("kernel check", exc)
     bench_stats(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
     if not args.no_calibrate:
         bench_calibrate(teacher, keep, pattern, args, device, report)
     report.finish([
         ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
         ("Statistics pass vs teacher forward (same tokens)", "rows",
-         ["pass", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
+         ["pass", "impl", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
         ("Calibration wall time (taylor_calibrate)", "calibrate",
          ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
           "mean_best_rel_mse", "goal", "met", "note"]),

@@ -1,0 +1,80 @@
+"""Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks on CUDA.
+
+Run on the device machine: `python -m pytest -q tests/gpu/test_stats_kernel_cuda.py` (well under
+a minute; each dtype/block shape compiles once, a few seconds). Both paths compute in fp32 from
+the same q/k/v (TF32 off for the reference's matmuls). Tolerances, relative to each statistic's
+largest magnitude over heads: fp32 inputs 1e-5 (summation order only: the kernel's QK and P@V
+dots run in IEEE fp32); bf16 inputs 5e-5 (QK products of bf16 are exact in both; the kernel's P@V
+splits p into two bf16 halves, ~2^-17 relative, where the reference multiplies in fp32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # conftest also skips gpu-marked tests without CUDA
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, attention_sums  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make_case(b, hq, hkv, t, d, docs, logit_scale, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=gen, device="cuda") * logit_scale
+    k = torch.randn(b, hkv, t, d, generator=gen, device="cuda")
+    v = torch.randn(b, hkv, t, d, generator=gen, device="cuda")
+    o_weight = torch.randn(9 * d, hq * d, generator=gen, device="cuda")
+    doc_ids = None
+    if docs:  # packed documents of unequal lengths, boundaries off the 64-blocks
+        doc_ids = torch.zeros(b, t, dtype=torch.long, device="cuda")
+        doc_ids[:, t // 3 + 5:] = 1
+        doc_ids[-1, t // 2 + 1:] = 2
+        doc_ids[-1, t - 3:] = 3
+    return q.to(dtype), k.to(dtype), v.to(dtype), o_weight, doc_ids
+
+
+def worst_rel(got: dict, ref: dict) -> tuple[float, str]:
+    return max((float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-30)), key) for key in ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, docs, window, logit_scale",
+    [
+        ((2, 9, 3, 1000, 64), False, None, 1.0),  # SmolLM2 heads (GQA 3:1), T not a multiple of 64
+        ((2, 9, 3, 2048, 64), True, None, 2.0),  # packed documents
+        ((2, 4, 2, 1500, 128), True, 256, 2.0),  # sliding window (hides the sink), head_dim 128
+        ((1, 8, 8, 777, 64), True, None, 8.0),  # MHA, peaked rows: the sink holds almost all mass
+        ((1, 4, 1, 300, 80), False, 100, 1.0),  # MQA, head_dim not a power of 2
+    ],
+)
+def test_kernel_matches_pytorch_chunks_cuda(monkeypatch, shape, docs, window, logit_scale, dtype):
+    q, k, v, o_weight, doc_ids = make_case(*shape, docs, logit_scale, dtype)
+    out = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv(STATS_KERNEL_ENV, mode)
+        out[mode] = attention_sums(q, k, v, 0.125, o_weight, doc_ids, window, 128)
+    (ref, y_ref), (got, y_got) = out["reference"], out["triton"]
+    tol = 1e-5 if dtype == torch.float32 else 5e-5
+    err, key = worst_rel(got, ref)
+    assert err < tol, f"{key}: {err:.2e}"
+    y_err = float((y_got - y_ref).abs().max() / y_ref.abs().max())
+    assert y_err < tol, f"y: {y_err:.2e}"
+
+
+def test_auto_dispatch_takes_the_kernel_on_cuda(monkeypatch):
+    from megatron_tc.calibrate.moments import use_stats_kernel
+
+    monkeypatch.delenv(STATS_KERNEL_ENV, raising=False)
+    assert use_stats_kernel(torch.zeros(1, device="cuda"))
