@@ -4,15 +4,19 @@ on the KL loss + optimizer step, bf16, GDN layers on fla's kernels; tokens/s and
 
     python tools/bench_train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--batch 8 --seq 2048] [--steps 5] [--deepspeed] [--trainable all] [--profile]
-        [--loss-impl reference,chunked]
+        [--variants before,loss,after]
 
 Plain torch (default): fp32 student weights under bf16 autocast, fused AdamW; the teacher in
 bf16. --deepspeed: the student through `megatron_tc.parallel.deepspeed_engine` (ZeRO-3 on one
 rank, bf16, fp32 master weights), as stage 2 runs it. The loss is `distill.losses.distill_loss`
-(KL at temperature 1) on random token ids. --loss-impl: which implementation of the vocabulary
-losses (`distill.losses.LOSS_IMPLS`): "chunked" (default in stage 2: per chunk of tokens, fused)
-and/or "reference" (the whole-batch fp32 formulas); a comma list times each in the same run (one
-row per implementation, same models, a fresh optimizer each), so one call gives before and after.
+(KL at temperature 1) on random token ids.
+
+--variants times several versions of the same step in one run (one row each, same models and
+trainer), so one call gives before and after:
+  before  the whole-batch fp32 vocabulary losses (impl="reference") and the eager model blocks
+          (MEGATRON_TC_COMPILE=0): the code of the first H200 run
+  loss    the chunked vocabulary losses (`parallel.chunked_losses`, compiled per chunk), eager model
+  after   chunked losses and the compiled model blocks (`model.fused`): what stage 2 runs now
 
 Check before timing: one forward/backward at [1, 512] with the GDN layers on fla under bf16
 autocast against the PyTorch chunked backend in fp32 (same weights, same teacher logits):
@@ -43,9 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_once  # noqa: E402
 from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
-from megatron_tc.distill.losses import LOSS_IMPLS, LossWeights, distill_loss  # noqa: E402
+from megatron_tc.distill.losses import LossWeights, distill_loss  # noqa: E402
 from megatron_tc.distill.stage2 import select_trainable  # noqa: E402
 from megatron_tc.model import HybridLM  # noqa: E402
+
+
+VARIANTS = {"before": ("reference", "0"), "loss": ("chunked", "0"), "after": ("chunked", "1")}  # (loss, MEGATRON_TC_COMPILE)
 
 
 def step_flops(student_arch, teacher_arch, trainable: str, batch: int, seq: int) -> dict[str, float]:
@@ -142,8 +149,11 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
     runs = [("ref", "chunk", False, "reference"), ("test", "auto", amp, "reference")]
     runs += [("bf16_chunk", "chunk", True, "reference")] if amp else []
     runs += [("chunked_loss", "auto", amp, "chunked")]  # same as "test" but the chunked losses
+    runs += [("eager_model", "auto", amp, "chunked")]  # same as "chunked_loss" with MEGATRON_TC_COMPILE=0
     results = {}
     for label, backend, use_amp, impl in runs:
+        if label == "eager_model":
+            os.environ["MEGATRON_TC_COMPILE"] = "0"
         student.set_gdn_backend(backend)
         student.zero_grad(set_to_none=True)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else nullcontext()
@@ -152,6 +162,7 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
         loss, _ = distill_loss(logits, t_logits, ids, student.arch.vocab_size, LossWeights(), impl=impl)
         loss.backward()
         results[label] = (loss.detach(), {n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None})
+        os.environ.pop("MEGATRON_TC_COMPILE", None)
     student.set_gdn_backend("auto")
     student.zero_grad(set_to_none=True)
     ref_loss, ref_grads = results["ref"]
@@ -160,6 +171,9 @@ def gradient_check(student: HybridLM, teacher: HybridLM, device, seq: int) -> di
     chunked_loss, chunked_grads = results["chunked_loss"]  # chunked vs reference losses, same model run
     out.update(chunked_vs_reference_loss_rel_err=rel_err(chunked_loss, test_loss),
                chunked_vs_reference_grad_rel_err_global=_grad_errors(chunked_grads, test_grads)["grad_rel_err_global"])
+    eager_loss, eager_grads = results["eager_model"]  # compiled model blocks vs eager, same losses
+    out.update(compiled_vs_eager_loss_rel_err=rel_err(chunked_loss, eager_loss),
+               compiled_vs_eager_grad_rel_err_global=_grad_errors(chunked_grads, eager_grads)["grad_rel_err_global"])
     if "bf16_chunk" in results:
         base = _grad_errors(results["bf16_chunk"][1], ref_grads)
         out.update(bf16_chunk_grad_rel_err_global=base["grad_rel_err_global"],
@@ -197,7 +211,7 @@ def profile_steps(trainer: Trainer, make_ids, device, rows: int = 20) -> tuple[s
 
 def time_steps(trainer: Trainer, make_ids, row: dict, flops: dict, args, device, peaks, report: Report) -> None:
     """Warm-up steps, then the median of args.steps timed steps (and the profile) -> one row."""
-    name, impl = row["model"], row["loss_impl"]
+    name, impl = row["model"], row["variant"]
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -216,21 +230,21 @@ def time_steps(trainer: Trainer, make_ids, row: dict, flops: dict, args, device,
                    **{k: v / 1e12 for k, v in flops.items()})
         if device.type == "cuda":
             row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-        print(f"{name} ({impl} loss): {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
+        print(f"{name} ({impl}): {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
     except Exception as exc:
         row["note"] = f"failed: {type(exc).__name__}"
-        report.error(f"{name} train step ({impl} loss)", exc)
+        report.error(f"{name} train step ({impl})", exc)
     report.add("rows", row)
     if args.profile and "step_ms" in row:
         try:
             table, top, busy = profile_steps(trainer, make_ids, device)
-            print(f"profile {name}, {impl} loss (2 steps):\n{table}", flush=True)
+            print(f"profile {name}, {impl} (2 steps):\n{table}", flush=True)
             row["busy_ms"] = busy  # kernel time per step (CUDA) / op time (CPU); step_ms - busy_ms: idle
             report.save()
             for entry in top:
-                report.add("profile", {"model": name, "loss_impl": impl, **entry})
+                report.add("profile", {"model": name, "variant": impl, **entry})
         except Exception as exc:
-            report.error(f"{name} profile ({impl} loss)", exc)
+            report.error(f"{name} profile ({impl})", exc)
 
 
 def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
@@ -254,9 +268,15 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
         return
     make_ids = lambda: torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device)  # noqa: E731
     flops = step_flops(student.arch, arch, args.trainable, args.batch, args.seq)
-    for impl in args.loss_impl:  # one trainer (one engine): only the loss implementation changes
+    for variant in args.variants:  # one trainer (one engine): only the loss and the model blocks change
+        impl, compile_model = VARIANTS[variant]
         trainer.loss_impl = impl
-        time_steps(trainer, make_ids, dict(base, loss_impl=impl), flops, args, device, peaks, report)
+        os.environ["MEGATRON_TC_COMPILE"] = compile_model
+        try:
+            time_steps(trainer, make_ids, dict(base, variant=variant, loss_impl=impl, compiled_model=compile_model == "1"),
+                       flops, args, device, peaks, report)
+        finally:
+            os.environ.pop("MEGATRON_TC_COMPILE", None)
     del trainer, student, teacher
     gc.collect()
     if device.type == "cuda":
@@ -277,15 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
     p.add_argument("--check-t", type=int, default=512)
-    p.add_argument("--loss-impl", default="reference,chunked",
-                   help="vocabulary-loss implementations to time, comma list of: reference, chunked "
-                        "(reference = before the chunked losses; each gets its own row)")
+    p.add_argument("--variants", default="before,loss,after",
+                   help=f"comma list of {', '.join(VARIANTS)} (see the module docstring); a row each")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, steps=2, warmup=1, check_t=48))
     names = model_names(args.models, PRESETS)
-    args.loss_impl = [x.strip() for x in args.loss_impl.split(",") if x.strip()]
-    unknown = [x for x in args.loss_impl if x not in LOSS_IMPLS]
-    if unknown or not args.loss_impl:
-        p.error(f"--loss-impl {unknown or args.loss_impl}: use a comma list of {sorted(LOSS_IMPLS)}")
+    args.variants = [x.strip() for x in args.variants.split(",") if x.strip()]
+    unknown = [x for x in args.variants if x not in VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants {unknown or args.variants}: use a comma list of {', '.join(VARIANTS)}")
     device = pick_device(args.device)
     torch.manual_seed(0)
     report = Report("train", args.out, device, args)
@@ -306,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
          ["model", "loss_ref", "loss_rel_err", "grad_rel_err_global", "bf16_chunk_grad_rel_err_global",
           "global_err_vs_bf16_chunk", "median_grad_rel_err", "max_grad_rel_err", "worst_param",
           "worst_param_err_vs_global_norm", "chunked_vs_reference_loss_rel_err",
-          "chunked_vs_reference_grad_rel_err_global"]),
-        ("Distillation step", "rows", ["model", "mode", "loss_impl", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
+          "chunked_vs_reference_grad_rel_err_global", "compiled_vs_eager_loss_rel_err",
+          "compiled_vs_eager_grad_rel_err_global"]),
+        ("Distillation step", "rows", ["model", "mode", "variant", "loss_impl", "compiled_model", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
                                        "flops", "peak_mem_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
-        ("Profile: top kernels per step", "profile", ["model", "loss_impl", "kernel", "calls", "ms_per_step", "share"]),
+        ("Profile: top kernels per step", "profile", ["model", "variant", "kernel", "calls", "ms_per_step", "share"]),
     ])
     return 0
 
