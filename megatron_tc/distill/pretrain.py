@@ -157,6 +157,20 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
         return _tokenizer_files(Path(tmp))
 
 
+def _warn_if_auto_tokenizer_differs(target: Path, tokenizer: Any, sample: str) -> None:
+    """transformers 5 picks the tokenizer class of AutoTokenizer from config.json's model_type (e.g.
+    qwen2 -> Qwen2Tokenizer, which rebuilds its own pre-tokenizer and drops a sentencepiece
+    tokenizer's spaces). The pipeline is unaffected (the converted checkpoint's tokenizer/ has no
+    config.json), but a user of the HF directory should know."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(target))
+    if auto(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
+        log.warning("AutoTokenizer.from_pretrained(%s) gives %s, which tokenizes differently from the training "
+                    "tokenizer; load this model's tokenizer with transformers.PreTrainedTokenizerFast.from_pretrained "
+                    "(the pipeline's convert stage keeps the exact tokenizer)", target, type(auto).__name__)
+
+
 # ---- the stage --------------------------------------------------------------------------------------
 
 def pretrain_outputs(paths: Any, cfg: Any) -> list[Path]:
@@ -215,6 +229,7 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
         marker = {"run_dir": str(ctx.paths.root), "steps": result.steps, "tokens": result.tokens,
                   "last_eval": result.last_eval}
         (target / MARKER).write_text(json.dumps(marker, indent=1, default=str) + "\n")
+        _warn_if_auto_tokenizer_differs(target, tokenizer, ctx.data().documents("eval")[0].text[:4000])
     ctx.barrier()
     return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
             "last_eval": result.last_eval, "hf": str(target)}
