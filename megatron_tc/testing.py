@@ -4,9 +4,10 @@ into a test failure.
 Every parallel test goes through `run_distributed`. Each child gets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT in its environment, one intra-op thread, and an initialized process
 group (gloo by default; with backend="nccl" rank r uses GPU r, and NVLink multicast is switched off
-in the parent's and the children's environment, see `NCCL_ENV`); the function's exception (with its traceback) comes back to the parent, which
-raises one AssertionError naming every failed rank. A child that dies without a Python exception
-(a segfault, os._exit) or hangs past `timeout` fails the test as well.
+in the parent's and the children's environment, see `NCCL_ENV`); the function's exception (with
+its traceback) comes back to the parent, which raises one AssertionError naming every failed
+rank. A child that dies without a Python exception (a segfault, os._exit) or hangs past `timeout`
+fails the test as well.
 """
 from __future__ import annotations
 

@@ -3,11 +3,14 @@ CUDA over NCCL (one GPU per rank), in fp32 and bf16.
 
 Every check compares the parallel run with the same run on one GPU (same weights, same data):
 - fp32 (TF32 off): directly, with tight relative tolerances (below);
-- bf16 (and fp32 as well): against an fp64 run of the single-GPU reference on the GPU, by
-  `assert_as_accurate`: rel(parallel, fp64) <= 2 x rel(one GPU, fp64) + floor. bf16 cannot be
-  compared with bf16 directly at any useful tolerance (different GEMM splits round differently),
-  but a sharding or reduction bug makes the parallel run much worse than the one-GPU run of the
-  same precision, which this check catches.
+- TP forward/backward, fp32 and bf16: against an fp64 run on the GPU by `assert_as_accurate`:
+  rel(parallel, fp64) <= ratio x rel(one GPU, fp64) + floor (ratio 2; 3 for bf16 TP, see TP_RATIO).
+  A sharding bug makes the parallel run far worse than the one-GPU run of the same precision.
+- bf16 training (PP, ZeRO-3): the fp64 rule above too, but bf16 AdamW trajectories are 30-80% off
+  fp64 (early lr * sign(g) steps flip with gradient noise), so that only catches gross failures;
+  the sharp check is `assert_like_other_order`: the parallel run may differ from the one-GPU run by
+  at most 2x (TP: 3x) what the one-GPU run differs from itself with each step's micro-batches merged
+  into one (a legitimate change of reduction order), plus a floor.
 The GDN op is the pure-PyTorch 'chunk' kernel (`place`): fla compiles for about a minute per shape
 and is tested against it in tests/gpu/test_fla_parity.py.
 """
@@ -33,7 +36,7 @@ TP_FP32_TOL = 2e-5
 # CPU-gloo with these workers: TP/one-GPU error ratio 1.05 on logits, 1.4-1.9 on all gradients.
 # A sharding bug gives errors of order 1 (>10x the one-GPU bf16 error of ~3e-2 here).
 TP_RATIO = 3.0
-# Per-tensor floors of the 2x rule (whole-vector checks use FLOOR): small tensors (A_log, norm
+# Per-tensor floors of the 2x rule (whole-vector checks use _workers_common.FLOOR): small tensors (A_log, norm
 # weights, biases) have few elements to average rounding over.
 TENSOR_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -65,7 +68,8 @@ def _fp32_same_weights(got: dict, want: dict, exact: dict, what: str, tol_all: f
     for n in names:
         if rel_err(got[n], want[n]) > tol_each:
             assert_as_accurate(got[n], want[n], exact[n], f"{what}: {n} (differs from one GPU by "
-                               f"{rel_err(got[n], want[n]):.3g} > {tol_each:g})", torch.float32, TENSOR_FLOOR[torch.float32])
+                               f"{rel_err(got[n], want[n]):.3g} > {tol_each:g})", torch.float32,
+                               TENSOR_FLOOR[torch.float32])
 
 
 def _updates_as_accurate(got: dict, single: dict, exact: dict, init: dict, init_exact: dict, what: str,
@@ -88,8 +92,8 @@ def _updates_as_accurate(got: dict, single: dict, exact: dict, init: dict, init_
     delta_x = {n: exact[n].double() - init_exact[n].double() for n in names}
     total = assert_as_accurate(_cat(delta, names), _cat(delta_1, names), _cat(delta_x, names), f"{what} all updates",
                                dtype, ratio=ratio)
-    worst = max(assert_as_accurate(delta[n], delta_1[n], delta_x[n], f"{what} update of {n}", dtype, TENSOR_FLOOR[dtype],
-                                   ratio=3.0) for n in names)
+    worst = max(assert_as_accurate(delta[n], delta_1[n], delta_x[n], f"{what} update of {n}", dtype,
+                                   TENSOR_FLOOR[dtype], ratio=3.0) for n in names)
     print(f"{what} {dtype}: update error ratio parallel / one GPU (vs fp64): all {total:.2f}, worst tensor "
           f"{worst:.2f}; one-GPU update error {rel_err(_cat(delta_1, names), _cat(delta_x, names)):.2e}", flush=True)
 
@@ -184,7 +188,8 @@ def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
                 losses, trained, teacher = wpp.pp_run(ctx, tied, partition, checkpointing, data, device, dtype)
                 single = {n: p.detach() for n, p in single.named_parameters() if n in trained}
                 assert not any(p.requires_grad or p.grad is not None for p in teacher.parameters())
-                got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64) for x in (losses, want_losses, exact_losses))
+                got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64)
+                                         for x in (losses, want_losses, exact_losses))
                 if dtype == torch.float32:
                     assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)
                     _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {ctx.pp_rank}", 1e-5, 1e-4)
@@ -199,8 +204,8 @@ def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
                                                     f"{what} step losses", floor=LOSS_FLOOR)
                     r_upd = assert_like_other_order(_deltas(trained, init, names), _deltas(single, init, names),
                                                    _deltas(alt, init, names), f"{what} stage {ctx.pp_rank} all updates")
-                    print(f"rank {rank} {what} bf16 vs merged-micro-batch spread: losses ratio {r_loss:.2f}, updates ratio "
-                          f"{r_upd:.2f}", flush=True)
+                    print(f"rank {rank} {what} bf16 vs merged-micro-batch spread: losses ratio {r_loss:.2f}, "
+                          f"updates ratio {r_upd:.2f}", flush=True)
                 print(f"rank {rank} {what} {dtype}: losses err vs fp64 {rel_err(got_l, exact_l):.2e} "
                       f"(1 GPU {rel_err(one_l, exact_l):.2e})", flush=True)
     finally:
