@@ -81,6 +81,7 @@ def link_shared_cache(grid, shared: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import megatron_tc.calibrate.strategies  # noqa: F401  (registers every strategy name before configs are checked)
     from megatron_tc.eval.grid import load_grid, run_grid
 
     teachers = dict(t.split("=", 1) for t in args.teacher)
