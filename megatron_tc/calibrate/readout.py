@@ -64,19 +64,20 @@ def readout_sums(
     h, d = mixer.num_heads, mixer.head_dim
     normed, g, beta = student_normed_read(mixer, x, doc_ids)
     yt = y.float().transpose(1, 2)  # [B, T, H, D]
-    o_heads = o_weight.float().view(o_weight.shape[0], h, d)
+    o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
     us, mapped = [], []
     for weight in candidates:
         gate = 1.0 if weight is None else F.silu(x.float() @ weight.float().t()).view(b, t, h, d)
         u = normed * gate
         us.append(u)
-        mapped.append(torch.einsum("bthd,nhd->bthn", u, o_heads).reshape(b * t, h, -1))
-    U = torch.cat(mapped, dim=1)  # [BT, C*H, hidden]
-    Y = out.float().reshape(b * t, 1, -1)
+        # U_t,h = O_h u_t,h as one batched matmul over heads: [H, BT, D] @ [H, D, hidden]
+        mapped.append(torch.bmm(u.reshape(b * t, h, d).transpose(0, 1), o_heads))
+    U = torch.cat(mapped, dim=0).reshape(len(candidates) * h, -1)  # [C*H, BT*hidden]
+    Y = out.float().reshape(1, -1)  # [1, BT*hidden]
     u_all = torch.stack(us)  # [C, B, T, H, D]
     return {
-        "G": torch.einsum("tin,tjn->ij", U, U).to(F64),
-        "r": (U * Y).sum(dim=(0, 2)).to(F64),
+        "G": (U @ U.t()).to(F64),
+        "r": (U @ Y.t()).squeeze(1).to(F64),
         "uy": (u_all * yt).to(F64).sum(dim=(1, 2, 4)),
         "uu": u_all.to(F64).pow(2).sum(dim=(1, 2, 4)),
         "yy": yt.to(F64).pow(2).sum(dim=(0, 1, 3)),

@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--layers", default="0,1,2,9,20")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--configs", default="tc,ours,ours-cos")
+    ap.add_argument("--ours-readout", default=None, help="read ours' readout sums under this name (older stats files)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     teacher = load_teacher(args.teacher)
@@ -57,7 +58,10 @@ def main() -> int:
     for name in args.configs.split(","):
         init, settings = CONFIGS[name]
         settings = replace(settings, steps=args.steps)
-        student = build_student(teacher.model, pattern, get_strategy(init), stats, teacher_sha256=teacher.sha256)
+        strategy = get_strategy(init)
+        if args.ours_readout and init.startswith("taylor_fit"):
+            strategy.readout_key = args.ours_readout
+        student = build_student(teacher.model, pattern, strategy, stats, teacher_sha256=teacher.sha256)
         row = {}
         t0 = time.time()
         for layer in layers:
