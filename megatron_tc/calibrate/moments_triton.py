@@ -29,11 +29,12 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b with fp32 accumulation; UPCAST: bf16/fp16 operands in fp32 (the interpreter's numpy
     dot has no bf16), exact products either way."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -47,8 +48,8 @@ def _rows_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: B*H*T*D passes 2^31 at long context
+    h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -118,7 +119,7 @@ def _rows_kernel(
         m = m_new
 
     y = acc / tl.where(z > 0, z, 1.0)[:, None]
-    row = pid_bh * T + offs_m
+    row = pid_bh.to(tl.int64) * T + offs_m
     stride = PLANE  # B*H*T: one plane per statistic
     base = OUT_ROWS + row
     tl.store(base, m, mask=row_ok)
@@ -133,7 +134,7 @@ def _rows_kernel(
 
 def attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lo: torch.Tensor, sink: torch.Tensor,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int = 64, block_n: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-row statistics of softmax attention, one pass over the visible keys.
 
@@ -155,6 +156,8 @@ def attention_rows(
     dtype = q.dtype if low else torch.float32
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     block_d = max(16, triton.next_power_of_2(d))
+    # 8 warps, key blocks of 64 (32 past head_dim 64): sm_90 ptxas then spills little (255 regs)
+    block_n = block_n or (64 if block_d <= 64 else 32)
     grid = (triton.cdiv(t, block_m), b * h)
     _rows_kernel[grid](
         q, k, v, lo32, sink32, rows, y, float(scale), t, h, h // hkv, d, b * h * t,
@@ -162,6 +165,6 @@ def attention_rows(
         v.stride(0), v.stride(1), v.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HI_LO=low, IEEE=not low,
         UPCAST=low and os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4, num_stages=2,
+        num_warps=8, num_stages=2,
     )
     return dict(zip(ROW_KEYS, rows.unbind(0))), y
