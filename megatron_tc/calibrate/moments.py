@@ -78,6 +78,24 @@ def use_stats_kernel(q: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and q.is_cuda and _triton_importable())
 
 
+def documents_are_contiguous(doc_ids: torch.Tensor) -> bool:
+    """Whether every run of equal ids in doc_ids [B, T] is a distinct document (no id returns
+    later in its row), as packing writes them: then "same id and causal" is "from the run's first
+    token on", the kernel's mask. One host sync per new tensor (the layers of a batch share it)."""
+    last = _CONTIGUOUS_CACHE.get("last")
+    if last is not None and last[0] is doc_ids and last[1] == doc_ids._version:
+        return last[2]
+    runs = (doc_ids[:, 1:] != doc_ids[:, :-1]).sum(1)
+    ordered = doc_ids.sort(dim=1).values
+    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1)
+    result = bool((runs == distinct).all())
+    _CONTIGUOUS_CACHE["last"] = (doc_ids, doc_ids._version, result)
+    return result
+
+
+_CONTIGUOUS_CACHE: dict[str, tuple[torch.Tensor, int, bool]] = {}
+
+
 NEG = -1e30  # masked logits: exp() is exactly 0, and 0 * NEG is 0 (not NaN as with -inf)
 
 
@@ -224,7 +242,13 @@ def attention_sums(
     d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
     sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
     ys = []
-    if use_stats_kernel(q):
+    kernel = use_stats_kernel(q)
+    if kernel and doc_ids is not None and not documents_are_contiguous(doc_ids):
+        if os.environ.get(STATS_KERNEL_ENV) == "triton":
+            raise ValueError("the stats kernel needs each document id in one contiguous run per row (as packing "
+                             f"writes them); unset ${STATS_KERNEL_ENV} to use the PyTorch path for these doc_ids")
+        kernel = False  # an id that returns later in a row: the PyTorch chunks mask by id equality
+    if kernel:
         from .moments_triton import attention_rows
 
         rows, y_ns = attention_rows(q, k, v, scale, lo, sink_index)

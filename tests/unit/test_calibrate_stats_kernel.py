@@ -113,3 +113,24 @@ def test_forcing_the_kernel_without_triton_says_so(monkeypatch):
     monkeypatch.setenv(STATS_KERNEL_ENV, "triton")
     with pytest.raises(ImportError, match="needs the triton package"):
         use_stats_kernel(torch.zeros(1, 1, 2, 4))
+
+
+def test_documents_are_contiguous():
+    from megatron_tc.calibrate.moments import documents_are_contiguous
+
+    assert documents_are_contiguous(torch.tensor([[0, 0, 1, 1, 2], [0, 0, 0, 0, 0]]))
+    assert documents_are_contiguous(torch.tensor([[7, 7, 3, 3, 5]]))  # distinct runs, any labels
+    assert not documents_are_contiguous(torch.tensor([[0, 0, 1, 1, 0]]))  # id 0 returns
+    doc_ids = torch.tensor([[0, 0, 1, 1, 2]])
+    assert documents_are_contiguous(doc_ids)
+    doc_ids[0, -1] = 0  # the cached answer follows in-place changes
+    assert not documents_are_contiguous(doc_ids)
+
+
+def test_forced_kernel_refuses_documents_split_in_runs(monkeypatch):
+    monkeypatch.setattr(moments, "_triton_importable", lambda: True)
+    monkeypatch.setenv(STATS_KERNEL_ENV, "triton")
+    q, k, v, o_weight, _ = make_case(1, 2, 1, 8, 4, False, 1.0, torch.float32)
+    doc_ids = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]])
+    with pytest.raises(ValueError, match="one contiguous run"):
+        attention_sums(q, k, v, 0.3, o_weight, doc_ids)
