@@ -34,13 +34,14 @@ def fused(name: str, fn: Callable, x: torch.Tensor) -> Callable:
         return fn
     if name not in _COMPILED:
         _configure_compiler()
-        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=None), fn, name)
+        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=False), fn, name)
     return _COMPILED[name]
 
 
 def _configure_compiler(limit: int = 64) -> None:
-    """One block sees several dtypes, grad modes and ranks (RMSNorm: residual stream, q/k norms,
-    GDN output norm; student and teacher); torch's default of 8 variants per function would send
+    """One block sees several dtypes, grad modes, ranks and shapes (RMSNorm: residual stream, q/k
+    norms, GDN output norm; student and teacher; static shapes, dynamic=False, so the training
+    shape gets kernels specialized to it); torch's default of 8 variants per function would send
     the rest back to eager without a word."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config

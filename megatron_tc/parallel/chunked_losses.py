@@ -76,7 +76,7 @@ def _kernel(name: str, fn, on_cuda: bool):
     if mode == "0" or (not on_cuda and mode != "force"):
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=None, fullgraph=True), fn, name)
+        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=False, fullgraph=True), fn, name)
     return _COMPILED[name]
 
 
