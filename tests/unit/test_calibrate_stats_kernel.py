@@ -9,7 +9,8 @@ The parity tests run the kernel in Triton's interpreter and need a Python enviro
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q tests/unit/test_calibrate_stats_kernel.py
 
 (numpy < 2.4: the 3.6 interpreter converts 1-element arrays to scalars, an error from numpy 2.4.)
-The dispatch tests run everywhere. The GPU twin is tests/gpu/test_stats_kernel_cuda.py.
+With triton importable, `test_kernel_compiles_for_sm90_without_a_gpu` also compiles the bf16 kernel
+to an sm_90 cubin offline (a subprocess without TRITON_INTERPRET). The dispatch tests run everywhere. The GPU twin is tests/gpu/test_stats_kernel_cuda.py.
 """
 from __future__ import annotations
 
@@ -134,3 +135,34 @@ def test_forced_kernel_refuses_documents_split_in_runs(monkeypatch):
     doc_ids = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]])
     with pytest.raises(ValueError, match="one contiguous run"):
         attention_sums(q, k, v, 0.3, o_weight, doc_ids)
+
+
+COMPILE_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megatron_tc.calibrate.moments_triton import _rows_kernel
+
+ints = ["T", "H", "GROUP", "D", "PLANE", "sqb", "sqh", "sqt", "skb", "skh", "skt", "svb", "svh", "svt"]
+consts = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, HI_LO=True, IEEE=False, UPCAST=False)
+signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "LO": "*i32", "SINK": "*i32", "OUT_ROWS": "*fp32",
+             "OUT_Y": "*fp32", "scale": "fp32", **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
+kernel = triton.compile(ASTSource(fn=_rows_kernel, signature=signature, constexprs=consts),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
+assert "wgmma" in kernel.asm["ptx"], "expected Hopper tensor-core MMAs"
+print("cubin bytes", len(kernel.asm["cubin"]))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (see the module docstring)")
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The bf16 production configuration through Triton's whole pipeline to an sm_90 cubin
+    (frontend, layouts, ptxas), offline: catches what the interpreter does not see."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cubin bytes" in out.stdout
