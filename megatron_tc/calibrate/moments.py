@@ -7,6 +7,12 @@ against the keys that chunk can see (causal: keys < chunk end; sliding: the last
 model's masks (`model.ops.attention_mask`), so memory is B*H*chunk*T, never B*H*T*T; every
 statistic of a chunk comes from one logits tensor in a few passes (batched row dot products as
 matmuls), with the distribution's log taken from the logits, never as log(probabilities).
+
+Two paths produce the same per-query-row statistics (ROW_KEYS + the sink-free output y_ns): the
+PyTorch chunks above (`_chunk_rows`; CPU, fallback, reference) and, on CUDA with triton, a fused
+flash-attention-style kernel (`moments_triton.attention_rows`: one pass over the visible keys,
+no logits in memory). `close_rows` turns either into the per-head sums. $MEGATRON_TC_STATS_KERNEL
+picks: auto (default), triton, reference.
 """
 from __future__ import annotations
 
