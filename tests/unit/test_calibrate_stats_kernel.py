@@ -6,7 +6,7 @@ The parity tests run the kernel in Triton's interpreter and need a Python enviro
     python -m venv /tmp/venv-triton && /tmp/venv-triton/bin/pip install triton==3.6.0 "numpy<2.4"
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/venv-triton/lib/python3.11/site-packages/zz_project.pth
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q \
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q \\
         tests/unit/test_calibrate_stats_kernel.py
 
 (numpy < 2.4: the 3.6 interpreter converts 1-element arrays to scalars, an error from numpy 2.4.)
