@@ -22,7 +22,8 @@
 #
 # Environment: R (work dir; /tmp/paper, or runs/paper_quick with --quick), BUDGET_S (seconds this
 # invocation may take before `pack`; default 540), OURS (the registry's name of ours; taylor_fit),
-# OUT (the device's return folder; runs/paper_out when unset).
+# OUT (the device's return folder; runs/paper_out when unset), EXTRA (key=value overrides added to every
+# pretrain run and grid cell, e.g. EXTRA="parallel.zero_stage=3"; they change the cells' fingerprints).
 # --quick: CPU toy sizes of everything (tiny teachers of the same families, few steps), for checking.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -95,7 +96,7 @@ step_pretrain() {
     say "pretrain $fam (timeout ${t} s)"
     timeout "$t" $PY tools/distill.py $CFG/base.yaml run.stages=[pretrain] "run.run_dir=$run" "model.teacher=$run/hf" \
       "data.tokenizer=$DATA/tokenizer" "data.source.paths=[$DATA/text]" "pretrain.hf_config=$qdir/teacher_$fam.json" \
-      distill.eval_interval=64 distill.checkpoint_interval=256 $QOVR 2>&1 | tail -n 25
+      distill.eval_interval=64 distill.checkpoint_interval=256 $QOVR ${EXTRA:-} 2>&1 | tail -n 25
     local rc=${PIPESTATUS[0]}
     if [ "$rc" != 0 ]; then say "pretrain $fam: exit $rc (124 = out of time: the next call resumes from its checkpoint)"; return 3; fi
     $PY tools/convert_megatron_to_hf.py --ckpt "$run/pretrain/model" --out "$R/teachers/$fam" --dtype $TDTYPE --overwrite \
@@ -128,6 +129,7 @@ step_grid() {  # grid:NAME[:POLICIES]
               --set "data.source.paths=[$DATA/text]")
   [ -n "$policies" ] && args+=(--policies "$policies")
   [ $QUICK = 1 ] && args+=(--quick)
+  for kv in ${EXTRA:-}; do args+=(--set "$kv"); done
   say "grid $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
   timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
   local rc=$?
