@@ -294,7 +294,7 @@ def _data_errors(cfg: Config) -> list[str]:
     needs_calib = bool({"stats", "init", "stage1"} & set(stages)) or ("select" in stages and cfg.model.policy != "uniform")
     if needs_calib and not (split.calibration_docs or split.calibration_fraction > 0):
         errors.append("no calibration text: set data.split.calibration_fraction > 0 or name data.split.calibration_docs")
-    needs_eval = "eval" in stages or ("stage2" in stages and cfg.distill.eval_interval > 0)
+    needs_eval = "eval" in stages or (bool({"stage2", "pretrain"} & set(stages)) and cfg.distill.eval_interval > 0)
     if needs_eval and not (split.eval_docs or split.eval_fraction > 0):
         errors.append("no evaluation text: set data.split.eval_fraction > 0 or name data.split.eval_docs")
     if cfg.eval.tokens > d.eval_tokens:

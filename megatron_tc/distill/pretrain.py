@@ -229,7 +229,8 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
         marker = {"run_dir": str(ctx.paths.root), "steps": result.steps, "tokens": result.tokens,
                   "last_eval": result.last_eval}
         (target / MARKER).write_text(json.dumps(marker, indent=1, default=str) + "\n")
-        _warn_if_auto_tokenizer_differs(target, tokenizer, ctx.data().documents("eval")[0].text[:4000])
+        sample = (ctx.data().documents("eval") or ctx.data().documents("train"))[0].text[:4000]
+        _warn_if_auto_tokenizer_differs(target, tokenizer, sample)
     ctx.barrier()
     return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
             "last_eval": result.last_eval, "hf": str(target)}

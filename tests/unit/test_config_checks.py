@@ -240,3 +240,14 @@ def test_valid_parallel_layouts_pass_property(tp, pp, dp, zero, give_dp, kv_per_
                    intermediate_size=inter_per_tp * tp, head_dim=8)
     validate_against_arch(cfg, teacher, world_size=tp * pp * dp)
     assert derive_dp(cfg.parallel, tp * pp * dp) == dp
+
+
+def test_pretrain_stage_needs_a_model_config_a_tokenizer_and_eval_text():
+    with raises(r"pretrain.hf_config is not set(.|\n)*data.tokenizer is not set"):
+        validate_config(make("run.stages=[pretrain]"), world_size=1)
+    ok = ("run.stages=[pretrain]", "pretrain.hf_config=c.json", "data.tokenizer=tok")
+    validate_config(make(*ok), world_size=1)
+    with raises("no evaluation text"):
+        validate_config(make(*ok, "data.split.eval_fraction=0"), world_size=1)
+    with raises(r"pretrain.min_lr=0.1 exceeds pretrain.lr=0.01"):
+        validate_config(make(*ok, "pretrain.lr=0.01", "pretrain.min_lr=0.1"), world_size=1)
