@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Prepare the text and the tokenizer of issue 10's grid (the paper-style experiments) in one
-git-ignored folder that a device call carries (about 12 MiB).
+git-ignored folder (12 MiB) and a gzipped bundle of it (~4.5 MiB) that a device call carries.
 
     python tools/experiments/paper_data.py [--out .paper_data] [--vocab 8192]
 
@@ -11,6 +11,8 @@ Writes
                                  TRAINING documents only (never on calibration or evaluation text),
                                  saved as an HF tokenizer directory; the pretrained teachers use it
   OUT/data.json                  document names, sizes and sha256, the pinned splits, the tokenizer
+  OUT.tgz                        the three above, gzipped (~4.5 MiB): what a device call carries beside
+                                 the 57 MiB wheel set a (paper_grid_gpu.sh's `data` step unpacks it)
 
 The calibration and evaluation documents are pinned in configs/paper/base.yaml (CALIBRATION and
 EVALUATION below must match it; the script checks). Everything else is training text: the
@@ -23,6 +25,7 @@ import hashlib
 import json
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import yaml
@@ -89,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
             "documents": {n: {"chars": len(d.text), "sha256": hashlib.sha256(d.text.encode()).hexdigest()}
                           for n, d in files.items()}}
     (args.out / "data.json").write_text(json.dumps(meta, indent=1) + "\n")
+    bundle = args.out.with_name(args.out.name + ".tgz")
+    with tarfile.open(bundle.with_suffix(".tmp"), "w:gz", compresslevel=9) as tar:
+        for part in ("text", "tokenizer", "data.json"):
+            tar.add(args.out / part, arcname=part)
+    bundle.with_suffix(".tmp").replace(bundle)
     chars = {split: sum(len(files[n].text) for n in names) for split, names in
              (("calibration", calibration), ("eval", evaluation))}
     print(f"{args.out}: {len(files)} documents, {sum(len(d.text) for d in docs):,} characters "
-          f"(calibration {chars['calibration']:,}, eval {chars['eval']:,}); tokenizer {tok_dir} ({args.vocab})")
+          f"(calibration {chars['calibration']:,}, eval {chars['eval']:,}); tokenizer {tok_dir} ({args.vocab}); "
+          f"bundle {bundle} ({bundle.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 

@@ -6,7 +6,8 @@
 #
 # Steps (in the order a session runs them):
 #   install_a, install_b   the project's wheel sets (carried .gpuwheels/a, .gpuwheels/b; ../shared/GPU.md)
-#   data                   the carried .paper_data (text + tokenizer, tools/experiments/paper_data.py) -> $R/data
+#   data                   the carried .paper_data.tgz (or .paper_data/: text + tokenizer, made by
+#                          tools/experiments/paper_data.py) -> $R/data
 #   restore                small results of earlier calls (carried .paper_runs/runs) -> $R/runs, so finished
 #                          grid cells are skipped
 #   pretrain               the three teachers (configs/paper/teacher_{qwen2,mistral,qwen3}.json) through the
@@ -74,8 +75,10 @@ step_install() {
 
 step_data() {
   if [ -f "$DATA/tokenizer/tokenizer.json" ] && [ -d "$DATA/text" ]; then say "data: already in $DATA"; return 0; fi
-  [ -d .paper_data/text ] || { say "data: .paper_data is not here (carry it, or run tools/experiments/paper_data.py)"; return 1; }
-  mkdir -p "$DATA" && cp -r .paper_data/text .paper_data/tokenizer .paper_data/data.json "$DATA"/ && say "data: -> $DATA"
+  mkdir -p "$DATA"
+  if [ -f .paper_data.tgz ]; then tar xzf .paper_data.tgz -C "$DATA" && say "data: .paper_data.tgz -> $DATA"
+  elif [ -d .paper_data/text ]; then cp -r .paper_data/text .paper_data/tokenizer .paper_data/data.json "$DATA"/ && say "data: -> $DATA"
+  else say "data: neither .paper_data.tgz nor .paper_data/ is here (carry one; tools/experiments/paper_data.py makes both)"; return 1; fi
 }
 
 step_restore() {
