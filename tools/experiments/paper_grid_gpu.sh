@@ -13,7 +13,7 @@
 #   pretrain               the three teachers (configs/paper/teacher_{qwen2,mistral,qwen3}.json) through the
 #                          pipeline's pretrain stage, each exported as a bf16 HF dir to $R/teachers/<name>
 #   smollm2                copy carried .teacher/t*/part.* to /tmp/teacher; when all four are there, assemble
-#                          the GGUF into $R/teachers/smollm2/
+#                          the GGUF into $R/teachers/smollm2/ and convert it once to $R/teachers/smollm2_tc
 #   grid:NAME[:POLICIES]   the grid cells of teacher NAME (qwen2, mistral, qwen3, smollm2), optionally only
 #                          POLICIES (comma-separated), within what is left of $BUDGET_S; the rest stay pending
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
@@ -60,7 +60,9 @@ left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 
 teacher_path() {  # the teacher NAME as the grid reads it: made here, or carried in .paper_runs/teachers
   local name=$1
-  if [ -e "$R/teachers/$name/config.json" ] || ls "$R/teachers/$name"/*.gguf >/dev/null 2>&1; then
+  if [ "$name" = smollm2 ] && [ -f "$R/teachers/smollm2_tc/manifest.json" ]; then
+    echo "$R/teachers/smollm2_tc"
+  elif [ -e "$R/teachers/$name/config.json" ] || ls "$R/teachers/$name"/*.gguf >/dev/null 2>&1; then
     echo "$R/teachers/$name"
   elif [ -d ".paper_runs/teachers/$name" ]; then
     echo "$PWD/.paper_runs/teachers/$name"
@@ -116,6 +118,11 @@ step_smollm2() {
     mkdir -p "$R/teachers/smollm2"
     cat /tmp/teacher/part.* > "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     sha256sum "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  fi
+  # converted once (fp32): every grid cell then copies a checkpoint instead of dequantizing the GGUF
+  if [ -f "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$R/teachers/smollm2_tc/manifest.json" ]; then
+    $PY tools/convert_hf_to_megatron.py --hf "$R/teachers/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+      --out "$R/teachers/smollm2_tc" --dtype fp32 --overwrite && say "smollm2: converted to $R/teachers/smollm2_tc"
   fi
 }
 
