@@ -4,12 +4,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import AttentionCache
 from .config import ArchConfig
 from .norm import RMSNorm
 from .ops.masks import attention_mask
 from .rope import RotaryEmbedding
+
+DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Attention(nn.Module):
@@ -86,6 +89,13 @@ class Attention(nn.Module):
         if group > 1 and q.is_cuda and not flash_ok:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             group = 1
+        if q.is_cuda and q.shape[2] == 1:
+            # One-query decoding step: cuDNN's attention builds a plan per new KV length, 3 ms of host
+            # time per call on an H200 (docs/BENCHMARKS.md, finding C); flash / efficient have none.
+            with sdpa_kernel(DECODE_SDPA_BACKENDS):
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=group > 1
+                )
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=group > 1
         )
