@@ -8,6 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`pytest -n N tests/gpu` on the device machine) worker gwK runs on GPU
+# K modulo the visible GPUs ("cuda" means the current device): fla compiles about a minute per kernel
+# shape, mostly on the host, so N workers finish the GPU tests in about 1/N of the time.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+    torch.cuda.set_device(int(_worker[2:]) % torch.cuda.device_count())
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
