@@ -70,6 +70,9 @@ def capture_layers(
     fn(layer, io) for every layer in `layers`, in order; stop after the last one."""
     if not layers:
         return
+    device = next(model.parameters()).device  # batches may come from the CPU data pipeline
+    input_ids = input_ids.to(device)
+    doc_ids = None if doc_ids is None else doc_ids.to(device)
     with _hooks(model, sorted(layers), fn):
         try:
             model(input_ids, doc_ids=doc_ids)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_tc.model.gdn import GatedDeltaNet
+from megatron_tc.parallel.comm import all_gather
 
 from .capture import LayerIO, capture_layers
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
@@ -115,14 +116,10 @@ def collect_attention_stats(
 def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
     """Concatenate every per-head / per-KV-head sum over the TP group (rank order = head order,
     as the column-parallel q/k/v split heads); per-layer sums are identical on all TP ranks."""
-    world = dist.get_world_size(tp_group)
     for key in sorted(stats.sums):
         if key.split(".")[-1] in LAYER_KEYS:
             continue
-        local = stats.sums[key].contiguous()
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=tp_group)
-        stats.sums[key] = torch.cat(parts, dim=0)
+        stats.sums[key] = torch.cat(all_gather(stats.sums[key], tp_group), dim=0)
 
 
 def build_readout_mixers(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tc.parallel.comm import all_reduce_
+
 from .moments import DENOMINATOR
 
 FORMAT_VERSION = 1
@@ -98,7 +100,7 @@ class TaylorStats:
             return self
         keys = sorted(self.sums)
         flat = torch.cat([self.sums[k].reshape(-1) for k in keys])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_(flat, dist.ReduceOp.SUM, group)  # on the communication device (NCCL: the GPU)
         offset = 0
         for k in keys:
             n = self.sums[k].numel()

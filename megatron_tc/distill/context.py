@@ -63,15 +63,24 @@ class RunContext:
 
     # ---- the teacher (megatron_tc checkpoint written by the convert stage) ------------------------
     def teacher(self):
-        """calibrate.teacher_io.Teacher: model (HybridLM, fp32, eval), sha256, tokenizer, files."""
+        """calibrate.teacher_io.Teacher: model (HybridLM, fp32, eval, on `self.device`), sha256,
+        tokenizer, files. The select / stats / init / eval stages run it where it is: the rank's
+        GPU under CUDA, so their sums live there and NCCL can reduce them."""
         if self._teacher is None:
             from megatron_tc.calibrate.teacher_io import load_teacher
 
             if not self.paths.teacher.is_dir():
                 raise FileNotFoundError(f"{self.paths.teacher} does not exist: run the convert stage first "
                                         "(add 'convert' to run.stages)")
-            self._teacher = load_teacher(self.paths.teacher)
+            teacher = load_teacher(self.paths.teacher)  # hashed on the CPU, then moved
+            teacher.model.to(self.device)
+            self._teacher = teacher
         return self._teacher
+
+    def release_teacher(self) -> None:
+        """Forget the loaded teacher (a training stage may have cast or wrapped it in place); the
+        next `teacher()` loads it again, fp32, from the run directory."""
+        self._teacher = None
 
     # ---- data ----------------------------------------------------------------------------------------
     def data(self):
@@ -104,12 +113,13 @@ class RunContext:
 
     def calibration_batches(self, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
         """This DP rank's share of the first calibration sequences (rows dealt round-robin), one
-        row per batch. Sums over all ranks' rows equal a single process's over all rows."""
+        row per batch, on `self.device`. Sums over all ranks' rows equal a single process's over all rows."""
         seq = self.cfg.data.seq_len
         rows = self.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
         first = skip_tokens // seq
         picked = range(first + self.par.dp_rank, rows["input_ids"].shape[0], self.par.dp_size)
-        return [{k: v[i:i + 1] for k, v in rows.items() if k in ("input_ids", "doc_ids")} for i in picked]
+        return [{k: v[i:i + 1].to(self.device) for k, v in rows.items() if k in ("input_ids", "doc_ids")}
+                for i in picked]
 
     def eval_windows(self) -> list[torch.Tensor]:
         """The held-out evaluation text as windows [n, T] (eval.perplexity's convention)."""
@@ -132,6 +142,7 @@ def rank0_save_student(ctx: RunContext, model_or_state: Any, arch: Any, out: Pat
         from megatron_tc.convert.checkpoint import save_checkpoint
 
         state = model_or_state.state_dict() if hasattr(model_or_state, "state_dict") else model_or_state
+        state = {k: v.detach().cpu() for k, v in state.items()}  # a student on the GPU is written from the host
         save_checkpoint(state, arch, out, source=source, tokenizer_files=ctx.teacher().tokenizer_files,
                         overwrite=True)
     ctx.barrier()

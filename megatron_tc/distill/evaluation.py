@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+
+from megatron_tc.parallel.comm import all_reduce_
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -40,7 +41,7 @@ def _log_probs(logits: torch.Tensor, vocab_size: int | None = None, tp_group=Non
 
 def _tp_sum(x: torch.Tensor, tp_group) -> torch.Tensor:
     if tp_group is not None:
-        dist.all_reduce(x, group=tp_group)
+        all_reduce_(x, group=tp_group)
     return x
 
 
@@ -118,7 +119,7 @@ def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Ten
     if filling:
         cache.rows = store
     if dp_size > 1:
-        dist.all_reduce(sums, group=dp_group)
+        all_reduce_(sums, group=dp_group)  # CPU fp64 sums: through the GPU under NCCL
     tokens = float(sums[4])
     out = {"ppl": math.exp(float(sums[0]) / tokens), "nll": float(sums[0]) / tokens, "tokens": int(tokens)}
     if teacher is not None:

@@ -42,6 +42,13 @@ def _training_student_source(ctx: RunContext, stage: str) -> Path:
     return ctx.paths.init_student
 
 
+def _release_changed_teacher(ctx: RunContext, teacher: torch.nn.Module) -> None:
+    """A training stage casts the shared teacher to bf16 (run.precision=bf16 on CUDA) or partitions
+    it (parallel.teacher_mode=engine) in place; later stages (eval) then load it again in fp32."""
+    if ctx.cfg.parallel.teacher_mode != "replicated" or any(p.dtype != torch.float32 for p in teacher.parameters()):
+        ctx.release_teacher()
+
+
 def _loader(ctx: RunContext):
     d = ctx.cfg.data
     return ctx.data().loader("train", global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
@@ -57,7 +64,8 @@ def run_stage1(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     source = _training_student_source(ctx, "stage1")
     student = load_hybrid_lm(source)
     layers = converted_layers(student.arch.layer_pattern)
-    trainer, _ = build_stage1(ctx.cfg, ctx.par, student, ctx.teacher().model, _loader(ctx), layers,
+    teacher = ctx.teacher().model
+    trainer, _ = build_stage1(ctx.cfg, ctx.par, student, teacher, _loader(ctx), layers,
                               ctx.paths.stage_dir("stage1"), ctx.tb, ctx.device)
     state, stopped = trainer.run(stop_after)
     if stopped:
@@ -65,6 +73,7 @@ def run_stage1(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     merged = merged_student_state(student, trainer)
     rank0_save_student(ctx, merged, student.arch, ctx.paths.student("stage1"),
                        {"stage": "stage1", "from": str(source), "steps": state.step})
+    _release_changed_teacher(ctx, teacher)
     return {"steps": state.step, "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps}
 
 
@@ -82,7 +91,8 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
         write_json(ctx.paths.root / "run.json", {"name": ctx.paths.root.name, "init": ctx.cfg.calibrate.init,
                                                  "policy": ctx.cfg.model.policy, "teacher": ctx.cfg.model.teacher,
                                                  "student": str(source)})
-    trainer = build_stage2(ctx.cfg, ctx.par, student, ctx.teacher().model, _loader(ctx), rows,
+    teacher = ctx.teacher().model
+    trainer = build_stage2(ctx.cfg, ctx.par, student, teacher, _loader(ctx), rows,
                            ctx.paths.stage_dir("stage2"), ctx.tb, ctx.device,
                            tensorboard_dir=str(ctx.paths.tensorboard), eval_log=ctx.paths.eval_log)
     result = trainer.run(stop_after)
@@ -90,6 +100,7 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
         raise StageStopped(f"stage2 stopped at step {result.steps}")
     rank0_save_student(ctx, result.student_state, arch, ctx.paths.student("stage2"),
                        {"stage": "stage2", "from": str(source), "steps": result.steps, "tokens": result.tokens})
+    _release_changed_teacher(ctx, teacher)
     return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
             "last_eval": result.last_eval}
 

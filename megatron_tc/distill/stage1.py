@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_tc.distill import faults
@@ -30,6 +29,7 @@ from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_fin
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.distill.stage2 import gather_full_state, restore_vocab_padding
 from megatron_tc.monitor import get_logger, progress
+from megatron_tc.parallel.comm import all_reduce_
 
 log = get_logger(__name__)
 TRAIN_LOG = "train_log.jsonl"
@@ -122,7 +122,7 @@ class Stage1Trainer:
         if not finite or not applied:
             guard.record(step, "loss" if not finite else "gradient")
         if self.ctx.dp_size > 1:
-            dist.all_reduce(per_layer, group=self.ctx.dp_group)
+            all_reduce_(per_layer, group=self.ctx.dp_group)  # CPU fp64: through the GPU under NCCL
             per_layer /= self.ctx.dp_size
         grad_norm = self.engine.get_global_grad_norm() if applied else float("nan")
         return {"loss": float(per_layer.mean()), "lr": lr, "applied": float(applied),

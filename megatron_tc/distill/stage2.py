@@ -44,6 +44,7 @@ from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.monitor import get_logger, progress
+from megatron_tc.parallel.comm import all_reduce_
 
 log = get_logger(__name__)
 
@@ -121,7 +122,7 @@ def _memory_gb(device: torch.device) -> float:
 
 def _dp_mean(values: torch.Tensor, ctx) -> torch.Tensor:
     if ctx.dp_size > 1:
-        dist.all_reduce(values, group=ctx.dp_group)
+        all_reduce_(values, group=ctx.dp_group)  # CPU fp64: through the GPU under NCCL
         values /= ctx.dp_size
     return values
 

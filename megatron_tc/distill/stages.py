@@ -170,9 +170,11 @@ def read_selection(ctx: RunContext) -> dict[str, Any]:
 
 
 def _all_calibration_rows(ctx: RunContext, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Every calibration row (one per batch) on ctx.device, where the teacher runs."""
     seq = ctx.cfg.data.seq_len
     rows = ctx.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
-    return [{k: rows[k][i:i + 1] for k in ("input_ids", "doc_ids")} for i in range(skip_tokens // seq, rows["input_ids"].shape[0])]
+    return [{k: rows[k][i:i + 1].to(ctx.device) for k in ("input_ids", "doc_ids")}
+            for i in range(skip_tokens // seq, rows["input_ids"].shape[0])]
 
 
 # ---- stats -------------------------------------------------------------------------------------------
