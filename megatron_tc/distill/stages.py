@@ -43,7 +43,9 @@ class _TBAdapter:
 
 
 def _dp_group(ctx: RunContext):
-    return ctx.par.dp_group if ctx.par.dp_size > 1 else None
+    """The data-parallel group, also when it has one rank: `None` would mean the whole world, and
+    TP / PP peers (which see the same rows) must not add up their sums."""
+    return ctx.par.dp_group
 
 
 def _progress(ctx: RunContext) -> bool:
@@ -129,28 +131,31 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
 
 
 def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
-    """ar / ga / readout_gap on calibration text; computed on rank 0 and shared."""
+    """ar / ga / readout_gap on calibration text: the statistics are DP-sharded sums over every
+    rank (a collective), the choice is made on rank 0 and shared."""
     import torch.distributed as dist
 
     from megatron_tc.calibrate.policies import select_layers
 
+    teacher = ctx.teacher()
+    stats = None
+    if policy in ("readout_gap", "ar", "ga"):
+        # readout_gap reads these statistics; ar / ga score students initialized in closed form
+        # from them (taylor_fit-closed, as tools/select_layers.py --stats does)
+        from megatron_tc.calibrate.stats import collect_stats
+        from megatron_tc.calibrate.strategies import get_strategy
+
+        arch = teacher.model.arch
+        stats = collect_stats(teacher.model, ctx.calibration_batches(ctx.cfg.data.calib_tokens),
+                              list(range(arch.num_layers)), {"teacher_sha256": teacher.sha256},
+                              readout_strategies=[get_strategy("taylor_fit")],
+                              student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
+                              chunk_size=ctx.cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx),
+                              progress=_progress(ctx))
     chosen = [None]
     if ctx.rank0:
-        teacher = ctx.teacher()
         batches = _all_calibration_rows(ctx, ctx.cfg.data.calib_tokens)
         extra: dict[str, Any] = {}
-        stats = None
-        if policy in ("readout_gap", "ar", "ga"):
-            # readout_gap reads these statistics; ar / ga score students initialized in closed form
-            # from them (taylor_fit-closed, as tools/select_layers.py --stats does)
-            from megatron_tc.calibrate.stats import collect_stats
-            from megatron_tc.calibrate.strategies import get_strategy
-
-            arch = teacher.model.arch
-            stats = collect_stats(teacher.model, batches, list(range(arch.num_layers)),
-                                  {"teacher_sha256": teacher.sha256}, readout_strategies=[get_strategy("taylor_fit")],
-                                  student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
-                                  chunk_size=ctx.cfg.calibrate.stats_chunk_size, progress=_progress(ctx))
         if policy != "readout_gap":
             extra["teacher_sha256"] = teacher.sha256
         chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
