@@ -7,7 +7,7 @@
 #   bash tools/gpu_multi.sh                  # nccl scaling smoke
 #   bash tools/gpu_multi.sh scaling smoke    # a subset
 #
-#   nccl     python -m pytest -q -s tests/gpu/test_parallel_nccl.py   (skipped when absent)
+#   nccl     python -m pytest -q -s tests/gpu/test_comm_nccl.py tests/gpu/test_parallel_nccl.py (skipped when absent)
 #   scaling  tools/bench_scaling.py: ZeRO-3 distillation step of llama-1b at N = 1, 2, 4, ... GPUs
 #   smoke    bash launch/distill.sh configs/gpu_smoke.yaml over every local GPU (deepspeed
 #            launcher, NCCL, bf16, fla), then tools/check_smoke_run.py on the run
@@ -89,7 +89,8 @@ for s in "${steps[@]}"; do
   case $s in
     nccl)
       if [ -f tests/gpu/test_parallel_nccl.py ]; then
-        step nccl "$(limit_for nccl 90)" python -m pytest -q -s tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
+        # test_comm_nccl first (~30 s): collectives on CPU tensors and the stats pass on GPUs over NCCL
+        step nccl "$(limit_for nccl 90)" python -m pytest -q -s tests/gpu/test_comm_nccl.py tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
       else
         echo "=== nccl: skipped (tests/gpu/test_parallel_nccl.py absent)" | tee -a "$RESULTS/steps.txt"
       fi ;;
