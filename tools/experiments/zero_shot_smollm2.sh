@@ -6,12 +6,18 @@
 # STEPs (each skips outputs that already exist, so a step can be re-run after a crash, and
 # independent steps can run as parallel processes):
 #   setup      convert the GGUF teacher once, export the shakespeare corpus
-#   stats      Taylor statistics pass over the calibration text (all 30 layers + readout sums)
+#   stats      Taylor statistics pass over the calibration text (all 30 layers + readout sums of
+#              taylor, taylor_fit (ours) and taylor_fit-gatefit)
 #   teacher    teacher perplexity on the evaluation text
 #   closed     uniform policy, strategies without alignment (naive ... taylor_fit-closed, ablations)
 #   aligned    uniform policy, taylor_calibrate / taylor_fit / taylor_fit-heldout (per-layer alignment)
 #   select     readout_gap, ar and ga layer selections (ar/ga: a cheap proxy, see PROXY_TOKENS)
-#   ablation   ours with one component removed (aligned like ours; the held-out one is in `aligned`)
+#   ablation   ours without the fitted gate / without the mean-gate candidates, aligned like ours
+#              (the held-out component: INITS=taylor_fit-heldout step aligned)
+#   stats_ablation, ablation2   readout sums of, then rows for, ours without the b_proj bias /
+#              without sink-free statistics (their closed forms differ from ours)
+#   seed1      taylor_calibrate and ours again with --seed 1 (ar, readout_gap)
+#   bias_policies  ours without the b_proj bias on readout_gap, ar, ga
 #   policies   taylor_calibrate and taylor_fit (and naive) for the layers each policy chose
 #   table      markdown rows from every JSON in $R
 #   paperstats the paper's setting for the closed form: statistics on the evaluation text itself
@@ -71,8 +77,13 @@ step_setup() {
   [ -f "$CAL" ] || python tools/fetch_corpus.py --out "$CORPUS"
 }
 
-step_stats() {
-  run "$R/stats.json" python tools/stats.py $DATA --out "$R/stats.pt"
+step_stats() {  # readout sums of taylor, ours (also read by -meangate, -heldout, -closed) and -gatefit
+  run "$R/stats.json" python tools/stats.py $DATA --readout taylor,taylor_fit,taylor_fit-gatefit --out "$R/stats.pt"
+}
+
+step_stats_ablation() {  # readout sums of the ablations with their own closed form (b_proj, sink)
+  run "$R/stats_ablation.json" python tools/stats.py $DATA --readout taylor_fit-bias,taylor_fit-sinkfree \
+    --out "$R/stats_ablation.pt"
 }
 
 step_teacher() {
@@ -87,7 +98,7 @@ step_closed() {
   for init in taylor taylor_fit-closed; do
     row uniform "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
-  for init in taylor_fit-bias taylor_fit-sinkfree taylor_fit-gatefit taylor_fit-meangate; do  # ablations of the closed form
+  for init in taylor_fit-gatefit taylor_fit-meangate; do  # ablations of the closed form
     row uniform-noalign "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
 }
@@ -109,8 +120,41 @@ step_aligned() {
 step_ablation() {  # ours with one component removed, aligned like ours (held-out component: in step aligned)
   local init
   need "$R/stats.json"
-  for init in ${INITS:-taylor_fit-gatefit taylor_fit-meangate taylor_fit-bias taylor_fit-sinkfree}; do
+  for init in ${INITS:-taylor_fit-gatefit taylor_fit-meangate}; do
     aligned_row uniform "$init" --policy uniform --num-keep "$NUM_KEEP"
+  done
+}
+
+step_ablation2() {  # the ablations that need their own readout sums (step stats_ablation)
+  local init
+  need "$R/stats_ablation.json"
+  for init in ${INITS:-taylor_fit-bias taylor_fit-sinkfree}; do
+    row uniform "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats_ablation.pt" \
+      --heldout-tokens "$HELDOUT_TOKENS" --align-steps "$ALIGN_STEPS" --tb "$R/tb/uniform_${init}"
+    row uniform-noalign "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats_ablation.pt" --no-align
+  done
+}
+
+step_seed1() {  # run-to-run spread: taylor_calibrate and ours again with --seed 1 on ar and readout_gap
+  local policy init keep
+  for policy in ${POLICIES:-ar readout_gap}; do
+    need "$R/select_$policy.keep.json"
+    keep=$(keep_of "$R/select_$policy.keep.json")
+    for init in taylor_calibrate taylor_fit; do
+      run "$R/seed1-${policy}_$init.json" python tools/calibrate.py $DATA --init "$init" $EVAL --keep "$keep" \
+        --stats "$R/stats.pt" --heldout-tokens "$HELDOUT_TOKENS" --align-steps "$ALIGN_STEPS" --seed 1
+    done
+  done
+}
+
+step_bias_policies() {  # ours without the b_proj bias on the other policies
+  local policy keep
+  need "$R/stats_ablation.json"
+  for policy in ${POLICIES:-readout_gap ar ga}; do
+    need "$R/select_$policy.keep.json"
+    keep=$(keep_of "$R/select_$policy.keep.json")
+    row "$policy" taylor_fit-bias --keep "$keep" --stats "$R/stats_ablation.pt" \
+      --heldout-tokens "$HELDOUT_TOKENS" --align-steps "$ALIGN_STEPS"
   done
 }
 
@@ -175,5 +219,5 @@ for name, d in rows.items():
 PY
 }
 
-[ $# -gt 0 ] || set -- setup stats teacher closed aligned select policies
+[ $# -gt 0 ] || set -- setup stats teacher closed aligned select policies ablation stats_ablation ablation2
 for step in "$@"; do "step_$step"; done
