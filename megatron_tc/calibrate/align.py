@@ -51,9 +51,10 @@ def collect_layer_io(model: nn.Module, batches, layers: list[int]) -> dict[int, 
         xs[index].append(io.x.float().clone())
         ys[index].append(io.out.float().clone())
 
+    device = next(model.parameters()).device  # doc_ids must sit beside the captured activations
     for batch in batches:
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
-        docs.append(batch.get("doc_ids"))
+        docs.append(None if batch.get("doc_ids") is None else batch["doc_ids"].to(device))
     doc_ids = None if any(d is None for d in docs) else torch.cat(docs)
     return {l: LayerData(torch.cat(xs[l]), torch.cat(ys[l]), doc_ids) for l in layers}
 

@@ -47,9 +47,11 @@ def uniform(num_layers: int, num_keep: int) -> Selection:
 def perplexity(model: HybridLM, batches: Sequence[dict]) -> float:
     """Token-level perplexity of next-token prediction over the rows of `batches`."""
     nll, count = 0.0, 0
+    device = next(model.parameters()).device
     for batch in batches:
-        ids = batch["input_ids"]
-        logits = model(ids, doc_ids=batch.get("doc_ids")).float()
+        ids = batch["input_ids"].to(device)
+        doc_ids = batch.get("doc_ids")
+        logits = model(ids, doc_ids=None if doc_ids is None else doc_ids.to(device)).float()
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         nll -= float(logp.gather(-1, ids[:, 1:, None]).double().sum())
         count += ids[:, 1:].numel()
