@@ -34,7 +34,7 @@ def fused(name: str, fn: Callable, x: torch.Tensor) -> Callable:
         return fn
     if name not in _COMPILED:
         _configure_compiler()
-        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=False), fn, name)
+        _COMPILED[name] = with_eager_fallback(torch.compile(fn, dynamic=False), fn, name)
     return _COMPILED[name]
 
 
@@ -56,7 +56,9 @@ def _configure_compiler(limit: int = 64) -> None:
             setattr(dynamo_config, key, limit)
 
 
-def _with_eager_fallback(compiled: Callable, fn: Callable, name: str) -> Callable:
+def with_eager_fallback(compiled: Callable, fn: Callable, name: str) -> Callable:
+    """`compiled`; if compiling or running it fails (no working Triton/inductor toolchain), warn once
+    and call the eager `fn` from then on: the same numbers, only slower."""
     state = {"use": compiled}
 
     def call(*args):

@@ -22,13 +22,14 @@ dropped, reductions go over the group, the returned per-token values are identic
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .losses import ProcessGroup, _all_reduce, _fp32_or_wider, _pad_grad, _real_columns, _shard_range
+from megatron_tc.model.fused import with_eager_fallback
+
+from .losses import ProcessGroup, _all_reduce, check_ce_inputs, _fp32_or_wider, _pad_grad, _real_columns, _shard_range
 
 # logits per chunk: 64M (e.g. 1365 tokens at vocabulary 49152). Compiled (CUDA), a chunk's fp32
 # values live in registers only; eager (CPU, fallback) each fp32 temporary is 256 MiB. Fewer,
@@ -76,29 +77,9 @@ def _kernel(name: str, fn, on_cuda: bool):
     if mode == "0" or (not on_cuda and mode != "force"):
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = _with_eager_fallback(torch.compile(fn, dynamic=False, fullgraph=True), fn, name)
+        _COMPILED[name] = with_eager_fallback(torch.compile(fn, dynamic=False, fullgraph=True), fn,
+                                             f"the chunked loss {name}")
     return _COMPILED[name]
-
-
-def _with_eager_fallback(compiled, fn, name: str):
-    """The compiled function; if compiling fails (no working Triton/inductor toolchain), warn once
-    and use the eager one from then on: the numbers are the same, only slower."""
-    state = {"use": compiled}
-
-    def call(*args):
-        try:
-            return state["use"](*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - an eager rerun raises any real error again
-            if state["use"] is fn:
-                raise
-            warnings.warn(f"torch.compile of the chunked loss {name!r} failed ({type(exc).__name__}: "
-                          f"{str(exc)[:200]}); running it eagerly", RuntimeWarning, stacklevel=2)
-            state["use"] = fn
-            return fn(*args)
-
-    return call
 
 
 def _rows_per_chunk(width: int, n: int) -> int:
@@ -238,11 +219,5 @@ class _ChunkedCE(torch.autograd.Function):
 def chunked_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int, ignore_index: int = -100,
                           tp_group: ProcessGroup | None = None) -> Tensor:
     """Per-token cross-entropy [...], as `losses.vocab_parallel_cross_entropy` (same checks)."""
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)}: target must be "
-                         "logits without the vocabulary dimension")
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"target ids must be in [0, {vocab_size}) or {ignore_index}; got "
-                         f"{target[bad].unique()[:8].tolist()}")
+    check_ce_inputs(logits, target, vocab_size, ignore_index)
     return _ChunkedCE.apply(logits, target, vocab_size, ignore_index, tp_group)

@@ -144,13 +144,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return _pad_grad(grad, width).to(dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int, ignore_index: int = -100,
-                                 tp_group: ProcessGroup | None = None) -> Tensor:
-    """Per-token cross-entropy of global token ids `target` [...] against logits [..., V_local].
-
-    Tokens whose target is `ignore_index` get loss 0 and no gradient. Returns [...] fp32, identical
-    on every TP rank.
-    """
+def check_ce_inputs(logits: Tensor, target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """ValueError unless target is logits' shape without the vocabulary and holds ids in
+    [0, vocab_size) or ignore_index."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)}: target must be "
                          "logits without the vocabulary dimension")
@@ -158,6 +154,16 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int
     if bool(bad.any()):
         raise ValueError(f"target ids must be in [0, {vocab_size}) or {ignore_index}; got "
                          f"{target[bad].unique()[:8].tolist()}")
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int, ignore_index: int = -100,
+                                 tp_group: ProcessGroup | None = None) -> Tensor:
+    """Per-token cross-entropy of global token ids `target` [...] against logits [..., V_local].
+
+    Tokens whose target is `ignore_index` get loss 0 and no gradient. Returns [...] fp32, identical
+    on every TP rank.
+    """
+    check_ce_inputs(logits, target, vocab_size, ignore_index)
     return _VocabParallelCE.apply(logits, target, vocab_size, ignore_index, tp_group)
 
 
