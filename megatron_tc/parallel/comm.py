@@ -47,17 +47,23 @@ def device_for(device: torch.device, backend_config: str) -> torch.device:
                        "machine without CUDA")
 
 
+def _in_place(tensor: torch.Tensor, group: ProcessGroup | None, collective) -> torch.Tensor:
+    """Run `collective(t)` (in place) on `tensor`, or on a contiguous copy on the group's device
+    whose result is copied back; returns `tensor`."""
+    device = comm_device(tensor, group)
+    if device == tensor.device and tensor.is_contiguous():
+        collective(tensor)
+        return tensor
+    moved = tensor.to(device, copy=True).contiguous()
+    collective(moved)
+    tensor.copy_(moved)
+    return tensor
+
+
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                 group: ProcessGroup | None = None) -> torch.Tensor:
     """dist.all_reduce in place on a tensor of any device; returns `tensor`."""
-    device = comm_device(tensor, group)
-    if device == tensor.device and tensor.is_contiguous():
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
-    moved = tensor.to(device, copy=True).contiguous()
-    dist.all_reduce(moved, op=op, group=group)
-    tensor.copy_(moved)
-    return tensor
+    return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -71,14 +77,7 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[
 
 def broadcast_(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """dist.broadcast in place (src: a global rank) on a tensor of any device; returns `tensor`."""
-    device = comm_device(tensor, group)
-    if device == tensor.device and tensor.is_contiguous():
-        dist.broadcast(tensor, src=src, group=group)
-        return tensor
-    moved = tensor.to(device, copy=True).contiguous()
-    dist.broadcast(moved, src=src, group=group)
-    tensor.copy_(moved)
-    return tensor
+    return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
 __all__ = ["all_gather", "all_reduce_", "backend_device_types", "broadcast_", "comm_device", "device_for"]
