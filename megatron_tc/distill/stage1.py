@@ -74,6 +74,7 @@ class Stage1Trainer:
     def __init__(self, cfg: Any, ctx: Any, engine: Any, teacher: nn.Module, loader: Any, layers: list[int],
                  out_dir: Path, tb: Any, device: torch.device):
         self.cfg, self.ctx, self.engine, self.teacher, self.loader = cfg, ctx, engine, teacher, loader
+        self.compute_dtype = next(engine.module.parameters()).dtype
         self.layers, self.out_dir, self.tb, self.device = sorted(layers), out_dir, tb, device
         s1 = cfg.distill.stage1
         self.steps = s1.steps
@@ -104,6 +105,8 @@ class Stage1Trainer:
         for batch in micro:
             batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "doc_ids")}
             xs, ys = teacher_io(self.teacher, batch, self.layers)
+            # the teacher may run in another precision than the engine's mixers (fp32 teacher, bf16 engine)
+            xs = tuple(x.to(self.compute_dtype) for x in xs)
             outs = self.engine(xs, batch.get("doc_ids"))
             losses = torch.stack([relative_mse(o, y) for o, y in zip(outs, ys)])
             loss = losses.mean()

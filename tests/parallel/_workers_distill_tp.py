@@ -96,3 +96,32 @@ def tensor_parallel(rank: int, world_size: int, root: str) -> None:
     assert first.stopped_early and first.steps == 2
     run_stage2(root / "tp2_split", tp=2)
     destroy_parallel()
+
+
+def stage1_bf16_with_fp32_teacher(rank: int, world_size: int, root: str) -> None:
+    """run.precision=bf16: the engine's mixers are bf16 while stage 1's teacher stays fp32 (its
+    targets keep full precision), so the captured inputs must be cast to the engine's dtype
+    (a crash on the first GPU smoke run, 2026-11-29). bf16 is switched on for CUDA only, so the
+    engine's config is forced to bf16 here: DeepSpeed's bf16 ZeRO runs on CPU too."""
+    import megatron_tc.distill.stage2 as stage2_module
+    from megatron_tc.data.loader import DistributedBatchLoader
+    from megatron_tc.distill.stage1 import build_stage1
+    from megatron_tc.monitor import TBWriter
+    from megatron_tc.parallel.state import destroy_parallel, init_parallel
+
+    out = Path(root)
+    ctx = init_parallel(1, 1)
+    cfg = tiny_config(out, STEPS, run__precision="bf16", distill__stage1__steps="2")
+    cuda_config = stage2_module.stage2_deepspeed_config
+    stage2_module.stage2_deepspeed_config = lambda *args: {**cuda_config(*args), "bf16": {"enabled": True}}
+    teacher, student = teacher_and_student(0)
+    loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
+                                    ctx.dp_rank, ctx.dp_size, seed=7)
+    tb = TBWriter(out / "tb")
+    trainer, _ = build_stage1(cfg, ctx, student, teacher, loader, [1, 3], out, tb, torch.device("cpu"))
+    assert next(trainer.engine.module.parameters()).dtype == torch.bfloat16
+    assert next(teacher.parameters()).dtype == torch.float32
+    state, stopped = trainer.run()
+    tb.close()
+    assert state.step == 2 and not stopped and state.skipped_steps == 0
+    destroy_parallel()

@@ -1,5 +1,5 @@
 """Stage 2 with tensor parallelism: TP=2 (2 gloo ranks, DP=1, ZeRO-3 with TP through mpu) trains
-exactly as TP=1 on one process, and resumes exactly; stage 1 likewise."""
+exactly as TP=1 on one process, and resumes exactly; stage 1 likewise, and in bf16 with an fp32 teacher."""
 import json
 
 import torch
@@ -63,3 +63,7 @@ def _check_stage1(root, initial):
     assert_same_weights(student_2, student_1, "stage1 TP=2 merged student")
     assert not torch.equal(student_2["layers.3.mixer.q_proj.weight"], initial["layers.3.mixer.q_proj.weight"])
     assert torch.equal(student_2["embed_tokens.weight"], initial["embed_tokens.weight"])  # not trained in stage 1
+
+
+def test_stage1_bf16_engine_takes_inputs_from_an_fp32_teacher(tmp_path):
+    run_distributed(_workers_distill_tp.stage1_bf16_with_fp32_teacher, 1, str(tmp_path), timeout=180)
