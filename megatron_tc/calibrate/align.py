@@ -127,7 +127,10 @@ def align_layer(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
-        optimizer.step()
+        # torch < 2.13 creates Adam's step counters on the default device (a caller's
+        # `torch.device(...)` context included); newer torch puts them on the CPU: do so everywhere
+        with torch.device("cpu"):
+            optimizer.step()
         if scheduler is not None:
             scheduler.step()
         if log is not None:
