@@ -6,13 +6,14 @@ MASTER_ADDR and MASTER_PORT in its environment, one intra-op thread, and an init
 group (gloo by default; with backend="nccl" rank r uses GPU r, and NVLink multicast is switched off
 in the parent's and the children's environment, see `NCCL_ENV`); the function's exception (with
 its traceback) comes back to the parent, which raises one AssertionError naming every failed
-rank. A child that dies without a Python exception (a segfault, os._exit) or hangs past `timeout`
+rank; the child prints it to stderr as well, when it happens. A child that dies without a Python exception (a segfault, os._exit) or hangs past `timeout`
 fails the test as well.
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -63,7 +64,10 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120), **kwargs)
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        errors.put((rank, traceback.format_exc()))
+        report = traceback.format_exc()
+        # also at once on stderr: a run cut by a time limit (device calls) never gets to the parent's report
+        print(f"--- rank {rank} raised:\n{report}", file=sys.stderr, flush=True)
+        errors.put((rank, report))
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
