@@ -16,6 +16,8 @@ and is tested against it in tests/gpu/test_fla_parity.py.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_tc.parallel import pipeline as pipe
@@ -45,6 +47,15 @@ def exact_numerics(device: str) -> None:
     """fp32 parity needs true fp32 GEMMs and convolutions (TF32 would round inputs to 10 bits)."""
     if device == "cpu":  # the workers also run on CPU/gloo (a dry run of this suite's logic)
         return
+    # Deterministic kernels where torch has them (cuBLAS needs its workspace setting before the first
+    # GEMM): on 2026-11-29 the same one-GPU fp32 run gave different losses on GPU 0 and GPU 1
+    # (1.34e-6 vs 5.74e-7 from fp64), and the reference must not move between runs.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # The element-wise blocks run eagerly (model/fused.py): their compiled kernels are specialized per
+    # shape, so TP's halved head counts would compare two different fusions, and compiling them
+    # costs about a minute per test; the fusion has its own test (tests/gpu/test_fused_model_cuda.py).
+    os.environ["MEGATRON_TC_COMPILE"] = "0"
+    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
