@@ -3,7 +3,7 @@
 N = 1, 2, 4, ... ranks (one GPU each), and the scaling efficiency tok/s(N) / (N * tok/s(1)).
 
     python tools/bench_scaling.py [--out FILE] [--quick] [--model llama-1b] [--ranks 1,2,4]
-        [--batch 8 --seq 2048] [--steps 4] [--warmup 1] [--timeout 300]
+        [--batch 8 --seq 2048] [--steps 6] [--warmup 2] [--timeout 300]
 
 The driver starts one torchrun job per N, one after the other (`python -m torch.distributed.run
 --standalone --nproc_per_node N tools/bench_scaling.py --worker ...`), with NVLink multicast off in
@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ranks", type=int, default=2, help="on CPU: the largest N of the default list")
     p.add_argument("--batch", type=int, default=8, help="micro-batch rows per rank")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per N (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (fla compiles)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per N (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (fla compiles; with 1, run 5 of 2026-11-29 timed a slow N = 1)")
     p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per N before the job is killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
