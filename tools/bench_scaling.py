@@ -130,6 +130,7 @@ def run_worker(args) -> None:
     tokens = n * args.batch * args.seq
     if ctx.rank == 0:
         result = {"N": n, "dp": ctx.dp_size, "model": args.model, "B": args.batch, "T": args.seq,
+                  "zero_optimization": trainer.ds_config["zero_optimization"],
                   "trainable": args.trainable, "step_ms": step_ms, "step_ms_all": times,
                   "tok_per_s": tokens / (step_ms * 1e-3), "tok_per_s_per_gpu": tokens / n / (step_ms * 1e-3),
                   "flops_per_step": flops, "tflops": flops / (step_ms * 1e-3) / 1e12,
@@ -180,6 +181,8 @@ def worker_argv(args, result: Path) -> list[str]:
     out = [str(Path(__file__).resolve()), "--worker", "--result", str(result), "--model", args.model,
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--trainable", args.trainable, "--device", args.device]
+    if args.deepspeed_config:
+        out += ["--deepspeed-config", str(Path(args.deepspeed_config).resolve())]
     return out + (["--quick"] if args.quick else [])
 
 
@@ -253,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (fla compiles; with 1, run 5 of 2026-11-29 timed a slow N = 1)")
     p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per N before the job is killed")
+    p.add_argument("--deepspeed-config", default=None,
+                   help="DeepSpeed JSON instead of configs/deepspeed/zero3.json (what stage 2 starts from)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -89,12 +89,16 @@ class Trainer:
         self.weights = LossWeights(temperature=1.0)
         self.amp = device.type == "cuda"
         if ctx is not None:
+            from megatron_tc.config import deepspeed_template_path
             from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config, build_student_engine
 
-            # every data-parallel rank its own micro-batch of args.batch rows (tools/bench_scaling.py)
+            # every data-parallel rank its own micro-batch of args.batch rows (tools/bench_scaling.py);
+            # the JSON stage 2 starts from (configs/deepspeed/zero3.json) unless --deepspeed-config names another
             ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch,
                                         global_batch_size=args.batch * ctx.dp_size, dp_size=ctx.dp_size,
-                                        bf16=device.type == "cuda", lr=1e-5)
+                                        bf16=device.type == "cuda", lr=1e-5,
+                                        base=deepspeed_template_path(1, getattr(args, "deepspeed_config", None)))
+            self.ds_config = ds
             self.engine, self.student, self.optimizer = build_student_engine(student, ds, ctx), None, None
         else:
             self.engine, self.student = None, student
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation)")
     p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
     p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
+    p.add_argument("--deepspeed-config", default=None,
+                   help="DeepSpeed JSON instead of configs/deepspeed/zero3.json ('auto' values filled as in stage 2)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
     p.add_argument("--check-t", type=int, default=512)
     p.add_argument("--variants", default="before,loss,after",
