@@ -10,12 +10,18 @@
 #                          tools/experiments/paper_data.py) -> $R/data
 #   restore                small results of earlier calls (carried .paper_runs/runs) -> $R/runs, so finished
 #                          grid cells are skipped
-#   pretrain               the three teachers (configs/paper/teacher_{qwen2,mistral,qwen3}.json) through the
-#                          pipeline's pretrain stage, each exported as a bf16 HF dir to $R/teachers/<name>
+#   pretrain[:NAMES]       the three teachers (configs/paper/teacher_{qwen2,mistral,qwen3}.json), or only NAMES
+#                          (comma-separated), through the pipeline's pretrain stage, each exported as a bf16 HF
+#                          dir to $R/teachers/<name>
 #   smollm2                copy carried .teacher/t*/part.* to /tmp/teacher; when all four are there, assemble
 #                          the GGUF into $R/teachers/smollm2/ and convert it once to $R/teachers/smollm2_tc
 #   grid:NAME[:POLICIES]   the grid cells of teacher NAME (qwen2, mistral, qwen3, smollm2), optionally only
 #                          POLICIES (comma-separated), within what is left of $BUDGET_S; the rest stay pending
+#   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
+#                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
+#                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
+#                          Lanes share $R: cells and the token cache are written atomically; each lane rewrites
+#                          runs/grid/<part>/results.md with its own cells (the report reads every cell.json)
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
 #                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
 #                          teacher made on this machine, once (unpack into .paper_runs/teachers)
@@ -88,11 +94,15 @@ step_restore() {
   else say "restore: nothing carried"; fi
 }
 
-step_pretrain() {
-  local qdir=$CFG
+step_pretrain() {  # pretrain[:NAMES]
+  local qdir=$CFG names=$TEACHERS
+  case $1 in pretrain:*) names=${1#pretrain:}; names=${names//,/ };; esac
+  for fam in $names; do
+    case " $TEACHERS " in *" $fam "*) ;; *) say "pretrain: unknown teacher $fam (one of: $TEACHERS)"; return 2;; esac
+  done
   if [ $QUICK = 1 ]; then qdir=$R/quick_configs; $PY tools/experiments/paper_grid.py quick-configs "$qdir" >/dev/null; fi
   mkdir -p "$R/runs/grid/data_cache"
-  for fam in $TEACHERS; do
+  for fam in $names; do
     if [ -f "$R/teachers/$fam/config.json" ] || [ -d ".paper_runs/teachers/$fam" ]; then say "pretrain $fam: done before"; continue; fi
     local t=$(( $(left) - 30 ))
     if [ $t -lt 60 ]; then say "pretrain $fam: not started (${t} s left); run the step again"; return 3; fi
@@ -161,6 +171,31 @@ step_pack() {
   done
 }
 
+step_lanes() {  # lanes:STEP+STEP[+...]
+  local spec=${1#lanes:} ngpu i=0 rc status=0
+  local -a lane_steps pids
+  IFS='+' read -r -a lane_steps <<< "$spec"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  local budget=$(( $(left) - 5 ))
+  for st in "${lane_steps[@]}"; do
+    case $st in lanes:*|pack|install_*|data|restore|report) say "lanes: $st cannot run in a lane"; return 2;; esac
+  done
+  for st in "${lane_steps[@]}"; do
+    local gpu_env=()
+    (( ngpu > 0 )) && gpu_env=(CUDA_VISIBLE_DEVICES=$(( i % ngpu )))
+    say "lane $i: $st${gpu_env:+ on ${gpu_env[0]}}, budget ${budget} s"
+    ( env "${gpu_env[@]}" R="$R" OUT="$OUT" BUDGET_S="$budget" bash "$0" $([ $QUICK = 1 ] && echo --quick) "$st" 2>&1 \
+        | sed -u "s/^/[lane $i] /"; exit "${PIPESTATUS[0]}" ) &
+    pids+=($!)
+    i=$(( i + 1 ))
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; rc=$?
+    [ $rc != 0 ] && { say "lane $i (${lane_steps[$i]}): exit $rc"; [ $status = 0 ] && status=$rc; }
+  done
+  return $status
+}
+
 step_report() {
   local runs=.paper_runs/runs out=docs/reports/paper_grid
   [ $QUICK = 1 ] && { runs=$R/runs; out=$R/report; }
@@ -174,7 +209,8 @@ for step in "$@"; do
     install_b) step_install b ;;
     data) step_data ;;
     restore) step_restore ;;
-    pretrain) step_pretrain ;;
+    pretrain|pretrain:*) step_pretrain "$step" ;;
+    lanes:*) step_lanes "$step" ;;
     smollm2) step_smollm2 ;;
     grid:*) step_grid "$step" ;;
     pack) step_pack ;;

@@ -1,0 +1,35 @@
+"""tools/experiments/paper_grid_gpu.sh's `lanes:` step: steps run side by side, each lane's output
+marked, a failing lane's exit code comes back, and steps that must not run twice at once are
+refused. (The full end-to-end run in two lanes, pretraining and grids at --quick sizes, is in
+docs/RESULTS.md: about a minute, too long for the suite.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "experiments" / "paper_grid_gpu.sh"
+
+
+def run(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, R=str(tmp_path / "r"), OUT=str(tmp_path / "out"), PYTHON=sys.executable, BUDGET_S="120")
+    return subprocess.run(["bash", str(SCRIPT), "--quick", *steps], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_lanes_run_every_step_mark_their_output_and_return_a_failure(tmp_path):
+    done = run(tmp_path, "lanes:pretrain:nosuch+grid:qwen2")
+    out = done.stdout
+    assert done.returncode != 0, out
+    assert "[lane 0] " in out and "[lane 1] " in out, out
+    assert "[lane 0] " in next(l for l in out.splitlines() if "unknown teacher nosuch" in l)
+    assert "[lane 1] " in next(l for l in out.splitlines() if "grid qwen2: no teacher" in l)
+    assert "lane 0 (pretrain:nosuch): exit 2" in out and "lane 1 (grid:qwen2): exit 1" in out
+
+
+def test_lanes_refuse_steps_that_share_state(tmp_path):
+    done = run(tmp_path, "lanes:grid:qwen2+pack")
+    assert done.returncode == 2 and "lanes: pack cannot run in a lane" in done.stdout
+    assert "[lane" not in done.stdout  # nothing started
