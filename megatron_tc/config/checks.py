@@ -268,9 +268,6 @@ def _stage_errors(cfg: Config) -> list[str]:
     if "stage1" in stages and par.pp > 1:
         errors.append(f"run.stages has stage1 with parallel.pp={par.pp}: stage 1 runs with pp=1 "
                       "(tensor and data parallelism); run stage1 with pp=1, then stage2 with pp>1")
-    if "stage2" in stages and par.pp > 1 and par.tp > 1:
-        errors.append(f"stage2 with parallel.tp={par.tp} and parallel.pp={par.pp} together is not supported yet: "
-                      "use tensor parallelism with ZeRO (pp=1) or pipeline parallelism with tp=1")
     return errors
 
 

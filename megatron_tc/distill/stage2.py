@@ -434,17 +434,14 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
                  out_dir: Path, tb: Any, device: torch.device, tensorboard_dir: str | None = None,
                  eval_log: Path | None = None) -> Stage2Trainer:
     """Select the trainable parameters, build the DeepSpeed student engine and the frozen teacher
-    (ZeRO-3 over DP; PP == 1) and return a trainer ready to `run()` (which resumes if it can)."""
+    (ZeRO over DP, TP inside; with PP > 1 the pipeline engine of stage2_pipeline, TP inside its
+    stages) and return a trainer ready to `run()` (which resumes if it can)."""
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, build_teacher
 
     if student.arch.vocab_size != teacher.arch.vocab_size:
         raise ValueError(f"the student's vocabulary ({student.arch.vocab_size} tokens) differs from the teacher's "
                          f"({teacher.arch.vocab_size}): the KL compares their logits token by token; build the "
                          "student from this teacher (init stage)")
-    if ctx.tp_size > 1 and ctx.pp_size > 1:
-        raise NotImplementedError(
-            f"stage2 with parallel.tp={ctx.tp_size} and parallel.pp={ctx.pp_size} together is not wired yet; "
-            "use tensor parallelism with ZeRO (pp=1) or pipeline parallelism with tp=1")
     if ctx.pp_size > 1:
         from megatron_tc.distill.stage2_pipeline import build_pipeline_stage2
 

@@ -1,4 +1,5 @@
-"""Stage 2 with pipeline parallelism (PP > 1): DeepSpeed's pipeline engine with ZeRO stage <= 1.
+"""Stage 2 with pipeline parallelism (PP > 1): DeepSpeed's pipeline engine with ZeRO stage <= 1,
+tensor parallelism (megatron-core layers) inside each stage when parallel.tp > 1.
 
 The pipeline module of `megatron_tc.parallel.pipeline` holds, per stage, the student's and the
 frozen teacher's layers of its span and computes the KL on the last stage; `engine.train_batch`
@@ -19,7 +20,8 @@ from torch import nn
 
 from megatron_tc.distill.numerics import NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import apply_lr
-from megatron_tc.distill.stage2 import Stage2Trainer, select_trainable, stage2_deepspeed_config
+from megatron_tc.distill.stage2 import (Stage2Trainer, restore_vocab_padding, select_trainable, shard_over_tp,
+                                         stage2_deepspeed_config)
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)
@@ -69,12 +71,14 @@ class PipelineStage2Trainer(Stage2Trainer):
 
 def gather_pipeline_student(student: nn.Module, engine: Any, ctx: Any) -> dict[str, torch.Tensor] | None:
     """The full student state on global rank 0: every pipeline stage (of data-parallel replica 0)
-    contributes the student tensors of its span. Collective over the pipeline group."""
-    if ctx.tp_size > 1:
-        raise NotImplementedError("gathering a tensor-parallel pipeline student is not wired yet; use tp=1 with pp>1")
+    contributes the student tensors of its span, tensor-parallel shards gathered to their full size
+    first. Collective over the tensor- and pipeline-parallel groups."""
+    from megatron_tc.parallel.tensor_parallel import gather_full
+
     local = {id(p) for p in engine.module.parameters()}
-    mine = {name: p.detach().float().cpu().clone() for name, p in student.named_parameters() if id(p) in local}
-    if ctx.dp_rank != 0:
+    mine = {name: gather_full(p.detach(), p, ctx).float().cpu().clone()
+            for name, p in student.named_parameters() if id(p) in local}
+    if ctx.dp_rank != 0 or ctx.tp_rank != 0:
         return None
     parts: list[Any] = [None] * ctx.pp_size
     dist.all_gather_object(parts, mine, group=ctx.pp_group)
@@ -86,7 +90,7 @@ def gather_pipeline_student(student: nn.Module, engine: Any, ctx: Any) -> dict[s
     missing = sorted(set(student.state_dict()) - set(state))
     if missing:
         raise RuntimeError(f"pipeline stages did not cover the student tensors {missing[:5]}")
-    return state
+    return restore_vocab_padding(state, student)
 
 
 def build_pipeline_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: Any, out_dir: Path,
@@ -101,6 +105,8 @@ def build_pipeline_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Mo
     if cfg.distill.eval_interval:
         log.info("stage2 with pp > 1: no periodic evaluation (the eval stage scores the final student)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.tp_size > 1:  # megatron-core layers inside each stage; the loss reduces over the vocabulary shards
+        student, teacher = shard_over_tp(student, teacher, ctx)
     select_trainable(student, s2.trainable)
     student.to(device)
     ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir)

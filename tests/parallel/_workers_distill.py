@@ -49,7 +49,7 @@ def packed(num_docs: int, seed: int):
     return PackedSequences(TokenStream.from_token_lists(docs), SEQ, pad_id=0, fingerprint=f"random{seed}")
 
 
-def tiny_config(out: Path, steps: int, pp: int = 1, **extra: str):
+def tiny_config(out: Path, steps: int, pp: int = 1, tp: int = 1, **extra: str):
     from megatron_tc.config.loader import load_config
 
     ds_json = out / "ds_zero3.json"
@@ -65,11 +65,13 @@ def tiny_config(out: Path, steps: int, pp: int = 1, **extra: str):
     # Only stage 2 runs here; with pp > 1 the config may not list stage 1 (it runs with pp = 1).
     overrides += ([f"parallel.deepspeed_config={ds_json}"] if pp == 1
                   else [f"parallel.pp={pp}", "parallel.zero_stage=1", "run.stages=[stage2]"])
+    overrides += [f"parallel.tp={tp}"]
     overrides += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
     return load_config(Path(__file__).resolve().parents[2] / "configs/tiny.yaml", overrides)
 
 
-def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0, pp: int = 1, **extra: str):
+def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0, pp: int = 1, tp: int = 1,
+             **extra: str):
     """Build everything from scratch (as a new job would) and run stage 2 in `out`."""
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.evaluation import window_rows
@@ -77,8 +79,8 @@ def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0
     from megatron_tc.monitor import TBWriter
     from megatron_tc.parallel.state import init_parallel
 
-    ctx = init_parallel(1, pp)
-    cfg = tiny_config(out, steps, pp, **extra)
+    ctx = init_parallel(tp, pp)
+    cfg = tiny_config(out, steps, pp, tp, **extra)
     teacher, student = teacher_and_student(seed)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
@@ -166,3 +168,30 @@ def pipeline_resume_matches_uninterrupted(rank: int, world_size: int, root: str)
         assert "layers.3.mixer.A_log" in changed and "embed_tokens.weight" in changed  # both stages trained
     else:
         assert full.student_state is None
+
+
+def pipeline_student(rank: int, world_size: int, root: str, tp: int = 1) -> None:
+    """PP=2 (x TP=`tp`) stage 2, 4 steps; the gathered student goes to <root>/student.pt."""
+    result = run_once(Path(root), 4, pp=2, tp=tp)
+    if rank == 0:
+        torch.save(result.student_state, Path(root) / "student.pt")
+
+
+def tp2_pp2_resume_matches_uninterrupted(rank: int, world_size: int, root: str) -> None:
+    """TP=2 x PP=2 on 4 ranks: 4 steps straight (student saved as in `pipeline_student`) vs 2 +
+    resume by a fresh engine: the same losses and gathered student, bit for bit."""
+    root = Path(root)
+    pipeline_student(rank, world_size, str(root / "full"), tp=2)
+    first = run_once(root / "split", 4, stop_after=2, pp=2, tp=2)
+    assert first.stopped_early and first.steps == 2
+    second = run_once(root / "split", 4, pp=2, tp=2)
+    if rank == 0:
+        a, b = _records(root / "full/train_log.jsonl"), _records(root / "split/train_log.jsonl")
+        assert [r["step"] for r in b] == [1, 2, 3, 4]
+        assert [r["loss"] for r in a] == [r["loss"] for r in b], ([r["loss"] for r in a], [r["loss"] for r in b])
+        full = torch.load(root / "full/student.pt")
+        assert full.keys() == second.student_state.keys()
+        for name, value in full.items():
+            assert torch.equal(value, second.student_state[name]), name
+    else:
+        assert second.student_state is None

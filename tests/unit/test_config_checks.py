@@ -140,8 +140,8 @@ def test_stages():
         validate_config(make("run.stages=[]"))
     with raises(r"stage1 with parallel.pp=2: stage 1 runs with pp=1"):
         validate_config(make("run.stages=[stage1]", "parallel.pp=2", "parallel.zero_stage=1"))
-    with raises(r"stage2 with parallel.tp=2 and parallel.pp=2 together is not supported"):
-        validate_config(make("run.stages=[stage2]", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"))
+    validate_config(make("run.stages=[stage2]", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"),
+                    world_size=4)
     validate_config(make("run.stages=[stage2]", "parallel.pp=2", "parallel.zero_stage=1"))
     validate_config(make("run.stages=[stage1, stage2]", "parallel.tp=2"))
 
