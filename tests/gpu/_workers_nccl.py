@@ -56,6 +56,9 @@ def exact_numerics(device: str) -> None:
     # costs about a minute per test; the fusion has its own test (tests/gpu/test_fused_model_cuda.py).
     os.environ["MEGATRON_TC_COMPILE"] = "0"
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # bf16 GEMMs accumulate in fp32 throughout: cuBLAS may otherwise reduce split-K partial sums in
+    # bf16, with splits chosen per shape, so TP's halved GEMMs would round differently by design
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
