@@ -6,8 +6,8 @@ MASTER_ADDR and MASTER_PORT in its environment, one intra-op thread, and an init
 group (gloo by default; with backend="nccl" rank r uses GPU r, and NVLink multicast is switched off
 in the parent's and the children's environment, see `NCCL_ENV`); the function's exception (with
 its traceback) comes back to the parent, which raises one AssertionError naming every failed
-rank; the child prints it to stderr as well, when it happens. A child that dies without a Python exception (a segfault, os._exit) or hangs past `timeout`
-fails the test as well.
+rank; the child also prints it to stderr the moment it fails. A child that dies without a Python
+exception (a segfault, os._exit) or hangs past `timeout` fails the test as well.
 """
 from __future__ import annotations
 
