@@ -1,0 +1,42 @@
+"""The DeepSpeed config that stages 1 and 2 build from our config and the shipped JSON, and the
+warning for ZeRO-3 over a single data-parallel rank (no sharding, all of ZeRO-3's gathers)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_tc.config.loader import load_config
+from megatron_tc.distill.stage2 import stage2_deepspeed_config
+from megatron_tc.parallel.state import ParallelContext
+
+WARNING = "ZeRO-3 over one data-parallel rank shards nothing"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def context(dp: int, rank: int = 0) -> ParallelContext:
+    """Sizes and ranks only: the config builder reads no process group."""
+    return ParallelContext(rank=rank, world_size=dp, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
+                           pp_group=None, dp_size=dp, dp_rank=rank, dp_group=None, mp_group=None)
+
+
+@pytest.fixture
+def megatron_tc_logs(caplog):
+    logging.getLogger("megatron_tc").addHandler(caplog.handler)  # its records do not reach the root logger
+    yield caplog
+    logging.getLogger("megatron_tc").removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize("zero, dp, rank, warned", [(3, 1, 0, True), (3, 2, 0, False), (1, 1, 0, False),
+                                                     (3, 1, 1, False)])
+def test_zero3_on_one_data_parallel_rank_is_warned_about(zero, dp, rank, warned, megatron_tc_logs):
+    cfg = load_config(TINY, [f"parallel.zero_stage={zero}", "data.global_batch_size=8",
+                                            "data.micro_batch_size=2"])
+    ds = stage2_deepspeed_config(cfg, context(dp, rank), torch.device("cpu"), None)
+    assert ds["zero_optimization"]["stage"] == zero
+    assert ds["gradient_accumulation_steps"] == 8 // (2 * dp) and ds["bf16"]["enabled"] is False
+    # the shipped JSON leaves overlap_comm to DeepSpeed (on under ZeRO-3)
+    assert "overlap_comm" not in ds["zero_optimization"]
+    assert (WARNING in megatron_tc_logs.text) == warned, megatron_tc_logs.text
