@@ -208,18 +208,18 @@ def collect_stats(
     tp_group: dist.ProcessGroup | None = None,
     progress: bool = True,
 ) -> TaylorStats:
-    """Both sweeps over the same batches (a sequence: it is read twice). The readout sweep needs
-    whole layers on each rank: it is not available for a tensor-parallel teacher yet."""
-    if readout_strategies and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        raise NotImplementedError(
-            "readout sums need the full teacher layer on each rank; run the readout sweep with TP=1 "
-            "(data parallel only) or pass readout_strategies=()"
-        )
+    """Both sweeps over the same batches (a sequence: it is read twice). The readout sweep runs whole
+    layers: with a tensor-parallel teacher every TP rank gathers a full copy of it for that sweep
+    (each rank of a TP group sees the same batches, so the sums agree; memory: one full teacher)."""
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
         num_batches=len(batches), progress=progress,
     )
     if readout_strategies:
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            from megatron_tc.parallel.tensor_parallel import unsharded_copy
+
+            model = unsharded_copy(model, tp_group)
         stats = collect_readout_stats(
             stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
             dp_group=dp_group, num_batches=len(batches), progress=progress,

@@ -279,9 +279,23 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, ctx: ParallelContext) 
 
 def gather_full_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """The unsharded HybridLM state dict of a tensor-parallel model (every TP rank gets it)."""
+    return _full_state(model, ctx.tp_group) if ctx.tp_size > 1 else model.state_dict()
+
+
+def _full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
-    return {name: gather_full(tensor, params[name], ctx) if name in params else tensor
+    return {name: _all_gather(tensor, params[name].partition_dim, tp_group)
+            if name in params and is_tensor_parallel(params[name]) else tensor
             for name, tensor in model.state_dict().items()}
+
+
+def unsharded_copy(model: nn.Module, tp_group: dist.ProcessGroup) -> HybridLM:
+    """A single-device HybridLM holding the full weights of the tensor-parallel `model` (same
+    dtypes and device), built on every rank of `tp_group` (collective); `model` stays sharded."""
+    device = next(model.parameters()).device
+    full = HybridLM(model.arch)
+    full.load_state_dict(_full_state(model, tp_group), assign=True)
+    return full.to(device).eval()
 
 
 def full_grad_slice(full: torch.Tensor, param: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:

@@ -52,3 +52,22 @@ def tp_stats(rank: int, world_size: int, out_path: str) -> None:
     if rank == 0:
         stats.save(out_path)
     dist.barrier()
+
+
+def tp_full_stats(rank: int, world_size: int, out_path: str) -> None:
+    """Both sweeps with the teacher sharded over TP=2 (readout on a gathered full copy); rank 0 saves."""
+    from megatron_tc.parallel.state import init_parallel
+    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
+
+    ctx = init_parallel(tp=2)
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    apply_tensor_parallel(model, ctx)
+    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    stats = collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
+                          readout_strategies=[get_strategy(s) for s in READOUT],
+                          student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=ctx.dp_group,
+                          tp_group=ctx.tp_group, progress=False)
+    assert type(model).__name__ == "TensorParallelHybridLM"  # the caller's teacher stays sharded
+    if rank == 0:
+        stats.save(out_path)
+    dist.barrier()

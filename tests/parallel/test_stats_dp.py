@@ -32,3 +32,16 @@ def test_tp2_stats_equal_tp1(tmp_path):
     assert sorted(tp2.sums) == sorted(ref.sums)
     for key, want in ref.sums.items():
         torch.testing.assert_close(tp2.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_tp2_readout_sums_equal_tp1(tmp_path):
+    """With a TP=2 teacher the readout sweep runs on a gathered full copy: every sum (attention
+    moments and taylor / taylor_fit readout sums) equals the single-process pass."""
+    path = str(tmp_path / "tp2_full.pt")
+    run_distributed(_workers_stats.tp_full_stats, 2, path, timeout=240)
+    tp2 = TaylorStats.load(path)
+    ref = _workers_stats.stats_of_rows(range(4))
+    assert sorted(tp2.sums) == sorted(ref.sums)
+    assert any(k.startswith("readout.taylor_fit.") for k in tp2.sums)
+    for key, want in ref.sums.items():
+        torch.testing.assert_close(tp2.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
