@@ -117,22 +117,6 @@ def _check_batch_sizes(cfg: dict, dp_size: int) -> None:
             f"data-parallel {dp_size}; fix the JSON or leave these keys out (or 'auto')")
 
 
-def deepspeed_config_from(config: Any, ctx: ParallelContext, on_gpu: bool | None = None) -> dict:
-    """The student's DeepSpeed config from our run `Config`: the shipped template (or the user's
-    `parallel.deepspeed_config`) with its "auto" values filled from the config."""
-    from megatron_tc.config import deepspeed_template_path
-
-    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    stage2 = config.distill.stage2
-    return build_deepspeed_config(
-        zero_stage=config.parallel.zero_stage, micro_batch_size=config.data.micro_batch_size,
-        global_batch_size=config.data.global_batch_size, dp_size=ctx.dp_size,
-        bf16=on_gpu and config.run.precision == "bf16", lr=stage2.lr, weight_decay=stage2.weight_decay,
-        grad_clip=stage2.grad_clip, pipeline=ctx.pp_size > 1,
-        base=deepspeed_template_path(ctx.pp_size, config.parallel.deepspeed_config),
-    )
-
-
 def teacher_deepspeed_config(student_config: dict) -> dict:
     """The teacher engine's config: the student's batch and precision, ZeRO-3 partitioning, no optimizer."""
     cfg = {key: copy.deepcopy(student_config[key]) for key in
