@@ -321,9 +321,9 @@ def _pretrain_errors(cfg: Config) -> list[str]:
     if not cfg.data.tokenizer:
         errors.append("run.stages has pretrain but data.tokenizer is not set: the model has no teacher whose "
                       "tokenizer could be used; name an HF tokenizer directory or a .gguf file")
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        errors.append(f"run.stages has pretrain with parallel.tp={cfg.parallel.tp}, parallel.pp={cfg.parallel.pp}: the "
-                      "pretrain stage is data parallel (ZeRO) only; set tp=1 and pp=1, or pretrain in its own run")
+    if cfg.parallel.pp > 1:
+        errors.append(f"run.stages has pretrain with parallel.pp={cfg.parallel.pp}: the pretrain stage runs with data "
+                      "and tensor parallelism (ZeRO); set pp=1, or pretrain in its own run")
     if p.tokens is not None and p.tokens < cfg.data.global_batch_size * cfg.data.seq_len:
         errors.append(f"pretrain.tokens={p.tokens} is less than one step (global_batch_size * seq_len); raise it")
     if p.min_lr > p.lr:

@@ -85,6 +85,18 @@ class PretrainTrainer(Stage2Trainer):
 
 # ---- the model, the data, the config the trainer reads -----------------------------------------------
 
+def shard_for_tp(model: Any, par: Any) -> None:
+    """`model` tensor-parallel in place (megatron-core layers), its vocabulary padded first when TP
+    does not divide the padding; the trainer's gathered state comes back at the original padding."""
+    from megatron_tc.distill.stage2 import set_vocab_padding
+    from megatron_tc.model.config import pad_vocab
+    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
+
+    if model.arch.padded_vocab_size % par.tp_size:
+        set_vocab_padding(model, pad_vocab(model.arch.vocab_size, par.tp_size))
+    apply_tensor_parallel(model, par)
+
+
 def read_hf_config(path: str | Path) -> tuple[Any, dict[str, Any]]:
     """(transformers config, its dict) from a config.json file or a directory holding one."""
     from transformers import AutoConfig
@@ -195,15 +207,20 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
     from megatron_tc.parallel.deepspeed_engine import build_student_engine
 
     cfg, par = ctx.cfg, ctx.par
-    if par.tp_size > 1 or par.pp_size > 1:
-        raise NotImplementedError("the pretrain stage runs with parallel.tp=1 and parallel.pp=1 (data parallel + ZeRO)")
+    if par.pp_size > 1:  # refused by the config checks already
+        raise ValueError("the pretrain stage runs with parallel.pp=1 (data and tensor parallelism, ZeRO)")
     target = Path(cfg.model.teacher)
     _check_export_target(target)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     arch, hf_fields = pretrain_arch(cfg, tokenizer)
     _prepare_data(ctx, tokenizer, arch.vocab_size)
-    torch.manual_seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank, before any sharding
     model = HybridLM(arch, init_std=cfg.pretrain.init_std)
+    if par.tp_size > 1:
+        total = sum(p.numel() for p in model.parameters())
+        shard_for_tp(model, par)
+        log.info("pretrain: tensor-parallel over %d ranks, %d of %d parameters on this rank", par.tp_size,
+                 sum(p.numel() for p in model.parameters()), total)
     tcfg = trainer_config(cfg)
     d = cfg.data
     loader = ctx.data().loader("train", global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,

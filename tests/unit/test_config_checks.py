@@ -249,7 +249,8 @@ def test_pretrain_stage_needs_a_model_config_a_tokenizer_and_eval_text():
     validate_config(make(*ok), world_size=1)
     with raises("no evaluation text"):
         validate_config(make(*ok, "data.split.eval_fraction=0"), world_size=1)
-    with raises("the pretrain stage is data parallel"):
-        validate_config(make(*ok, "parallel.tp=2", "data.global_batch_size=2"), world_size=2)
+    with raises(r"pretrain with parallel.pp=2: the pretrain stage runs with data and tensor parallelism"):
+        validate_config(make(*ok, "parallel.pp=2", "parallel.zero_stage=1", "data.global_batch_size=2"), world_size=2)
+    validate_config(make(*ok, "parallel.tp=2", "data.global_batch_size=2"), world_size=2)
     with raises(r"pretrain.min_lr=0.1 exceeds pretrain.lr=0.01"):
         validate_config(make(*ok, "pretrain.lr=0.01", "pretrain.min_lr=0.1"), world_size=1)
