@@ -4,7 +4,7 @@
 # ../shared/GPU.md (sets a and b into /tmp/site), with .gpudata/ carried
 # (`python tools/prepare_gpu_smoke.py` writes it here) and, when there is one, .kernel_cache/:
 #
-#   bash tools/gpu_multi.sh                  # nccl scaling smoke
+#   bash tools/gpu_multi.sh                  # nccl scaling smoke (GPU_TOTAL_S=900: more than one device call)
 #   bash tools/gpu_multi.sh scaling smoke    # a subset
 #
 #   nccl     python -m pytest -q -s tests/gpu/test_comm_nccl.py tests/gpu/test_parallel_nccl.py (skipped when absent)
@@ -14,8 +14,9 @@
 #
 # Environment: OUT (default runs/gpu_multi), GPU_TOTAL_S (wall budget of the whole script, default
 # 540 s; every step gets min(its limit, what is left)), LIMIT_NCCL / LIMIT_SCALING / LIMIT_SMOKE
-# (seconds: 90 / 230 / 200), ARGS_NCCL / ARGS_SCALING / ARGS_SMOKE (extra arguments), SCALING_PER_N_S
-# (limit of one N of the scaling bench, default 190: the first N compiles fla). Kernel caches as in tools/bench_all_gpu.sh:
+# (seconds: 300 / 230 / 300; on 2026-11-29 the NCCL tests took 70-90 s each, the smoke run 283 s),
+# ARGS_NCCL / ARGS_SCALING / ARGS_SMOKE (extra arguments), SCALING_PER_N_S (limit of one N of the
+# scaling bench, default 190: the first N compiles fla). Kernel caches as in tools/bench_all_gpu.sh:
 # /tmp/kcache (restored from .kernel_cache/ when carried), packed at the end into
 # $OUT/kernel_cache.tgz.part-* (15 MiB pieces). Files back from the device: at most 8, so every log
 # and result goes to $RESULTS (default $OUT/../gpu_multi_results) and $OUT/results.tgz is rebuilt
@@ -90,7 +91,7 @@ for s in "${steps[@]}"; do
     nccl)
       if [ -f tests/gpu/test_parallel_nccl.py ]; then
         # test_comm_nccl first (~30 s): collectives on CPU tensors and the stats pass on GPUs over NCCL
-        step nccl "$(limit_for nccl 90)" python -m pytest -q -s tests/gpu/test_comm_nccl.py tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
+        step nccl "$(limit_for nccl 300)" python -m pytest -q -s tests/gpu/test_comm_nccl.py tests/gpu/test_parallel_nccl.py ${ARGS_NCCL:-}
       else
         echo "=== nccl: skipped (tests/gpu/test_parallel_nccl.py absent)" | tee -a "$RESULTS/steps.txt"
       fi ;;
@@ -105,7 +106,7 @@ for s in "${steps[@]}"; do
       chmod +x launch/distill.sh  # the deepspeed launcher executes it directly (--no_python)
       bash launch/distill.sh --print-env > "$RESULTS/smoke_print_env.txt" 2>&1
       rm -rf "$SMOKE_RUN"; touch /tmp/gpu_multi_smoke_marker
-      step smoke "$(limit_for smoke 200)" bash launch/distill.sh configs/gpu_smoke.yaml "run.run_dir=$SMOKE_RUN" ${ARGS_SMOKE:-}
+      step smoke "$(limit_for smoke 300)" bash launch/distill.sh configs/gpu_smoke.yaml "run.run_dir=$SMOKE_RUN" ${ARGS_SMOKE:-}
       mkdir -p "$RESULTS/smoke_run"
       for f in manifest.json config.yaml run.json eval_log.jsonl stage1/train_log.jsonl stage2/train_log.jsonl eval/results.json; do
         [ -f "$SMOKE_RUN/$f" ] && cp "$SMOKE_RUN/$f" "$RESULTS/smoke_run/${f//\//_}"
