@@ -33,6 +33,7 @@
 # pretrain run and grid cell, e.g. EXTRA="parallel.zero_stage=3"; they change the cells' fingerprints).
 # --quick: CPU toy sizes of everything (tiny teachers of the same families, few steps), for checking.
 set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # lanes run this script again, from the repository root
 cd "$(dirname "$0")/../.."
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
@@ -184,7 +185,7 @@ step_lanes() {  # lanes:STEP+STEP[+...]
     local gpu_env=()
     (( ngpu > 0 )) && gpu_env=(CUDA_VISIBLE_DEVICES=$(( i % ngpu )))
     say "lane $i: $st${gpu_env:+ on ${gpu_env[0]}}, budget ${budget} s"
-    ( env "${gpu_env[@]}" R="$R" OUT="$OUT" BUDGET_S="$budget" bash "$0" $([ $QUICK = 1 ] && echo --quick) "$st" 2>&1 \
+    ( env "${gpu_env[@]}" R="$R" OUT="$OUT" BUDGET_S="$budget" bash "$SELF" $([ $QUICK = 1 ] && echo --quick) "$st" 2>&1 \
         | sed -u "s/^/[lane $i] /"; exit "${PIPESTATUS[0]}" ) &
     pids+=($!)
     i=$(( i + 1 ))
