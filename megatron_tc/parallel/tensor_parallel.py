@@ -32,6 +32,7 @@ from torch import nn
 
 from megatron_tc.model import Attention, GatedDeltaNet, GatedMLP, HybridLM
 
+from .comm import all_gather
 from .state import ParallelContext
 
 with warnings.catch_warnings():
@@ -254,9 +255,7 @@ def apply_tensor_parallel(model: HybridLM, ctx: ParallelContext) -> HybridLM:
 
 # ---- gathering (tests, export) ------------------------------------------------------------------
 def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(all_gather(x, group), dim=dim)
 
 
 def gather_vocab_shards(local_logits: torch.Tensor, vocab_size: int, ctx: ParallelContext) -> torch.Tensor:

@@ -21,9 +21,14 @@ def tiny_teacher_and_rows():
     return model, ids, doc_ids
 
 
+def row_batches(ids, doc_ids, rows):
+    """One batch per row of `rows`."""
+    return [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in rows]
+
+
 def stats_of_rows(rows, dp_group=None):
     model, ids, doc_ids = tiny_teacher_and_rows()
-    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in rows]
+    batches = row_batches(ids, doc_ids, rows)
     return collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
                          readout_strategies=[get_strategy(s) for s in READOUT],
                          student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=dp_group, progress=False)
@@ -37,16 +42,22 @@ def dp_stats(rank: int, world_size: int, out_path: str) -> None:
     dist.barrier()
 
 
-def tp_stats(rank: int, world_size: int, out_path: str) -> None:
-    """The tiny teacher sharded over TP=2; attention sweep over all rows; rank 0 saves."""
-    from megatron_tc.calibrate.stats import collect_attention_stats
+def _tp2_teacher_and_batches():
+    """(ctx, the tiny teacher sharded over TP=2, a batch per row of all 4 rows)."""
     from megatron_tc.parallel.state import init_parallel
     from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
 
     ctx = init_parallel(tp=2)
     model, ids, doc_ids = tiny_teacher_and_rows()
     apply_tensor_parallel(model, ctx)
-    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    return ctx, model, row_batches(ids, doc_ids, range(4))
+
+
+def tp_stats(rank: int, world_size: int, out_path: str) -> None:
+    """The tiny teacher sharded over TP=2; attention sweep over all rows; rank 0 saves."""
+    from megatron_tc.calibrate.stats import collect_attention_stats
+
+    ctx, model, batches = _tp2_teacher_and_batches()
     stats = collect_attention_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5,
                                     dp_group=ctx.dp_group, tp_group=ctx.tp_group, progress=False)
     if rank == 0:
@@ -56,13 +67,7 @@ def tp_stats(rank: int, world_size: int, out_path: str) -> None:
 
 def tp_full_stats(rank: int, world_size: int, out_path: str) -> None:
     """Both sweeps with the teacher sharded over TP=2 (readout on a gathered full copy); rank 0 saves."""
-    from megatron_tc.parallel.state import init_parallel
-    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
-
-    ctx = init_parallel(tp=2)
-    model, ids, doc_ids = tiny_teacher_and_rows()
-    apply_tensor_parallel(model, ctx)
-    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    ctx, model, batches = _tp2_teacher_and_batches()
     stats = collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
                           readout_strategies=[get_strategy(s) for s in READOUT],
                           student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=ctx.dp_group,

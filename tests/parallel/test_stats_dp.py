@@ -20,28 +20,28 @@ def test_dp2_stats_equal_single_process_on_union(tmp_path):
         assert float((got - want).abs().max() / scale) <= 1e-10, key
 
 
-def test_tp2_stats_equal_tp1(tmp_path):
-    from megatron_tc.calibrate.stats import collect_attention_stats
-
-    path = str(tmp_path / "tp2.pt")
-    run_distributed(_workers_stats.tp_stats, 2, path, timeout=240)
+def _tp2_stats_match(worker, path: str, ref: TaylorStats) -> TaylorStats:
+    """Run `worker` on 2 ranks (TP=2); its saved sums equal `ref`'s (TP reorders fp32 sums)."""
+    run_distributed(worker, 2, path, timeout=240)
     tp2 = TaylorStats.load(path)
-    model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
-    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
-    ref = collect_attention_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
     assert sorted(tp2.sums) == sorted(ref.sums)
     for key, want in ref.sums.items():
         torch.testing.assert_close(tp2.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
+    return tp2
+
+
+def test_tp2_stats_equal_tp1(tmp_path):
+    from megatron_tc.calibrate.stats import collect_attention_stats
+
+    model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
+    batches = _workers_stats.row_batches(ids, doc_ids, range(4))
+    ref = collect_attention_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
+    _tp2_stats_match(_workers_stats.tp_stats, str(tmp_path / "tp2.pt"), ref)
 
 
 def test_tp2_readout_sums_equal_tp1(tmp_path):
     """With a TP=2 teacher the readout sweep runs on a gathered full copy: every sum (attention
     moments and taylor / taylor_fit readout sums) equals the single-process pass."""
-    path = str(tmp_path / "tp2_full.pt")
-    run_distributed(_workers_stats.tp_full_stats, 2, path, timeout=240)
-    tp2 = TaylorStats.load(path)
-    ref = _workers_stats.stats_of_rows(range(4))
-    assert sorted(tp2.sums) == sorted(ref.sums)
+    tp2 = _tp2_stats_match(_workers_stats.tp_full_stats, str(tmp_path / "tp2_full.pt"),
+                           _workers_stats.stats_of_rows(range(4)))
     assert any(k.startswith("readout.taylor_fit.") for k in tp2.sums)
-    for key, want in ref.sums.items():
-        torch.testing.assert_close(tp2.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
