@@ -12,6 +12,8 @@ between the eager bf16 and fp32 models themselves.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -24,7 +26,6 @@ pytest.importorskip("triton")
 from megatron_tc.model import ArchConfig, HybridLM  # noqa: E402
 from megatron_tc.model import fused as fused_module  # noqa: E402
 
-TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-3, 2e-2)}  # (logits, global gradient) rel. error
 
 
 def forward_backward(model, ids):
@@ -47,23 +48,45 @@ def test_compiled_blocks_match_eager(dtype, shape, monkeypatch):
     arch = ArchConfig(family="llama", vocab_size=300, hidden_size=hidden, num_layers=3, num_heads=heads,
                       num_kv_heads=kv_heads, head_dim=64, intermediate_size=mlp, layer_pattern="GAG", gdn_conv_size=4)
     torch.manual_seed(0)
-    model = HybridLM(arch).cuda().to(dtype)
-    model.set_gdn_backend("chunk")
+    reference = HybridLM(arch).cuda()
+    reference.set_gdn_backend("chunk")
     with torch.no_grad():  # norm weights away from 1, so a wrong weight path shows
-        for name, p in model.named_parameters():
+        for name, p in reference.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
+    model = copy.deepcopy(reference).to(dtype)
     ids = torch.randint(0, 300, (2, 130), device="cuda")
     monkeypatch.setenv("MEGATRON_TC_COMPILE", "0")
     want_logits, want = forward_backward(model, ids)
+    fp32_logits, fp32 = forward_backward(reference, ids)
     monkeypatch.setenv("MEGATRON_TC_COMPILE", "1")
     got_logits, got = forward_backward(model, ids)
     assert {"rms_norm", "gdn_gates", "gdn_gated_output", "glu"} <= set(fused_module._COMPILED)
-    logit_err = float((got_logits - want_logits).norm() / want_logits.norm())
-    grad_err = (sum(float((got[n] - g).norm()) ** 2 for n, g in want.items())
-                / sum(float(g.norm()) ** 2 for g in want.values())) ** 0.5
-    print(dtype, shape, f"logits {logit_err:.1e}, gradients (global) {grad_err:.1e}")
-    assert logit_err < TOL[dtype][0] and grad_err < TOL[dtype][1], (logit_err, grad_err)
+    logit_err, grad_err = rel(got_logits, want_logits), global_rel(got, want)
+    print(dtype, shape, f"compiled vs eager: logits {logit_err:.1e}, gradients (global) {grad_err:.1e}")
+    if dtype == torch.float32:
+        assert logit_err < 1e-5 and grad_err < 1e-4, (logit_err, grad_err)
+        return
+    # bf16: fusing rounds a few intermediates differently (reduction order inside RMSNorm, fp32
+    # registers in the backward). Against the fp32 model, the fused run must be as accurate as the
+    # eager one, and the two may differ by less than bf16 itself moves them (2026-11-29, H200, the
+    # SmolLM2 widths: compiled vs eager logits 7.2e-3, where a fixed 5e-3 had been guessed on CPU).
+    eager_logit_err, eager_grad_err = rel(want_logits, fp32_logits), global_rel(want, fp32)
+    print(f"bf16 vs fp32: eager logits {eager_logit_err:.1e} (compiled {rel(got_logits, fp32_logits):.1e}), "
+          f"gradients {eager_grad_err:.1e} (compiled {global_rel(got, fp32):.1e})")
+    assert logit_err < eager_logit_err and grad_err < eager_grad_err, (logit_err, grad_err)
+    assert rel(got_logits, fp32_logits) < 1.25 * eager_logit_err
+    assert global_rel(got, fp32) < 1.25 * eager_grad_err
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def global_rel(got: dict, want: dict) -> float:
+    """Relative error of all gradients together."""
+    return (sum(float((got[n] - g).norm()) ** 2 for n, g in want.items())
+            / sum(float(g.norm()) ** 2 for g in want.values())) ** 0.5
 
 
 # Each block alone at the shapes of tools/bench_train.py's SmolLM2 step ([8, 2048] tokens), compiled vs
@@ -113,3 +136,54 @@ def test_each_compiled_block_at_the_smollm2_bench_shapes(name):
     done = subprocess.run([sys.executable, "-c", BLOCK_SCRIPT.format(case=BLOCK_CASES[name], name=name)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+# Parameters as ZeRO-3 hands them out: nn.Parameter objects whose .data is a view into one flat bf16
+# buffer, packed end to end, so a view after SmolLM2's nine-head A_log (18 bytes) starts off a 16-byte
+# boundary. The first call compiles with aligned parameters, the second passes the misaligned ones.
+# `MODE=raw` calls torch.compile(fn) itself (what fused() did before it copied such tensors): run by
+# hand, it says whether inductor faults on them. Suspected cause of the SmolLM2 ZeRO-3 step's
+# "misaligned address" (2026-11-29), not confirmed: plain views (not Parameters) ran fine raw.
+MISALIGNED_SCRIPT = """
+import os, torch
+from megatron_tc.model import fused
+torch.manual_seed(0)
+a, b = (torch.randn(8, 2048, 9, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+x = torch.randn(8, 2048, 576, device="cuda", dtype=torch.bfloat16)
+flat = torch.randn(1 + 9 + 9 + 576, device="cuda", dtype=torch.bfloat16)
+def zero3_param(view):
+    p = torch.nn.Parameter(torch.empty(0, device="cuda", dtype=torch.bfloat16))
+    p.data = view
+    return p
+a_log, dt_bias, norm_w = zero3_param(flat[1:10]), zero3_param(flat[10:19]), zero3_param(flat[19:])
+assert a_log.data_ptr() % 16 and dt_bias.data_ptr() % 16 and norm_w.data_ptr() % 16
+if os.environ.get("MODE") == "raw":
+    fused._configure_compiler()
+    gates, norm = torch.compile(fused.gdn_gates, dynamic=False), torch.compile(fused.rms_norm, dynamic=False)
+else:
+    gates, norm = fused.fused("gdn_gates", fused.gdn_gates, a), fused.fused("rms_norm", fused.rms_norm, x)
+aligned = [torch.nn.Parameter(t.detach().clone()) for t in (a_log, dt_bias, norm_w)]
+gates(a, b, aligned[0], aligned[1], 8.0, -1e4); norm(x, aligned[2], 1e-5, False)
+got = gates(a, b, a_log, dt_bias, 8.0, -1e4) + (norm(x, norm_w, 1e-5, False),)
+want = fused.gdn_gates(a, b, a_log, dt_bias, 8.0, -1e4) + (fused.rms_norm(x, norm_w, 1e-5, False),)
+(sum(t.float().square().mean() for t in got)).backward()
+torch.cuda.synchronize()
+for g, w in zip(got, want):
+    torch.testing.assert_close(g, w, rtol=2e-2, atol=1e-2)
+assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in (a_log, dt_bias, norm_w))
+print("misaligned parameters: ok")
+"""
+
+
+def test_compiled_blocks_take_misaligned_zero3_parameter_views(monkeypatch):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", MEGATRON_TC_COMPILE="1", MODE="fused")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", MISALIGNED_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
