@@ -36,5 +36,9 @@ def test_stats_with_teacher_on_gpu_dp2_equal_cpu_single_process(tmp_path):
     assert sorted(got.sums) == sorted(ref.sums)
     assert got.meta["tokens"] == ref.meta["tokens"] == 96
     for key, want in ref.sums.items():
-        scale = want.abs().max().clamp_min(1e-30)
-        assert float((got.sums[key] - want).abs().max() / scale) <= 1e-4, key
+        # 1e-4 relative, plus 1e-5 absolute for sums of many terms near 0 such as `conc` (1 - entropy /
+        # log(n) per row, each rounded at fp32's ~1e-7 of 1): on two H200s (2026-11-29) its GPU sum
+        # was 1.19e-6 from the CPU's (3.3e-4 of its 3.6e-3). A row counted twice or lost moves a sum by
+        # a quarter here (4 rows).
+        err = float((got.sums[key] - want).abs().max())
+        assert err <= 1e-4 * float(want.abs().max()) + 1e-5, f"{key}: {err:.3g} from the CPU sums"
