@@ -97,7 +97,8 @@ class Trainer:
             ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch,
                                         global_batch_size=args.batch * ctx.dp_size, dp_size=ctx.dp_size,
                                         bf16=device.type == "cuda", lr=1e-5,
-                                        base=deepspeed_template_path(1, getattr(args, "deepspeed_config", None)))
+                                        base=deepspeed_template_path(1, getattr(args, "deepspeed_config", None)),
+                                        trainable_numel=sum(p.numel() for p in student.parameters() if p.requires_grad))
             self.ds_config = ds
             self.engine, self.student, self.optimizer = build_student_engine(student, ds, ctx), None, None
         else:

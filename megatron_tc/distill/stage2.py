@@ -349,9 +349,11 @@ def gather_full_state(engine: Any, ctx: Any = None) -> dict[str, torch.Tensor] |
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
-def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None) -> dict:
+def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None,
+                            trainable: torch.nn.Module | None = None) -> dict:
     """The student's DeepSpeed config: the template (ours or parallel.deepspeed_config) with its
-    "auto" values filled from our config, plus DeepSpeed's own TensorBoard monitor."""
+    "auto" values filled from our config (ZeRO's bucket sizes from the `trainable` module's
+    parameters with requires_grad), plus DeepSpeed's own TensorBoard monitor."""
     from megatron_tc.config import deepspeed_template_path
     from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config
 
@@ -361,7 +363,8 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
         global_batch_size=cfg.data.global_batch_size, dp_size=ctx.dp_size,
         bf16=device.type == "cuda" and cfg.run.precision == "bf16", lr=s2.lr, weight_decay=s2.weight_decay,
         grad_clip=s2.grad_clip, pipeline=ctx.pp_size > 1,
-        base=deepspeed_template_path(ctx.pp_size, cfg.parallel.deepspeed_config))
+        base=deepspeed_template_path(ctx.pp_size, cfg.parallel.deepspeed_config),
+        trainable_numel=None if trainable is None else sum(p.numel() for p in trainable.parameters() if p.requires_grad))
     # DeepSpeed's default ZeRO-3 leaf classes are Hugging Face MoE blocks, which our models never
     # contain; an empty list skips the walk over the model that looks for them.
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})
@@ -457,7 +460,7 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     names = select_trainable(student, cfg.distill.stage2.trainable)
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
-    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir)
+    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student)
     engine = build_student_engine(student, ds_config, ctx)
     if cfg.run.precision == "bf16" and device.type == "cuda":
         teacher = teacher.to(torch.bfloat16)

@@ -109,7 +109,7 @@ def build_pipeline_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Mo
         student, teacher = shard_over_tp(student, teacher, ctx)
     select_trainable(student, s2.trainable)
     student.to(device)
-    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir)
+    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student)
     loss_fn = DistillLoss(student.arch.vocab_size, s2.temperature, s2.ce_weight,
                           ctx.tp_group if ctx.tp_size > 1 else None)
     engine = build_pipeline_engine(student, teacher.to(device), ds_config, ctx, loss_fn,

@@ -40,3 +40,27 @@ def test_zero3_on_one_data_parallel_rank_is_warned_about(zero, dp, rank, warned,
     # the shipped JSON leaves overlap_comm to DeepSpeed (on under ZeRO-3)
     assert "overlap_comm" not in ds["zero_optimization"]
     assert (WARNING in megatron_tc_logs.text) == warned, megatron_tc_logs.text
+
+
+@pytest.mark.parametrize("trainable_numel, want", [(None, 50_000_000), (10, 1_000_000),
+                                                   (135_000_000, 135_000_000), (1_100_000_000, 500_000_000)])
+def test_zero_buckets_follow_the_trainable_size(trainable_numel, want):
+    """'auto' buckets: the trainable size, between 1e6 and the 5e8 measured best for the 1.1B model."""
+    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2"])
+    model = None
+    if trainable_numel is not None:
+        model = torch.nn.Linear(1, 1)
+        model.weight = torch.nn.Parameter(torch.empty(trainable_numel, device="meta"), requires_grad=True)
+        model.bias.requires_grad_(False)
+    zero = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None, model)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == want
+
+
+def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
+    user = tmp_path / "ds.json"
+    user.write_text('{"zero_optimization": {"reduce_bucket_size": 123456, "stage3_prefetch_bucket_size": "auto"}}')
+    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2",
+                             f"parallel.deepspeed_config={user}"])
+    zero = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None,
+                                   torch.nn.Linear(1000, 1000))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == 1_001_000
