@@ -48,7 +48,8 @@ DeepSpeed JSON templates live in `configs/deepspeed/`: `zero3.json` (parallel.pp
 `zero1_pipeline.json` (parallel.pp > 1; DeepSpeed's pipeline engine allows ZeRO stage 0 or 1 only).
 `parallel.deepspeed_config` replaces them with your own JSON. As in the Hugging Face integration,
 a value `"auto"` is filled from this config (batch sizes, gradient clipping, bf16, ZeRO stage,
-learning rate, weight decay) and a concrete value is kept; `"torch_adam": true` selects PyTorch's
+learning rate, weight decay; ZeRO's reduce and prefetch buckets from the trainable parameter
+count, between 1e6 and 5e8 elements) and a concrete value is kept; `"torch_adam": true` selects PyTorch's
 AdamW, so the same file runs on CPU without compiling DeepSpeed's fused Adam.
 """
 
