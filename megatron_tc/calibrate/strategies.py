@@ -309,9 +309,13 @@ REGISTRY: dict[str, Callable[[], Strategy]] = {}
 
 
 def register(name: str, factory: Callable[[], Strategy]) -> None:
+    """Add an init strategy; `calibrate.init` in a config accepts its name from then on."""
+    from megatron_tc.config import register_init_strategy
+
     if name in REGISTRY:
         raise StrategyError(f"strategy {name!r} is registered twice")
     REGISTRY[name] = factory
+    register_init_strategy(name)
 
 
 def get_strategy(name: str) -> Strategy:

@@ -332,6 +332,8 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
 def grid_main(argv: list[str] | None = None) -> int:
     import argparse
 
+    import megatron_tc.calibrate.strategies  # noqa: F401  (registers every init, ablations included, before cells are checked)
+
     p = argparse.ArgumentParser(prog="run_grid.py", description="Run an init x policy x teacher grid from a grid file")
     p.add_argument("grid", help="grid YAML (see megatron_tc/eval/grid.py)")
     p.add_argument("--out", help="override the grid's out directory")

@@ -141,3 +141,17 @@ def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
     md = (tmp_path / "out" / "results.md").read_text()
     assert f"| tiny | uniform | zero_gate | ok | {zero_gate['ppl']:.4g} |" in md
     assert json.loads((tmp_path / "out" / "results.json").read_text())["cells"][1]["metrics"]["ppl"] == zero_gate["ppl"]
+
+
+def test_run_grid_cli_knows_every_registered_init(tmp_path):
+    """tools/run_grid.py checks every cell's config before running any; the ablations of ours are
+    registered by megatron_tc.calibrate.strategies, which a fresh process must import first."""
+    import subprocess
+    import sys
+
+    path = _grid_file(tmp_path, mode="zero_shot", axes={"teacher": {"t1": "teachers/one"}, "policy": ["uniform"],
+                                                        "init": ["taylor_fit-closed"]})
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "run_grid.py"), str(path), "--max-seconds", "0"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "not a known strategy" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])  # the cell is left pending
