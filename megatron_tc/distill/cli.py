@@ -20,6 +20,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import megatron_tc.calibrate.strategies  # noqa: F401  (registers every init, ablations included, before the check)
     from megatron_tc.config import ConfigError, load_config, split_cli_args
 
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)

@@ -80,3 +80,15 @@ def test_cpu_launcher_runs_the_whole_pipeline_then_resumes_and_skips(tiny_assets
     generated = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 7)
     assert (run_dir / "export/megatron_tc/manifest.json").is_file()
+
+
+@pytest.mark.parametrize("init, known", [("taylor_fit-closed", True), ("taylor_fitt", False)])
+def test_distill_cli_knows_every_registered_init(init, known):
+    """tools/distill.py checks the config before it imports the pipeline: the ablations of ours,
+    registered by megatron_tc.calibrate.strategies, must pass that check in a fresh process (an
+    empty stage list, reported by the same check, makes every run stop there)."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "distill.py"), "configs/tiny.yaml",
+                           f"calibrate.init={init}", "run.stages=[]"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and "run.stages is empty" in done.stderr, done.stderr[-2000:]
+    assert ("not a known strategy" in done.stderr) != known, done.stderr[-2000:]
