@@ -223,8 +223,19 @@ def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
                 got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64)
                                          for x in (losses, want_losses, exact_losses))
                 if dtype == torch.float32:
-                    assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)
-                    _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {ctx.pp_rank}", 1e-5, 1e-4)
+                    # PP=2 and one GPU agree within 1e-5, or within the one-GPU run's own distance from
+                    # fp64 where the kernels are less exact than that: fla's GDN kernels do not honour
+                    # TRITON_F32_DEFAULT=ieee throughout (H200, 2026-11-30: losses 1.07e-5 apart with and
+                    # without it, 1e-5 on CPU-gloo whose GDN path is fp32 throughout).
+                    names = sorted(trained)
+                    noise_l = rel_err(one_l, exact_l)
+                    noise_w = rel_err(_cat(single, names), _cat({n: exact[n] for n in names}, names))
+                    print(f"rank {rank} {what} fp32: losses {rel_err(got_l, one_l):.3g} from one GPU (one GPU "
+                          f"{noise_l:.3g} from fp64); weights {rel_err(_cat(trained, names), _cat(single, names)):.3g}"
+                          f" (one GPU {noise_w:.3g} from fp64)", flush=True)
+                    assert_close(got_l, one_l, f"{what} fp32 step losses", max(1e-5, noise_l))
+                    _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {ctx.pp_rank}",
+                                       max(1e-5, noise_w), max(1e-4, noise_w))
                 assert_as_accurate(got_l, one_l, exact_l, f"{what} step losses", dtype)
                 _updates_as_accurate(trained, single, {n: exact[n] for n in trained}, init, init_exact,
                                      f"{what} stage {ctx.pp_rank}", dtype)
