@@ -147,13 +147,13 @@ def merged(data: list) -> list:
 
 def assert_like_other_order(got: torch.Tensor, single: torch.Tensor, single_other_order: torch.Tensor, what: str,
                            ratio: float = 2.0, floor: float = 1e-3) -> float:
-    """bf16 training: the parallel run may differ from the one-GPU run by no more than `ratio` x as
+    """bf16 training (and fp32 through fla's kernels): the parallel run may differ from the one-GPU run by no more than `ratio` x as
     much as the one-GPU run differs from itself when each step's micro-batches are merged into one
     (`merged`: the legitimate rounding difference of another reduction order), plus a
     floor. Much sharper than the fp64 comparison: another reduction order moves bf16 gradients by ~1 ulp,
     not by the 5-10% by which bf16 gradients are off fp64. Returns the ratio (for logs)."""
     err, spread = rel_err(got, single), rel_err(single_other_order, single)
-    assert err <= ratio * spread + floor, (f"{what} (bf16): parallel vs one GPU {err:.3g} > {ratio:g} x "
+    assert err <= ratio * spread + floor, (f"{what}: parallel vs one GPU {err:.3g} > {ratio:g} x "
                                            f"(one GPU vs itself with micro-batches merged) {spread:.3g} + {floor:g}")
     return err / spread if spread else 0.0
 
@@ -200,6 +200,29 @@ def tp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
 
 
 # ---- PP = 2 -------------------------------------------------------------------------------------
+def _pp2_fp32_like_one_gpu(rank, what, pp_rank, device, got_l, one_l, trained, single, exact, tied, data,
+                           loss_fn) -> None:
+    """fp32 PP=2 against one GPU. Where the kernels are fp32 throughout (CPU-gloo) the two agree
+    within 1e-5. fla's GDN kernels are not (TRITON_F32_DEFAULT=ieee changed nothing; H200,
+    2026-11-30: losses 1.07e-5 and stage-0 weights 1.9e-4 apart, while the one-GPU run itself is
+    2.3e-5 / 6.0e-5 from fp64), so on the GPU the difference is judged, as bf16's, against the
+    one-GPU run's difference from itself with each step's micro-batches merged."""
+    names = sorted(trained)
+    if device == "cpu":
+        assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)
+        _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {pp_rank}", 1e-5, 1e-4)
+        return
+    alt_losses, alt = wpp.single_process_run(tied, merged(data), loss_fn, device, torch.float32)
+    alt = {n: p.detach() for n, p in alt.named_parameters() if n in trained}
+    r_loss = assert_like_other_order(got_l, one_l, torch.tensor(alt_losses, dtype=torch.float64),
+                                     f"{what} fp32 step losses", floor=1e-6)
+    r_w = assert_like_other_order(_cat(trained, names), _cat(single, names), _cat(alt, names),
+                                  f"{what} fp32 stage {pp_rank} weights", floor=1e-6)
+    print(f"rank {rank} {what} fp32: PP=2 vs one GPU {rel_err(got_l, one_l):.3g} (losses), "
+          f"{rel_err(_cat(trained, names), _cat(single, names)):.3g} (weights); ratio to the merged-micro-batch "
+          f"spread {r_loss:.2f} / {r_w:.2f}", flush=True)
+
+
 def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> None:
     """DeepSpeed's pipeline engine (ZeRO-1), five distillation steps: step losses and the weights
     each stage trained, for both setups of tests/parallel/_workers_pipeline."""
@@ -223,19 +246,8 @@ def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
                 got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64)
                                          for x in (losses, want_losses, exact_losses))
                 if dtype == torch.float32:
-                    # PP=2 and one GPU agree within 1e-5, or within the one-GPU run's own distance from
-                    # fp64 where the kernels are less exact than that: fla's GDN kernels do not honour
-                    # TRITON_F32_DEFAULT=ieee throughout (H200, 2026-11-30: losses 1.07e-5 apart with and
-                    # without it, 1e-5 on CPU-gloo whose GDN path is fp32 throughout).
-                    names = sorted(trained)
-                    noise_l = rel_err(one_l, exact_l)
-                    noise_w = rel_err(_cat(single, names), _cat({n: exact[n] for n in names}, names))
-                    print(f"rank {rank} {what} fp32: losses {rel_err(got_l, one_l):.3g} from one GPU (one GPU "
-                          f"{noise_l:.3g} from fp64); weights {rel_err(_cat(trained, names), _cat(single, names)):.3g}"
-                          f" (one GPU {noise_w:.3g} from fp64)", flush=True)
-                    assert_close(got_l, one_l, f"{what} fp32 step losses", max(1e-5, noise_l))
-                    _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {ctx.pp_rank}",
-                                       max(1e-5, noise_w), max(1e-4, noise_w))
+                    _pp2_fp32_like_one_gpu(rank, what, ctx.pp_rank, device, got_l, one_l, trained, single, exact,
+                                           tied, data, loss_fn)
                 assert_as_accurate(got_l, one_l, exact_l, f"{what} step losses", dtype)
                 _updates_as_accurate(trained, single, {n: exact[n] for n in trained}, init, init_exact,
                                      f"{what} stage {ctx.pp_rank}", dtype)
