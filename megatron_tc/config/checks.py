@@ -121,6 +121,8 @@ def _range_errors(cfg: Config) -> list[str]:
             errors.append(f"{key}={value} must be >= 1 (or null)")
     if any(k <= 0 or not math.isfinite(k) for k in cfg.eval.target_ppl_factors):
         errors.append(f"eval.target_ppl_factors={cfg.eval.target_ppl_factors} must all be > 0 (e.g. [1.10, 1.25])")
+    if any(n < 1 for n in cfg.distill.eval_steps):
+        errors.append(f"distill.eval_steps={cfg.distill.eval_steps} must all be >= 1 (step 0 is always evaluated)")
     if any(n < 1 for n in cfg.eval.probe_lengths):
         errors.append(f"eval.probe_lengths={cfg.eval.probe_lengths} must all be >= 1")
     return errors
@@ -291,7 +293,8 @@ def _data_errors(cfg: Config) -> list[str]:
     needs_calib = bool({"stats", "init", "stage1"} & set(stages)) or ("select" in stages and cfg.model.policy != "uniform")
     if needs_calib and not (split.calibration_docs or split.calibration_fraction > 0):
         errors.append("no calibration text: set data.split.calibration_fraction > 0 or name data.split.calibration_docs")
-    needs_eval = "eval" in stages or (bool({"stage2", "pretrain"} & set(stages)) and cfg.distill.eval_interval > 0)
+    periodic_eval = cfg.distill.eval_interval > 0 or bool(cfg.distill.eval_steps)
+    needs_eval = "eval" in stages or (bool({"stage2", "pretrain"} & set(stages)) and periodic_eval)
     if needs_eval and not (split.eval_docs or split.eval_fraction > 0):
         errors.append("no evaluation text: set data.split.eval_fraction > 0 or name data.split.eval_docs")
     if cfg.eval.tokens > d.eval_tokens:

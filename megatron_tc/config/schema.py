@@ -126,6 +126,9 @@ class DataConfig:
     micro_batch_size: int = opt(1, "Sequences per rank per forward/backward.")
     global_batch_size: int = opt(4, "Sequences per optimizer step over all data-parallel ranks (a multiple of micro_batch_size * dp).")
     calib_tokens: int = opt(8192, "Calibration tokens for the statistics pass.")
+    calib_order: Literal["random", "stream"] = opt(
+        "random", "Which calibration sequences are used: 'random' samples them across every calibration document "
+        "(seeded by data.split.seed); 'stream' takes the first ones in manifest order (the first documents only).")
     eval_tokens: int = opt(16384, "Held-out tokens used for evaluation (periodic and final).")
 
 
@@ -194,6 +197,8 @@ class DistillConfig:
     stage1: Stage1Config = section(Stage1Config, "Stage 1 (per-layer MSE alignment at scale).")
     stage2: Stage2Config = section(Stage2Config, "Stage 2 (end-to-end KL distillation).")
     eval_interval: int = opt(10, "Evaluate held-out perplexity and KL every this many steps; 0 only at the end.")
+    eval_steps: list[int] = opt([], "Further steps to evaluate at, besides every eval_interval (e.g. [1, 2, 4, 8]: the "
+                                    "start of a tokens-to-target curve, where a calibrated student moves fastest).")
     checkpoint_interval: int = opt(25, "Save a resumable checkpoint every this many steps; 0 only at the end.")
     keep_last: int = opt(2, "Checkpoints kept in the run directory (older ones are deleted).")
     nan_policy: Literal["skip", "abort"] = opt("skip", "On a NaN/inf loss or gradient: skip the step and count it, or abort.")

@@ -131,6 +131,30 @@ class PreparedData:
                             f"{num_tokens} asked for; lower the token budget or add documents")
         return seqs.batch(range(want))
 
+    def sampled_sequences(self, split: str, num_tokens: int, seq_len: int | None = None, skip_tokens: int = 0,
+                          order: str = "random") -> dict[str, Any]:
+        """ceil(num_tokens / T) packed sequences of a split, as first_sequences, after the first
+        ceil(skip_tokens / T) of the same order (so two calls with consecutive budgets never share a
+        sequence). order "random": full sequences in a permutation seeded by data.split.seed (a
+        sample across all documents of the split); "stream": manifest order (the split's first
+        documents only)."""
+        import numpy as np
+
+        if order not in ("random", "stream"):
+            raise DataError(f"sequence order {order!r} is unknown; use 'random' or 'stream'")
+        if order == "stream":
+            rows = self.first_sequences(split, num_tokens + skip_tokens, seq_len)
+            first = -(-skip_tokens // (seq_len or self.cfg.seq_len))
+            return {k: v[first:] for k, v in rows.items()}
+        seqs = self.sequences(split, seq_len, drop_last=True)
+        skip, want = -(-skip_tokens // seqs.seq_len), -(-num_tokens // seqs.seq_len)
+        if skip + want > len(seqs):
+            raise DataError(f"the {split} split holds {len(seqs)} full sequences of {seqs.seq_len} tokens, fewer "
+                            f"than the {skip + want} asked for ({num_tokens} tokens after {skip_tokens}); lower the "
+                            "token budget or add documents")
+        picked = np.random.default_rng(self.cfg.split.seed).permutation(len(seqs))[skip:skip + want]
+        return seqs.batch([int(i) for i in picked])
+
     def token_ids(self, split: str, max_tokens: int | None = None) -> Any:
         """The split's token stream (documents each followed by EOS) as a LongTensor [N]."""
         import torch

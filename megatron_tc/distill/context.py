@@ -112,14 +112,19 @@ class RunContext:
         return self._data
 
     def calibration_batches(self, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
-        """This DP rank's share of the first calibration sequences (rows dealt round-robin), one
-        row per batch, on `self.device`. Sums over all ranks' rows equal a single process's over all rows."""
-        seq = self.cfg.data.seq_len
-        rows = self.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
-        first = skip_tokens // seq
-        picked = range(first + self.par.dp_rank, rows["input_ids"].shape[0], self.par.dp_size)
+        """This DP rank's share of the calibration sequences (data.calib_order; rows dealt
+        round-robin), one row per batch, on `self.device`. Sums over all ranks' rows equal a single
+        process's over all rows."""
+        rows = self.calibration_rows(num_tokens, skip_tokens)
+        picked = range(self.par.dp_rank, rows["input_ids"].shape[0], self.par.dp_size)
         return [{k: v[i:i + 1].to(self.device) for k, v in rows.items() if k in ("input_ids", "doc_ids")}
                 for i in picked]
+
+    def calibration_rows(self, num_tokens: int, skip_tokens: int = 0) -> dict[str, torch.Tensor]:
+        """The calibration sequences after the first `skip_tokens` worth, in data.calib_order
+        (CPU tensors [B, T]): statistics, alignment and ar/ga scoring all draw from here."""
+        return self.data().sampled_sequences("calibration", num_tokens, self.cfg.data.seq_len, skip_tokens,
+                                             order=self.cfg.data.calib_order)
 
     def eval_windows(self) -> list[torch.Tensor]:
         """The held-out evaluation text as windows [n, T] (eval.perplexity's convention)."""

@@ -8,7 +8,7 @@
 It is stage 2 without a teacher: the same trainer (`Stage2Trainer`: DeepSpeed engine, data loader
 and its resumable order, warmup + cosine schedule, NaN guard, checkpoints every
 distill.checkpoint_interval steps, TensorBoard, held-out evaluation every distill.eval_interval
-steps), with the loss replaced by the mean next-token cross-entropy over positions that have a
+steps and at distill.eval_steps), with the loss replaced by the mean next-token cross-entropy over positions that have a
 next token in the same document, and evaluation by held-out perplexity alone.
 
 Files: <run_dir>/pretrain/{checkpoints/, train_log.jsonl, eval_log.jsonl, model/} (model: a
@@ -27,7 +27,7 @@ import torch
 
 from megatron_tc.distill.context import RunContext
 from megatron_tc.distill.losses import IGNORE, next_token_labels
-from megatron_tc.distill.stage2 import Stage2Trainer, stage2_deepspeed_config
+from megatron_tc.distill.stage2 import Stage2Trainer, evaluates_while_training, stage2_deepspeed_config
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)
@@ -225,7 +225,7 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
     d = cfg.data
     loader = ctx.data().loader("train", global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
                                dp_rank=par.dp_rank, dp_size=par.dp_size, seed=cfg.run.seed)
-    rows = window_rows(ctx.eval_windows()) if cfg.distill.eval_interval else []
+    rows = window_rows(ctx.eval_windows()) if evaluates_while_training(cfg.distill) else []
     out_dir = ctx.paths.stage_dir("pretrain")
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info("pretrain: %s, %.1fM parameters, %d layers, hidden %d", arch.family,

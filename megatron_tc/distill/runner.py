@@ -81,12 +81,12 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
     from megatron_tc.distill.context import rank0_save_student
     from megatron_tc.distill.evaluation import window_rows
-    from megatron_tc.distill.stage2 import build_stage2
+    from megatron_tc.distill.stage2 import build_stage2, evaluates_while_training
 
     source = _training_student_source(ctx, "stage2")
     student = load_hybrid_lm(source)
     arch = student.arch
-    rows = window_rows(ctx.eval_windows()) if ctx.cfg.distill.eval_interval else []
+    rows = window_rows(ctx.eval_windows()) if evaluates_while_training(ctx.cfg.distill) else []
     if ctx.rank0:
         write_json(ctx.paths.root / "run.json", {"name": ctx.paths.root.name, "init": ctx.cfg.calibrate.init,
                                                  "policy": ctx.cfg.model.policy, "teacher": ctx.cfg.model.teacher,

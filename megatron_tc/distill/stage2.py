@@ -84,6 +84,16 @@ def select_trainable(model: nn.Module, which: str) -> list[str]:
     return names
 
 
+def evaluates_while_training(distill: Any) -> bool:
+    """Whether the held-out text is scored during training (distill.eval_interval / eval_steps)."""
+    return bool(distill.eval_interval or distill.eval_steps)
+
+
+def is_eval_step(distill: Any, step: int) -> bool:
+    """Step `step` (counted from 1) ends with a held-out evaluation."""
+    return bool(distill.eval_interval and step % distill.eval_interval == 0) or step in distill.eval_steps
+
+
 def total_steps(cfg: Any, tokens_per_step: int) -> int:
     s2 = cfg.distill.stage2
     if s2.tokens is not None:
@@ -261,12 +271,12 @@ class Stage2Trainer:
     def run(self, stop_after: int | None = None) -> Stage2Result:
         state = self.resume()
         guard = NonFiniteGuard(self.cfg.distill.nan_policy, self.cfg.distill.max_skipped, state.skipped_steps)
-        eval_every, ckpt_every = self.cfg.distill.eval_interval, self.cfg.distill.checkpoint_interval
+        ckpt_every = self.cfg.distill.checkpoint_interval
         last_eval, saved_at = None, state.step if state.step else -1
         bar = progress(total=self.steps, initial=state.step, desc="stage2", unit="step",
                        enabled=self.cfg.logging.progress_bar)
         stopped = False
-        if state.step == 0 and eval_every and self.eval_rows:
+        if state.step == 0 and evaluates_while_training(self.cfg.distill) and self.eval_rows:
             last_eval = self.evaluate(state)  # the starting point of the tokens-to-target curve
         while state.step < self.steps:
             start = time.perf_counter()
@@ -277,7 +287,7 @@ class Stage2Trainer:
             self.log_step(state, scalars, time.perf_counter() - start)
             bar.update(1)
             bar.set_postfix(kl=f"{scalars['kl']:.4f}", lr=f"{scalars['lr']:.2e}")
-            if eval_every and state.step % eval_every == 0 and self.eval_rows:
+            if is_eval_step(self.cfg.distill, state.step) and self.eval_rows:
                 last_eval = self.evaluate(state)
             stopping = stop_after is not None and state.step >= stop_after and state.step < self.steps
             if (ckpt_every and state.step % ckpt_every == 0) or stopping or state.step == self.steps:

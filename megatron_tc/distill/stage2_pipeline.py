@@ -102,7 +102,7 @@ def build_pipeline_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Mo
     if s2.hidden_weight:
         raise ValueError("distill.stage2.hidden_weight > 0 is not available with parallel.pp > 1 (the pipeline "
                          "passes only hidden states of the current stage); set it to 0 or use pp=1")
-    if cfg.distill.eval_interval:
+    if cfg.distill.eval_interval or cfg.distill.eval_steps:
         log.info("stage2 with pp > 1: no periodic evaluation (the eval stage scores the final student)")
     out_dir.mkdir(parents=True, exist_ok=True)
     if ctx.tp_size > 1:  # megatron-core layers inside each stage; the loss reduces over the vocabulary shards

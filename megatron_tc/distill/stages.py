@@ -148,7 +148,7 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
         arch = teacher.model.arch
         stats = collect_stats(teacher.model, ctx.calibration_batches(ctx.cfg.data.calib_tokens),
                               list(range(arch.num_layers)), {"teacher_sha256": teacher.sha256},
-                              readout_strategies=[get_strategy("taylor_fit")],
+                              readout_strategies=[get_strategy("taylor_fit-closed")],
                               student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
                               chunk_size=ctx.cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx),
                               progress=_progress(ctx))
@@ -176,10 +176,9 @@ def read_selection(ctx: RunContext) -> dict[str, Any]:
 
 def _all_calibration_rows(ctx: RunContext, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
     """Every calibration row (one per batch) on ctx.device, where the teacher runs."""
-    seq = ctx.cfg.data.seq_len
-    rows = ctx.data().first_sequences("calibration", num_tokens + skip_tokens, seq)
+    rows = ctx.calibration_rows(num_tokens, skip_tokens)
     return [{k: rows[k][i:i + 1].to(ctx.device) for k in ("input_ids", "doc_ids")}
-            for i in range(skip_tokens // seq, rows["input_ids"].shape[0])]
+            for i in range(rows["input_ids"].shape[0])]
 
 
 # ---- stats -------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import sentencepiece as spm
 
 from megatron_tc.data import (
@@ -102,6 +103,20 @@ def test_prepare_data_end_to_end(tok_dir, tmp_path):
     assert calib["input_ids"].flatten()[:40].tolist() == data.token_ids("calibration", 40).tolist()
     with pytest.raises(DataError, match="fewer than the"):
         data.first_sequences("calibration", num_tokens=10**6)
+    # sampled calibration rows: a seeded sample of whole sequences; consecutive budgets never overlap
+    full = data.sequences("calibration", 16, drop_last=True)
+    rows_of = {tuple(full[i]["input_ids"].tolist()): i for i in range(len(full))}
+    first = data.sampled_sequences("calibration", 32, 16)
+    after = data.sampled_sequences("calibration", 32, 16, skip_tokens=32)
+    picked = [rows_of[tuple(r.tolist())] for r in torch.cat([first["input_ids"], after["input_ids"]])]
+    assert len(set(picked)) == 4 and picked != sorted(picked)  # distinct, not the stream's first rows
+    assert torch.equal(data.sampled_sequences("calibration", 32, 16)["input_ids"], first["input_ids"])
+    stream = data.sampled_sequences("calibration", 32, 16, skip_tokens=16, order="stream")
+    assert torch.equal(stream["input_ids"], data.first_sequences("calibration", 48, 16)["input_ids"][1:])
+    with pytest.raises(DataError, match="full sequences"):
+        data.sampled_sequences("calibration", 10**6, 16)
+    with pytest.raises(DataError, match="unknown"):
+        data.sampled_sequences("calibration", 32, 16, order="shuffled")
     out = data.write_text("eval", tmp_path / "eval.txt")
     assert all(d.text.strip() in out.read_text() for d in data.documents("eval"))
     # the cache is reused (same files) and a DP rank sees its share

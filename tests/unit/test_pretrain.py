@@ -57,13 +57,16 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     distill(assets, whole)
-    first = distill(assets, split, "--stop-after", "4")
+    # the split run also evaluates at distill.eval_steps: scoring held-out text must not move training
+    first = distill(assets, split, "--stop-after", "4", "distill.eval_steps=[1,2]")
     assert "pretrain stopped at step 4" in first.stdout + first.stderr
-    second = distill(assets, split)
+    second = distill(assets, split, "distill.eval_steps=[1,2]")
     assert "resumed at step 4" in second.stdout + second.stderr
 
     evals = [json.loads(line) for line in (whole / "pretrain" / "eval_log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 4, 8]
+    split_evals = [json.loads(line) for line in (split / "pretrain" / "eval_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in split_evals] == [0, 1, 2, 4, 8]
     assert evals[-1]["ppl"] < 0.5 * evals[0]["ppl"], evals  # from ~vocab-size perplexity at random init
     a, b = weights(whole), weights(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
