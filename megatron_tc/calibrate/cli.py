@@ -17,7 +17,7 @@ from .strategies import REGISTRY, get_strategy
 from .student import calibrate_student, converted_layers, pattern_from_keep
 from .teacher_io import load_teacher, text_batches
 
-PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-bias", "taylor_fit-sinkfree", "taylor_fit-gatefit")  # readout sums: every other registered strategy reuses one of these
+PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-closed", "taylor_fit-bias", "taylor_fit-sinkfree")  # readout sums: every other registered strategy reuses one of these
 
 
 def _layers(text: str, num_layers: int) -> list[int]:

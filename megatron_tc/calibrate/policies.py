@@ -110,7 +110,7 @@ def greedy_addition(
     return Selection("ga", sorted(keep), scores, {"init": init, "rounds": rounds, "history": history})
 
 
-def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit") -> Selection:
+def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit-closed") -> Selection:
     """Ours: the attention output energy the initialized recurrence cannot explain, relative to
     the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales."""
     scores = {}
@@ -133,8 +133,8 @@ def select_layers(policy: str, num_keep: int, *, teacher: HybridLM | None = None
         return uniform(teacher.arch.num_layers if teacher is not None else stats.meta["num_layers"], num_keep)
     if policy == "readout_gap":
         if stats is None:
-            raise ValueError("policy readout_gap needs a stats file with taylor_fit readout sums over all layers")
-        return readout_gap(stats, num_keep, kwargs.get("strategy", "taylor_fit"))
+            raise ValueError("policy readout_gap needs a stats file with taylor_fit-closed readout sums over all layers")
+        return readout_gap(stats, num_keep, kwargs.get("strategy", "taylor_fit-closed"))
     if policy in ("ar", "ga"):
         if teacher is None or not batches:
             raise ValueError(f"policy {policy} needs the teacher and calibration batches")

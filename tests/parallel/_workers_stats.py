@@ -6,7 +6,7 @@ from megatron_tc.calibrate.stats import collect_stats
 from megatron_tc.calibrate.strategies import get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
 
-READOUT = ("taylor", "taylor_fit")
+READOUT = ("taylor", "taylor_fit", "taylor_fit-closed")
 
 
 def tiny_teacher_and_rows():

@@ -99,15 +99,15 @@ def test_ours_sets_mean_write_strength_on_calibration_data(setup):
         assert float((beta.double().mean(dim=(0, 1)) - target).abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("init,candidates", [("taylor_fit", 8), ("taylor_fit-meangate", 5)])
+@pytest.mark.parametrize("init,candidates", [("taylor_fit-closed", 8), ("taylor_fit-meangate", 5)])
 def test_ours_fitted_readout_beats_silence_and_matches_its_sums(setup, init, candidates):
-    """ours: 5 γ W_v candidates + 3 near-constant mean-input gates; its ablation without the mean
-    gates reuses the first 5 candidates' sums of ours."""
+    """ours' closed form: 5 γ W_v candidates + 3 near-constant mean-input gates; the ablation without
+    the mean gates reuses the first 5 candidates' sums."""
     stats, io = setup[1], setup[3]
     student = _student(setup, init)
     for layer in CONVERTED:
         mse = relative_mse(student.layers[layer].mixer, io[layer])
-        readout = candidate_prefix(stats.readout("taylor_fit", layer), candidates, 4)
+        readout = candidate_prefix(stats.readout("taylor_fit-closed", layer), candidates, 4)
         explained = readout["uy"].pow(2) / readout["uu"]
         assert explained.shape[0] == candidates
         index = explained.argmax(0) * 4 + torch.arange(4)
@@ -130,6 +130,29 @@ def test_registry_and_errors(setup):
         TaylorFit().init_layer(ctx)
     with pytest.raises(StrategyError, match="needs Taylor statistics"):
         build_student(teacher, PATTERN, "taylor", None)
+
+
+def test_ours_aligns_from_the_damped_gate_with_its_own_value_scale(setup):
+    """taylor_fit: ours' write strength and timescale, the paper's 0.01 W_v gate, and a per-head
+    OLS value scale fitted on the read-out of *that* closed form (not the paper's); the fitted gate
+    is ours' closed form only, and `taylor_fit+gatefit` aligns from it."""
+    teacher, stats = setup[0], setup[1]
+    ours, closed = _student(setup, "taylor_fit"), _student(setup, "taylor_fit-closed")
+    assert get_strategy("taylor_fit").align is not None and get_strategy("taylor_fit-closed").align is None
+    assert get_strategy("taylor_fit+gatefit").readout_name == "taylor_fit-closed"
+    for layer in CONVERTED:
+        mixer, t = ours.layers[layer].mixer, teacher.layers[layer].mixer
+        v = t.v_proj.weight.view(2, 8, -1).repeat_interleave(2, 0).reshape(32, -1)
+        torch.testing.assert_close(mixer.g_proj.weight, 0.01 * v)
+        readout = stats.readout("taylor_fit", layer)
+        assert readout["uy"].shape[0] == 1  # one candidate: the damped gate
+        alpha = (readout["uy"][0] / readout["uu"][0]).float()
+        scale = mixer.o_proj.weight / t.o_proj.weight
+        torch.testing.assert_close(scale, alpha.repeat_interleave(8)[None].expand_as(scale), rtol=1e-4, atol=1e-6)
+        assert not torch.equal(alpha, (stats.readout("taylor", layer)["uy"][0] / stats.readout("taylor", layer)["uu"][0]).float())
+        assert not torch.equal(closed.layers[layer].mixer.g_proj.weight, mixer.g_proj.weight)
+        for name in ("b_proj.bias", "A_log", "dt_bias"):  # the same write strength and timescale
+            torch.testing.assert_close(mixer.state_dict()[name], closed.layers[layer].mixer.state_dict()[name])
 
 
 def test_alignment_keeps_best_heldout_step(setup):

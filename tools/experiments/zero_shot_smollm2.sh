@@ -7,12 +7,15 @@
 # independent steps can run as parallel processes):
 #   setup      convert the GGUF teacher once, export the shakespeare corpus
 #   stats      Taylor statistics pass over the calibration text (all 30 layers + readout sums of
-#              taylor, taylor_fit (ours) and taylor_fit-gatefit)
+#              taylor, taylor_fit (ours) and taylor_fit-closed)
+# Names: since 2026-11-30 ours (taylor_fit) aligns from the paper's damped gate; docs/RESULTS.md's
+# SmolLM2 tables were made before, when taylor_fit aligned from the fitted gate (today's
+# taylor_fit+gatefit) and taylor_fit-gatefit was today's taylor_fit.
 #   teacher    teacher perplexity on the evaluation text
 #   closed     uniform policy, strategies without alignment (naive ... taylor_fit-closed, ablations)
 #   aligned    uniform policy, taylor_calibrate / taylor_fit / taylor_fit-heldout (per-layer alignment)
 #   select     readout_gap, ar and ga layer selections (ar/ga: a cheap proxy, see PROXY_TOKENS)
-#   ablation   ours without the fitted gate / without the mean-gate candidates, aligned like ours
+#   ablation   ours aligned from the fitted gate / from it without the mean-gate candidates
 #              (the held-out component: INITS=taylor_fit-heldout step aligned)
 #   stats_ablation, ablation2   readout sums of, then rows for, ours without the b_proj bias /
 #              without sink-free statistics (their closed forms differ from ours)
@@ -77,8 +80,8 @@ step_setup() {
   [ -f "$CAL" ] || python tools/fetch_corpus.py --out "$CORPUS"
 }
 
-step_stats() {  # readout sums of taylor, ours (also read by -meangate, -heldout, -closed) and -gatefit
-  run "$R/stats.json" python tools/stats.py $DATA --readout taylor,taylor_fit,taylor_fit-gatefit --out "$R/stats.pt"
+step_stats() {  # readout sums of taylor, ours (also read by -heldout) and the closed form (+gatefit, -meangate)
+  run "$R/stats.json" python tools/stats.py $DATA --readout taylor,taylor_fit,taylor_fit-closed --out "$R/stats.pt"
 }
 
 step_stats_ablation() {  # readout sums of the ablations with their own closed form (b_proj, sink)
@@ -98,7 +101,7 @@ step_closed() {
   for init in taylor taylor_fit-closed; do
     row uniform "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
-  for init in taylor_fit-gatefit taylor_fit-meangate; do  # ablations of the closed form
+  for init in taylor_fit taylor_fit-meangate; do  # the closed form with the damped gate / fewer candidates
     row uniform-noalign "$init" --policy uniform --num-keep "$NUM_KEEP" --stats "$R/stats.pt" --no-align
   done
 }
@@ -117,10 +120,10 @@ step_aligned() {
   done
 }
 
-step_ablation() {  # ours with one component removed, aligned like ours (held-out component: in step aligned)
+step_ablation() {  # ours with one component changed, aligned like ours (held-out component: in step aligned)
   local init
   need "$R/stats.json"
-  for init in ${INITS:-taylor_fit-gatefit taylor_fit-meangate}; do
+  for init in ${INITS:-taylor_fit+gatefit taylor_fit-meangate}; do
     aligned_row uniform "$init" --policy uniform --num-keep "$NUM_KEEP"
   done
 }
