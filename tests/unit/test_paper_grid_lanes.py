@@ -35,3 +35,27 @@ def test_lanes_refuse_steps_that_share_state(tmp_path):
     done = run(tmp_path, "lanes:grid:qwen2+pack")
     assert done.returncode == 2 and "lanes: pack cannot run in a lane" in done.stdout
     assert "[lane" not in done.stdout  # nothing started
+
+
+def test_kernel_cache_packs_into_parts_and_unpacks_identically(tmp_path):
+    """pack_kcache splits the compiled-kernel cache into parts a device call can return; kcache
+    puts the carried parts back in a fresh cache directory byte for byte."""
+    cache = tmp_path / "kc"
+    (cache / "triton" / "ab").mkdir(parents=True)
+    payload = os.urandom(3 * 1024 * 1024)  # incompressible: the split must carry every byte
+    (cache / "triton" / "ab" / "kernel.cubin").write_bytes(payload)
+    env = dict(os.environ, R=str(tmp_path / "r"), OUT=str(tmp_path / "carried_parts"), PYTHON=sys.executable,
+               KCACHE=str(cache))
+    packed = subprocess.run(["bash", str(SCRIPT), "--quick", "pack_kcache"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert packed.returncode == 0 and "pack_kcache: 1 part(s)" in packed.stdout, packed.stdout + packed.stderr
+    fresh = tmp_path / "fresh"
+    env.update(KCACHE=str(fresh), KCACHE_CARRIED=str(tmp_path / "carried_parts"))
+    restored = subprocess.run(["bash", str(SCRIPT), "--quick", "kcache"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert (fresh / "triton" / "ab" / "kernel.cubin").read_bytes() == payload
+    env.update(KCACHE_CARRIED=str(tmp_path / "none"))
+    nothing = subprocess.run(["bash", str(SCRIPT), "--quick", "kcache"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert nothing.returncode == 0 and "kcache: nothing carried" in nothing.stdout

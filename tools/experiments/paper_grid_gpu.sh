@@ -26,9 +26,14 @@
 #                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
 #                          teacher made on this machine, once (unpack into .paper_runs/teachers)
 #   report                 (here, on CPU) tables and plots from .paper_runs/runs -> docs/reports/paper_grid/
+#   kcache                 the carried compiled-kernel cache (.paper_kcache/kcache.tgz.part-*) -> $KCACHE
+#   pack_kcache            $KCACHE (Triton + TileLang kernels compiled here) -> $OUT/kcache.tgz.part-* (15 MiB
+#                          each): fla compiles every new shape for 1-2 minutes per lane, so the next session
+#                          carries them back (`mkdir -p .paper_kcache && cp FILES/kcache.tgz.part-* .paper_kcache/`)
 #
 # Environment: CARRIED (earlier results and teachers; .paper_runs), R (work dir; /tmp/paper, or
-# runs/paper_quick with --quick), BUDGET_S (seconds this
+# runs/paper_quick with --quick), KCACHE (/tmp/kcache; TRITON_CACHE_DIR and TILELANG_CACHE_DIR point
+# into it unless set), BUDGET_S (seconds this
 # invocation may take before `pack`; default 540), OURS (the registry's name of ours; taylor_fit),
 # OUT (the device's return folder; runs/paper_out when unset), EXTRA (key=value overrides added to every
 # pretrain run and grid cell, e.g. EXTRA="parallel.zero_stage=3"; they change the cells' fingerprints).
@@ -38,7 +43,7 @@ SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # lanes run this script ag
 cd "$(dirname "$0")/../.."
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
-[ $# -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,37p "$0"; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -46,6 +51,9 @@ OURS=${OURS:-taylor_fit}
 BUDGET_S=${BUDGET_S:-540}
 OUT=${OUT:-runs/paper_out}
 CARRIED=${CARRIED:-.paper_runs}  # results and teachers of earlier calls, unpacked here (git-ignored)
+KCACHE=${KCACHE:-/tmp/kcache}
+KCACHE_CARRIED=${KCACHE_CARRIED:-.paper_kcache}  # kcache.tgz.part-* returned by an earlier call's pack_kcache
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$KCACHE/triton} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$KCACHE/tilelang}
 CFG=configs/paper
 TEACHERS="qwen2 mistral qwen3"
 START=$(date +%s)
@@ -92,9 +100,15 @@ step_data() {
   else say "data: neither .paper_data.tgz nor .paper_data/ is here (carry one; tools/experiments/paper_data.py makes both)"; return 1; fi
 }
 
-step_restore() {
+step_restore() {  # results, and carried teachers into $R (which outlives a call while the machine stays warm)
   if [ -d "$CARRIED/runs" ]; then cp -rn "$CARRIED/runs/." "$R/runs/" && say "restore: earlier results -> $R/runs"
-  else say "restore: nothing carried"; fi
+  else say "restore: no results carried"; fi
+  local t
+  for t in "$CARRIED"/teachers/*/; do
+    [ -f "$t/config.json" ] || continue
+    t=$(basename "$t")
+    [ -e "$R/teachers/$t" ] || { cp -r "$CARRIED/teachers/$t" "$R/teachers/$t" && touch "$R/teachers/$t.packed" && say "restore: teacher $t -> $R/teachers"; }
+  done
 }
 
 step_pretrain() {  # pretrain[:NAMES]
@@ -174,6 +188,19 @@ step_pack() {
   done
 }
 
+step_kcache() {
+  if ! ls "$KCACHE_CARRIED"/kcache.tgz.part-* >/dev/null 2>&1; then say "kcache: nothing carried ($KCACHE_CARRIED/)"; return 0; fi
+  mkdir -p "$KCACHE" && cat "$KCACHE_CARRIED"/kcache.tgz.part-* | tar xzf - -C "$KCACHE" \
+    && say "kcache: $(du -sh "$KCACHE" | cut -f1) of compiled kernels -> $KCACHE"
+}
+
+step_pack_kcache() {
+  if [ ! -d "$KCACHE" ]; then say "pack_kcache: no $KCACHE"; return 0; fi
+  rm -f "$OUT"/kcache.tgz.part-*
+  tar czf - -C "$KCACHE" . | split -b 15M - "$OUT/kcache.tgz.part-" \
+    && say "pack_kcache: $(ls "$OUT"/kcache.tgz.part-* | wc -l) part(s), $(cat "$OUT"/kcache.tgz.part-* | wc -c) bytes"
+}
+
 step_lanes() {  # lanes:STEP+STEP[+...]
   local spec=${1#lanes:} ngpu i=0 rc status=0
   local -a lane_steps pids
@@ -181,7 +208,7 @@ step_lanes() {  # lanes:STEP+STEP[+...]
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   local budget=$(( $(left) - 5 ))
   for st in "${lane_steps[@]}"; do
-    case $st in lanes:*|pack|install_*|data|restore|report) say "lanes: $st cannot run in a lane"; return 2;; esac
+    case $st in lanes:*|pack|pack_kcache|kcache|install_*|data|restore|report) say "lanes: $st cannot run in a lane"; return 2;; esac
   done
   for st in "${lane_steps[@]}"; do
     local gpu_env=()
@@ -217,6 +244,8 @@ for step in "$@"; do
     smollm2) step_smollm2 ;;
     grid:*) step_grid "$step" ;;
     pack) step_pack ;;
+    kcache) step_kcache ;;
+    pack_kcache) step_pack_kcache ;;
     report) step_report ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
