@@ -201,6 +201,7 @@ def run_stats(ctx: RunContext) -> dict[str, Any]:
     batches = ctx.calibration_batches(cfg.data.calib_tokens)
     meta = {"teacher_sha256": teacher.sha256, "teacher_path": str(ctx.paths.teacher), "seq_len": cfg.data.seq_len,
             "documents": ctx.data().manifest.names("calibration"), "tokens_requested": cfg.data.calib_tokens,
+            "calib_order": cfg.data.calib_order, "split_seed": cfg.data.split.seed,
             "num_layers": teacher.model.arch.num_layers}
     stats = collect_stats(teacher.model, batches, converted, meta, readout_strategies=[strategy],
                           student_arch=teacher.model.arch.with_pattern(pattern.replace("|", "")), seed=cfg.run.seed,
