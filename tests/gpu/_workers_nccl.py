@@ -147,8 +147,9 @@ def merged(data: list) -> list:
 
 def assert_like_other_order(got: torch.Tensor, single: torch.Tensor, single_other_order: torch.Tensor, what: str,
                            ratio: float = 2.0, floor: float = 1e-3) -> float:
-    """bf16 training (and fp32 through fla's kernels): the parallel run may differ from the one-GPU run by no more than `ratio` x as
-    much as the one-GPU run differs from itself when each step's micro-batches are merged into one
+    """bf16 training (and fp32 through fla's kernels): the parallel run may differ from the one-GPU
+    run by no more than `ratio` x as much as the one-GPU run differs from itself when each step's
+    micro-batches are merged into one
     (`merged`: the legitimate rounding difference of another reduction order), plus a
     floor. Much sharper than the fp64 comparison: another reduction order moves bf16 gradients by ~1 ulp,
     not by the 5-10% by which bf16 gradients are off fp64. Returns the ratio (for logs)."""
