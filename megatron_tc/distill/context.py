@@ -111,12 +111,14 @@ class RunContext:
             self._data = self.rank0_first(prepare)
         return self._data
 
-    def calibration_batches(self, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
+    def calibration_batches(self, num_tokens: int, skip_tokens: int = 0,
+                            every_rank: bool = False) -> list[dict[str, torch.Tensor]]:
         """This DP rank's share of the calibration sequences (data.calib_order; rows dealt
         round-robin), one row per batch, on `self.device`. Sums over all ranks' rows equal a single
-        process's over all rows."""
+        process's over all rows. `every_rank`: all rows on every rank (per-layer alignment)."""
         rows = self.calibration_rows(num_tokens, skip_tokens)
-        picked = range(self.par.dp_rank, rows["input_ids"].shape[0], self.par.dp_size)
+        start, step = (0, 1) if every_rank else (self.par.dp_rank, self.par.dp_size)
+        picked = range(start, rows["input_ids"].shape[0], step)
         return [{k: v[i:i + 1].to(self.device) for k, v in rows.items() if k in ("input_ids", "doc_ids")}
                 for i in picked]
 

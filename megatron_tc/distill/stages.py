@@ -176,9 +176,12 @@ def read_selection(ctx: RunContext) -> dict[str, Any]:
 
 def _all_calibration_rows(ctx: RunContext, num_tokens: int, skip_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
     """Every calibration row (one per batch) on ctx.device, where the teacher runs."""
-    rows = ctx.calibration_rows(num_tokens, skip_tokens)
-    return [{k: rows[k][i:i + 1].to(ctx.device) for k in ("input_ids", "doc_ids")}
-            for i in range(rows["input_ids"].shape[0])]
+    return ctx.calibration_batches(num_tokens, skip_tokens, every_rank=True)
+
+
+def heldout_calibration_tokens(cfg: Any) -> int:
+    """Calibration tokens after the first data.calib_tokens on which ours picks its alignment step."""
+    return max(cfg.data.seq_len, cfg.data.calib_tokens // 4)
 
 
 # ---- stats -------------------------------------------------------------------------------------------
@@ -257,7 +260,7 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         from megatron_tc.data import DataError
 
         try:
-            heldout = _all_calibration_rows(ctx, max(cfg.data.seq_len, cfg.data.calib_tokens // 4),
+            heldout = _all_calibration_rows(ctx, heldout_calibration_tokens(cfg),
                                             skip_tokens=cfg.data.calib_tokens)
         except DataError as err:
             log.warning("no held-out calibration tokens for best-step selection (%s); keeping the best "

@@ -41,7 +41,8 @@ def main() -> None:
     from megatron_tc.calibrate.student import build_student, converted_layers
     from megatron_tc.config import load_config
     from megatron_tc.distill.runner import _setup
-    from megatron_tc.distill.stages import _align_settings, _all_calibration_rows, read_selection
+    from megatron_tc.distill.stages import (_align_settings, _all_calibration_rows, heldout_calibration_tokens,
+                                            read_selection)
 
     work = Path(tempfile.mkdtemp(prefix="align_components_")) / "cell"
     shutil.copytree(args.base, work)  # the run context writes its config into the run directory
@@ -62,7 +63,7 @@ def main() -> None:
     align = _align_settings(cfg, get_strategy("taylor_fit"))  # held-out best step, the config's rates
     layers = [int(x) for x in args.layers.split(",")]
     calib = _all_calibration_rows(ctx, cfg.data.calib_tokens)
-    held = _all_calibration_rows(ctx, max(cfg.data.seq_len, cfg.data.calib_tokens // 4), skip_tokens=cfg.data.calib_tokens)
+    held = _all_calibration_rows(ctx, heldout_calibration_tokens(cfg), skip_tokens=cfg.data.calib_tokens)
     data, held_data = collect_layer_io(teacher.model, calib, layers), collect_layer_io(teacher.model, held, layers)
     variants = [(settings["base"], "base", ()), (settings["donor"], "donor", ())]
     variants += [(f"{settings['base']} with {settings['donor']}'s {g}", "base", parts) for g, parts in GROUPS.items()]
