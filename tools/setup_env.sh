@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
+# Wheels come from local indexes or PyPI once per fresh machine: a download cache only costs disk.
+export PIP_NO_CACHE_DIR=1
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q -r requirements.txt
