@@ -296,8 +296,18 @@ def _tokens_to_target_sections(grid: Grid, records: list[dict[str, Any]]) -> lis
     return out
 
 
+def relative_ppl(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """{teacher: {policy: {init: ppl / teacher_ppl}}} over the finished cells that report both."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for r in records:
+        m = r.get("metrics") or {}
+        if r["status"] == "ok" and m.get("ppl") and m.get("teacher_ppl"):
+            out.setdefault(r["teacher"], {}).setdefault(r["policy"], {})[r["init"]] = m["ppl"] / m["teacher_ppl"]
+    return out
+
+
 def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
-    """<out>/results.json (every record) and <out>/results.md (tables)."""
+    """<out>/results.json (every record), <out>/results.md (tables) and <out>/results.png (the plot)."""
     os.makedirs(grid.out, exist_ok=True)
     json_path, md_path = os.path.join(grid.out, "results.json"), os.path.join(grid.out, "results.md")
     atomic_write_text(json_path, json.dumps({"mode": grid.mode, "base": grid.base, "cells": records},
@@ -315,6 +325,14 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
                            for p in grid.axes["policy"]] for init in grid.axes["init"]]
         parts.append(f"## {teacher}: perplexity (rows: init, columns: policy)\n\n"
                      + md_table(["init", *grid.axes["policy"]], pivot))
+    panels = relative_ppl(records)
+    if panels:
+        from megatron_tc.eval.plots import plot_grouped_bars
+
+        what = "after stage 2" if trained else "zero-shot"
+        plot_grouped_bars(panels, os.path.join(grid.out, "results.png"), ylabel="perplexity / teacher's",
+                          title=f"Eval perplexity {what}, relative to the teacher (black line)")
+        parts.append(f"![perplexity {what} / teacher, per cell](results.png)")
     if trained:
         parts.append("## Tokens to target\n\n" + "\n\n".join(_tokens_to_target_sections(grid, records)))
     pending = [r for r in records if r["status"] == "pending"]

@@ -52,3 +52,46 @@ def plot_ppl_vs_tokens(curves: Sequence[RunCurve], targets: Sequence[Target], pa
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def plot_grouped_bars(panels: dict[str, dict[str, dict[str, float]]], path: str | os.PathLike,
+                      title: str, ylabel: str, reference: float | None = 1.0) -> str:
+    """One panel per key of `panels`; in each, a group of bars per group key, one bar per series.
+
+    `panels[panel][group][series] = value`; missing values leave a gap. The y axis is logarithmic
+    (perplexity ratios span 1x to several 100x); `reference` draws a horizontal line (the teacher).
+    Written atomically; returns the path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    series = list(dict.fromkeys(s for groups in panels.values() for bars in groups.values() for s in bars))
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.6 * max(len(panels), 1) + 1.2, 4.2),
+                             dpi=120, squeeze=False, sharey=True)
+    width = 0.8 / max(len(series), 1)
+    for ax, (panel, groups) in zip(axes[0], panels.items()):
+        for i, name in enumerate(series):
+            xs = [g for g, (_, bars) in enumerate(groups.items()) if name in bars]
+            ys = [bars[name] for bars in groups.values() if name in bars]
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], ys, width, label=name, color=f"C{i}")
+        if reference is not None:
+            ax.axhline(reference, color="black", lw=1.0)
+        ax.set_xticks(range(len(groups)), list(groups))
+        ax.set_title(panel)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = str(path)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

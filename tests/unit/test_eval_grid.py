@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_tc.eval.grid import GridError, load_grid, register_runner, run_grid
+from megatron_tc.eval.grid import GridError, load_grid, register_runner, relative_ppl, run_grid
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS = []
@@ -57,6 +57,11 @@ def test_grid_runs_every_cell_resumes_and_writes_tables(tmp_path, monkeypatch):
     assert "### t1 / uniform" in md  # tokens-to-target across inits of one (teacher, policy)
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(res["cells"]) == 12
+    panels = relative_ppl(records)  # final ppl / teacher's, the failed cell left out
+    assert panels["t1"]["uniform"] == {"naive": 2.0, "taylor_calibrate": 1.2, "zero_gate": 1.2}
+    assert "zero_gate" not in panels["t2"]["ga"]
+    assert (tmp_path / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![perplexity after stage 2 / teacher, per cell](results.png)" in md
     # rerun: only the failed cell runs again
     CALLS.clear()
     monkeypatch.setenv("GRID_TEST_FAIL", "0")
