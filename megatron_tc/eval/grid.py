@@ -296,6 +296,12 @@ def _tokens_to_target_sections(grid: Grid, records: list[dict[str, Any]]) -> lis
     return out
 
 
+def _shown_path(path: str) -> str:
+    """Relative to the working directory when below it, so a results.md can be copied into docs."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def relative_ppl(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """{teacher: {policy: {init: ppl / teacher_ppl}}} over the finished cells that report both."""
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -317,7 +323,8 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
     rows = [[r["teacher"], r["policy"], r["init"], r["status"]]
             + [fmt_num((r.get("metrics") or {}).get(k)) for k in keys] + [_ratio_vs_naive(records, r), r["seconds"]]
             for r in records]
-    parts = [f"# Grid results ({grid.mode})", f"Base config: `{grid.base}`; cells under `{grid.out}`.",
+    parts = [f"# Grid results ({grid.mode})",
+             f"Base config: `{_shown_path(grid.base)}`; cells under `{_shown_path(grid.out)}`.",
              md_table(["teacher", "policy", "init", "status", *keys, "naive ppl / ppl", "seconds"], rows)]
     for teacher in grid.axes["teacher"]:
         pivot = [[init] + [fmt_num(next(((r.get("metrics") or {}).get("ppl") for r in records

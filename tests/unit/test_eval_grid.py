@@ -40,6 +40,7 @@ def _grid_file(tmp_path, **extra):
 
 
 def test_grid_runs_every_cell_resumes_and_writes_tables(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
     grid = load_grid(_grid_file(tmp_path))
     assert grid.axes["teacher"]["t1"] == str(tmp_path / "teachers" / "one")  # relative to the grid file
     assert len(grid.cells()) == 12
@@ -55,6 +56,8 @@ def test_grid_runs_every_cell_resumes_and_writes_tables(tmp_path, monkeypatch):
     assert "| t1 | uniform | taylor_calibrate | ok | 12 |" in md and "1.67x" in md  # naive 20 / 12
     assert "## Failed cells" in md and "t2/ga/zero_gate: RuntimeError: boom" in md
     assert "### t1 / uniform" in md  # tokens-to-target across inits of one (teacher, policy)
+    # paths below the working directory are shown relative to it (results.md is copied into docs)
+    assert f"Base config: `configs/tiny.yaml`; cells under `{tmp_path / 'out'}`." in md
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(res["cells"]) == 12
     panels = relative_ppl(records)  # final ppl / teacher's, the failed cell left out
