@@ -274,8 +274,18 @@ def _ratio_vs_naive(records: list[dict[str, Any]], rec: dict[str, Any]) -> str:
     return f"{base['metrics']['ppl'] / rec['metrics']['ppl']:.2f}x"
 
 
+def _tokens_to_target_table(res: dict[str, Any]) -> str:
+    labels = [t["label"] for t in res["targets"]]
+    rows = [[r["name"]] + [fmt_tokens(r["tokens"][lab]) for lab in labels] for r in res["runs"]]
+    for base, table in res["ratios"].items():
+        rows += [[f"{name}: x fewer tokens than {base.removeprefix('vs_')}"] + [fmt_ratio(cells[lab]) for lab in labels]
+                 for name, cells in table.items()]
+    return md_table(["run"] + labels, rows)
+
+
 def _tokens_to_target_sections(grid: Grid, records: list[dict[str, Any]]) -> list[str]:
-    """pipeline mode: tokens-to-target across inits for each (teacher, policy)."""
+    """pipeline mode: tokens-to-target across inits for each (teacher, policy), first reach and
+    reached-and-stayed (a calibrated start can rise above a target in its first steps)."""
     from megatron_tc.eval.tokens_to_target import EvalLogError, load_run, tokens_to_target
 
     out = []
@@ -283,16 +293,14 @@ def _tokens_to_target_sections(grid: Grid, records: list[dict[str, Any]]) -> lis
     for teacher, policy in groups:
         dirs = [r["run_dir"] for r in records if (r["teacher"], r["policy"]) == (teacher, policy) and r["status"] == "ok"]
         try:
-            res = tokens_to_target([load_run(d) for d in dirs])
+            curves = [load_run(d) for d in dirs]
+            first, stayed = (tokens_to_target(curves, stay=stay) for stay in (False, True))
         except EvalLogError as exc:
             out.append(f"### {teacher} / {policy}\n\ntokens-to-target not available: {exc}")
             continue
-        labels = [t["label"] for t in res["targets"]]
-        rows = [[r["name"]] + [fmt_tokens(r["tokens"][lab]) for lab in labels] for r in res["runs"]]
-        for base, table in res["ratios"].items():
-            rows += [[f"{name}: x fewer tokens than {base.removeprefix('vs_')}"] + [fmt_ratio(cells[lab]) for lab in labels]
-                     for name, cells in table.items()]
-        out.append(f"### {teacher} / {policy}\n\n" + md_table(["run"] + labels, rows))
+        out.append(f"### {teacher} / {policy}\n\nFirst reach:\n\n{_tokens_to_target_table(first)}\n\n"
+                   f"Reached and stayed at or below the target for the rest of the run:\n\n"
+                   f"{_tokens_to_target_table(stayed)}")
     return out
 
 

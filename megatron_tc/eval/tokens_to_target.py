@@ -30,6 +30,8 @@ Crossing point (`method`):
 - "first": the tokens of the first eval point at or below the target (an upper bound).
 A run already at or below the target at its first point reaches it at that point's tokens.
 A run that never gets there is "not reached" (None).
+With `stay`, the crossing is the one after the run's last point above the target ("reached and
+stayed"; a run that ends above it is "not reached").
 
 Ratios (run X vs baseline B, per target): tokens(B) / tokens(X), i.e. "X needs this many times fewer
 tokens". If X reaches the target and B does not, the ratio is a lower bound ">= B's last tokens /
@@ -192,12 +194,21 @@ def load_run(path: str | os.PathLike) -> RunCurve:
     return read_tensorboard_log(path, name=name, meta=meta)
 
 
-def tokens_to_reach(curve: RunCurve, target: float, method: str = "interpolate") -> float | None:
-    """Tokens at which `curve` first reaches ppl <= target (None: not reached); see module doc."""
+def tokens_to_reach(curve: RunCurve, target: float, method: str = "interpolate", stay: bool = False) -> float | None:
+    """Tokens at which `curve` first reaches ppl <= target (None: not reached); see module doc.
+
+    stay=True: the tokens from which it stays at or below the target for the rest of the run (the
+    crossing after its last point above the target), so that a calibrated start that first rises
+    under training is not credited with its zero-shot point.
+    """
     if method not in ("interpolate", "first"):
         raise ValueError(f"method {method!r}: use 'interpolate' or 'first'")
+    start = 0
+    if stay:
+        above = [i for i, p in enumerate(curve.ppl) if p > target]
+        start = above[-1] if above else 0
     for i, (t1, p1) in enumerate(zip(curve.tokens, curve.ppl)):
-        if p1 > target:
+        if i < start or p1 > target:
             continue
         if i == 0 or method == "first" or p1 == target:
             return t1
@@ -247,15 +258,16 @@ def _teacher_ppl(curves: list[RunCurve], teacher_ppl: float | None) -> float | N
 
 def tokens_to_target(curves: list[RunCurve], teacher_ppl: float | None = None, ks: Iterable[float] = DEFAULT_KS,
                      method: str = "interpolate", naive: str = "naive",
-                     baselines: Iterable[str] = ("naive", "taylor_calibrate")) -> dict[str, Any]:
-    """The tokens-to-target table and ratios for `curves` (JSON-ready; format in the module doc)."""
+                     baselines: Iterable[str] = ("naive", "taylor_calibrate"), stay: bool = False) -> dict[str, Any]:
+    """The tokens-to-target table and ratios for `curves` (JSON-ready; format in the module doc;
+    `stay`: tokens from which each run stays at or below the target)."""
     names = [c.name for c in curves]
     if len(set(names)) != len(names):
         raise EvalLogError(f"run names are not unique: {names}; set 'name' in each run.json")
     by_name = {c.name: c for c in curves}
     teacher = _teacher_ppl(curves, teacher_ppl)
     targets = make_targets(teacher, by_name.get(naive), ks)
-    reached = {c.name: {t.label: tokens_to_reach(c, t.ppl, method) for t in targets} for c in curves}
+    reached = {c.name: {t.label: tokens_to_reach(c, t.ppl, method, stay) for t in targets} for c in curves}
     ratios = {}
     for base in baselines:
         if base not in by_name:
@@ -266,7 +278,7 @@ def tokens_to_target(curves: list[RunCurve], teacher_ppl: float | None = None, k
             for c in curves if c.name != base
         }
     return {
-        "teacher_ppl": teacher, "method": method,
+        "teacher_ppl": teacher, "method": method, "stay": stay,
         "targets": [{"label": t.label, "ppl": t.ppl} for t in targets],
         "runs": [{"name": c.name, "source": c.source, "zero_shot_ppl": c.zero_shot_ppl, "final_ppl": c.final_ppl,
                   "final_kl": c.kl[-1] if c.kl else None, "final_tokens": c.final_tokens,

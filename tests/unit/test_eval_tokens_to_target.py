@@ -48,6 +48,24 @@ def test_known_crossings_interpolated_and_first(run_dirs):
     assert tokens_to_reach(curves["naive"], 19.9) is None
 
 
+def test_stay_counts_from_the_last_rise_above_the_target(tmp_path):
+    # a calibrated start that rises under the first steps, then falls (qwen2's ours on CPU, rounded)
+    bump = load_run(_write_run(tmp_path, "bump", [(0, 88.0), (1000, 98.0), (4000, 99.5), (8000, 90.0),
+                                                   (16000, 86.0), (32000, 87.0), (64000, 82.0)]))
+    assert tokens_to_reach(bump, 98.6) == 0 and tokens_to_reach(bump, 98.6, stay=True) == pytest.approx(
+        math.exp(math.log(4000) + (math.log(99.5) - math.log(98.6)) / (math.log(99.5) - math.log(90.0))
+                 * (math.log(8000) - math.log(4000))), rel=1e-12)
+    assert tokens_to_reach(bump, 98.6, method="first", stay=True) == 8000
+    assert tokens_to_reach(bump, 86.5, method="first") == 16000  # first reach ...
+    assert tokens_to_reach(bump, 86.5, method="first", stay=True) == 64000  # ... but back above at 32k
+    assert tokens_to_reach(bump, 100.0, stay=True) == 0  # never above
+    ends_above = load_run(_write_run(tmp_path, "ends_above", [(0, 80.0), (1000, 95.0)]))
+    assert tokens_to_reach(ends_above, 90.0) == 0 and tokens_to_reach(ends_above, 90.0, stay=True) is None
+    res = tokens_to_target([bump, ends_above], teacher_ppl=10.0, ks=(9.0,), stay=True)
+    assert res["stay"] is True and {r["name"]: r["tokens"]["9.00x teacher"] for r in res["runs"]} == {
+        "bump": 8000, "ends_above": None}  # 90 is met exactly at 8k, after the last point above it
+
+
 def test_table_and_ratios_with_bounds(run_dirs):
     res = tokens_to_target([load_run(d) for d in run_dirs], ks=(1.0, 2.0))
     assert res["teacher_ppl"] == 10.0
