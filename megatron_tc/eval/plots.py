@@ -7,6 +7,18 @@ from typing import Sequence
 from megatron_tc.eval.tokens_to_target import RunCurve, Target
 
 
+def _save_png(fig, path: str | os.PathLike) -> str:
+    """Write, then rename (a crash never leaves half a PNG); closes the figure."""
+    import matplotlib.pyplot as plt
+
+    path = str(path)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 def plot_ppl_vs_tokens(curves: Sequence[RunCurve], targets: Sequence[Target], path: str | os.PathLike,
                        title: str = "Stage-2 eval perplexity", teacher_ppl: float | None = None) -> str:
     """Eval perplexity against training tokens (log-log) per run, targets as dashed lines.
@@ -46,12 +58,7 @@ def plot_ppl_vs_tokens(curves: Sequence[RunCurve], targets: Sequence[Target], pa
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    path = str(path)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return _save_png(fig, path)
 
 
 def plot_grouped_bars(panels: dict[str, dict[str, dict[str, float]]], path: str | os.PathLike,
@@ -89,9 +96,4 @@ def plot_grouped_bars(panels: dict[str, dict[str, dict[str, float]]], path: str 
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    path = str(path)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return _save_png(fig, path)
