@@ -76,8 +76,8 @@ def plot_grouped_bars(panels: dict[str, dict[str, dict[str, float]]], path: str 
     from matplotlib import ticker
 
     series = list(dict.fromkeys(s for groups in panels.values() for bars in groups.values() for s in bars))
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.6 * max(len(panels), 1) + 1.2, 4.2),
-                             dpi=120, squeeze=False, sharey=True)
+    n_panels = max(len(panels), 1)
+    fig, axes = plt.subplots(1, n_panels, figsize=(3.6 * n_panels + 1.2, 4.2), dpi=120, squeeze=False, sharey=True)
     width = 0.8 / max(len(series), 1)
     for ax, (panel, groups) in zip(axes[0], panels.items()):
         for i, name in enumerate(series):
