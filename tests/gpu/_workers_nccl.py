@@ -201,27 +201,28 @@ def tp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
 
 
 # ---- PP = 2 -------------------------------------------------------------------------------------
-def _pp2_fp32_like_one_gpu(rank, what, pp_rank, device, got_l, one_l, trained, single, exact, tied, data,
-                           loss_fn) -> None:
+def _pp2_fp32_like_one_gpu(rank, what, pp_rank, device, got_l, one_l, trained, single, exact) -> None:
     """fp32 PP=2 against one GPU. Where the kernels are fp32 throughout (CPU-gloo) the two agree
-    within 1e-5. fla's GDN kernels are not (TRITON_F32_DEFAULT=ieee changed nothing; H200,
-    2026-11-30: losses 1.07e-5 and stage-0 weights 1.9e-4 apart, while the one-GPU run itself is
-    2.3e-5 / 6.0e-5 from fp64), so on the GPU the difference is judged, as bf16's, against the
-    one-GPU run's difference from itself with each step's micro-batches merged."""
+    within 1e-5. fla's GDN kernels are not (TRITON_F32_DEFAULT=ieee changed nothing): a 1e-7
+    difference of their inputs sometimes crosses a TF32 rounding step, and AdamW turns that into
+    +-lr flips of single elements. H200, 2026-11-30 (twice, the same numbers): losses 1.07e-5 and
+    stage-0 weights 1.9e-4 apart, the one-GPU run itself 2.3e-5 / 6.0e-5 from fp64, and merging each
+    step's micro-batches moves the one-GPU run by only 1.3e-6 (so that spread is no yardstick here).
+    So on the GPU each stage's weights must be as accurate as one GPU's against fp64 (ratio 2) plus
+    5e-4: 2.6x the measured flips, and 16-20x below what a 25% wrong learning rate does (measured on
+    CPU, fp32: 8.1e-3 / 1.0e-2 of the weights, losses 4.6e-3 / 2.9e-3, caught by the loss check
+    of the caller, which needs them as accurate as one GPU's plus 1e-5)."""
     names = sorted(trained)
     if device == "cpu":
         assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)
         _fp32_same_weights(trained, single, exact, f"{what} fp32 stage {pp_rank}", 1e-5, 1e-4)
         return
-    alt_losses, alt = wpp.single_process_run(tied, merged(data), loss_fn, device, torch.float32)
-    alt = {n: p.detach() for n, p in alt.named_parameters() if n in trained}
-    r_loss = assert_like_other_order(got_l, one_l, torch.tensor(alt_losses, dtype=torch.float64),
-                                     f"{what} fp32 step losses", floor=1e-6)
-    r_w = assert_like_other_order(_cat(trained, names), _cat(single, names), _cat(alt, names),
-                                  f"{what} fp32 stage {pp_rank} weights", floor=1e-6)
+    got_w, one_w, exact_w = _cat(trained, names), _cat(single, names), _cat(exact, names)
+    ratio = assert_as_accurate(got_w, one_w, exact_w, f"{what} fp32 stage {pp_rank} weights", torch.float32,
+                               floor=5e-4)
     print(f"rank {rank} {what} fp32: PP=2 vs one GPU {rel_err(got_l, one_l):.3g} (losses), "
-          f"{rel_err(_cat(trained, names), _cat(single, names)):.3g} (weights); ratio to the merged-micro-batch "
-          f"spread {r_loss:.2f} / {r_w:.2f}", flush=True)
+          f"{rel_err(got_w, one_w):.3g} (weights); weights vs fp64 {rel_err(got_w, exact_w):.3g} "
+          f"(one GPU {rel_err(one_w, exact_w):.3g}, ratio {ratio:.2f})", flush=True)
 
 
 def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> None:
@@ -247,8 +248,8 @@ def pp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
                 got_l, one_l, exact_l = (torch.tensor(x, dtype=torch.float64)
                                          for x in (losses, want_losses, exact_losses))
                 if dtype == torch.float32:
-                    _pp2_fp32_like_one_gpu(rank, what, ctx.pp_rank, device, got_l, one_l, trained, single, exact,
-                                           tied, data, loss_fn)
+                    _pp2_fp32_like_one_gpu(rank, what, ctx.pp_rank, device, got_l, one_l, trained, single,
+                                           {n: exact[n] for n in trained})
                 assert_as_accurate(got_l, one_l, exact_l, f"{what} step losses", dtype)
                 _updates_as_accurate(trained, single, {n: exact[n] for n in trained}, init, init_exact,
                                      f"{what} stage {ctx.pp_rank}", dtype)
