@@ -35,15 +35,18 @@ from .losses import vocab_parallel_cross_entropy, vocab_parallel_kl
 from .state import ParallelContext
 
 Partition = Literal["parameters", "pattern"]
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}
-_FLOAT_OF = {v: k for k, v in _INT_OF.items()}  # fp16 would be ambiguous with bf16: bf16/fp32 only
+# Integer types NCCL can send (it has no int16): bf16 travels as two int8 per element, so the last
+# dimension doubles on the way and halves on arrival. fp16 would be ambiguous with bf16: bf16/fp32 only.
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int8, torch.float64: torch.int64}
+_FLOAT_OF = {v: k for k, v in _INT_OF.items()}
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
-    """A teacher activation as raw bits (an integer tensor, no autograd) for transport."""
+    """A teacher activation as raw bits (an integer tensor, no autograd) for transport: DeepSpeed's
+    pipeline engine sends gradients back for every floating-point activation, not for integers."""
     if x.dtype not in _INT_OF:
         raise TypeError(f"teacher activations must be fp32 or bf16 to cross pipeline stages, got {x.dtype}")
-    return x.detach().view(_INT_OF[x.dtype])
+    return x.detach().contiguous().view(_INT_OF[x.dtype])
 
 
 def unpack(bits: torch.Tensor) -> torch.Tensor:
