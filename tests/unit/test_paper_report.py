@@ -33,7 +33,8 @@ def test_tables_ratios_and_goals(tmp_path):
     _cell(runs, "stage2", "naive", [(0, 4000.0), (1000, 100.0), (100000, 24.0)], {"naive zero-shot": 4000.0})
     _cell(runs, "stage2", "taylor_calibrate", [(0, 80.0), (1000, 30.0), (100000, 21.0)],
           {"naive zero-shot": 4000.0, "taylor_calibrate zero-shot": 80.0})
-    _cell(runs, "stage2", "ours", [(0, 60.0), (1000, 30.0), (100000, 21.0)],  # taylor_calibrate's curve after 0
+    # taylor_calibrate's curve after 0, with a dip at 500 tokens that it leaves again
+    _cell(runs, "stage2", "ours", [(0, 60.0), (500, 24.0), (1000, 30.0), (100000, 21.0)],
           {"naive zero-shot": 4000.0, "ours zero-shot": 60.0})
     _cell(runs, "zero_shot", "zero_gate", [(0, 900.0)], {})
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
@@ -43,6 +44,12 @@ def test_tables_ratios_and_goals(tmp_path):
     line = next(l for l in md.splitlines() if l.startswith("| qwen2 | uniform | 1.10x"))
     assert line.endswith("| not reached | 54.8k | 54.8k | ≥ 1.82x | 1.00x |"), line  # naive never gets to 22
     assert (tmp_path / "out" / "qwen2_uniform" / "ppl_vs_tokens.png").is_file()
-    assert "- missed: tokens qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x)" in md
-    assert "- missed: tokens qwen2/uniform 1.10x teacher: ours vs taylor_calibrate 1.00x (goal ≥ 1.5x)" in md
+    for how in ("first reach", "reached and stayed"):
+        assert f"- missed: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x)" in md
+        assert f"- missed: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs taylor_calibrate 1.00x (goal ≥ 1.5x)" in md
+    # 1.25x the teacher (25): first reached in the dip, before 500 tokens; stayed only after 1000
+    first, stayed = (next(l for l in part.splitlines() if l.startswith("| qwen2 | uniform | 1.25x")).split(" | ")[5]
+                     for part in md.split("Reached and stayed:")[:2])
+    assert first.isdigit() and int(first) < 500, first
+    assert stayed.endswith("k") and 1 < float(stayed[:-1]) < 100, stayed
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
