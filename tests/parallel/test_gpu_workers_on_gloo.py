@@ -1,0 +1,23 @@
+"""The NCCL parity suite's workers (tests/gpu/_workers_nccl.py) on 2 CPU processes over gloo.
+
+The GPU suite runs on the device machine only, a few minutes per session; here its workers run
+with `device="cpu"` on every CI run, so their logic (fp32 and bf16 paths, fp64 references, the
+merged-micro-batch spread) cannot rot between device sessions. Their bf16 pipeline run is the
+only one of the CPU suite that sends bf16 teacher activations through DeepSpeed's pipeline engine
+(the int8 transport of megatron_tc/parallel/pipeline.py). About 35 s on 2 cores.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_tc.testing import run_distributed
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("megatron.core")
+
+from tests.gpu import _workers_nccl  # noqa: E402
+
+
+@pytest.mark.parametrize("worker", ["tp2_matches_one_gpu", "pp2_matches_one_gpu", "zero3_matches_one_gpu"])
+def test_gpu_parity_workers_pass_on_cpu_gloo(worker):
+    run_distributed(getattr(_workers_nccl, worker), 2, "cpu", timeout=300.0, backend="gloo")
