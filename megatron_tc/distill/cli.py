@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     from megatron_tc.distill.runner import run_pipeline
+    from megatron_tc.parallel.state import shutdown_distributed
 
     force = [s.strip() for s in args.force.split(",") if s.strip()]
     try:
@@ -38,4 +39,5 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # checks that need the world size or the teacher
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    shutdown_distributed()
     return 0

@@ -382,6 +382,9 @@ def grid_main(argv: list[str] | None = None) -> int:
             print(c.key, " ".join(c.overrides()))
         return 0
     records = run_grid(grid, force=args.force, fail_fast=args.fail_fast, max_seconds=args.max_seconds)
+    from megatron_tc.parallel.state import shutdown_distributed
+
+    shutdown_distributed()  # inline cells leave this process's group open
     print(os.path.join(grid.out, "results.md"))
     if any(r["status"] == "failed" for r in records):
         return 1

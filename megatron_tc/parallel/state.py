@@ -152,6 +152,15 @@ def destroy_parallel() -> None:
         ps.destroy_model_parallel()
 
 
+def shutdown_distributed() -> None:
+    """At the normal end of an entry point: drop the TP/PP/DP groups and leave the default group.
+    (NCCL warns at exit about a group never destroyed; on an error path the process just exits,
+    since destroying a communicator that other ranks still wait on can block.)"""
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class DeepSpeedMPU:
     """The `mpu` DeepSpeed queries (engine, ZeRO 1-3, gradient clipping, checkpoint names).
 

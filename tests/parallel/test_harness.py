@@ -27,3 +27,8 @@ def test_nccl_without_enough_gpus_or_unknown_backend_is_refused_before_spawning(
         run_distributed(_workers.all_reduce_sum, too_many, backend="nccl")
     with pytest.raises(ValueError, match="backend 'mpi' is unknown"):
         run_distributed(_workers.all_reduce_sum, 2, backend="mpi")
+
+
+def test_shutdown_distributed_drops_every_group():
+    pytest.importorskip("megatron.core")
+    run_distributed(_workers.shutdown_leaves_no_group, 2, timeout=120)

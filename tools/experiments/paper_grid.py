@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
             status = 3
         print(f"   {sum(r['status'] == 'ok' for r in records)} ok, {sum(r['status'] == 'pending' for r in records)} "
               f"pending, {sum(r['status'] == 'failed' for r in records)} failed -> {grid.out}/results.md", flush=True)
+    from megatron_tc.parallel.state import shutdown_distributed
+
+    shutdown_distributed()  # the inline cells' process group
     return status
 
 
