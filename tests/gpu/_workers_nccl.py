@@ -64,10 +64,8 @@ def exact_numerics(device: str) -> None:
     # GEMM): on 2026-11-29 the same one-GPU fp32 run gave different losses on GPU 0 and GPU 1
     # (1.34e-6 vs 5.74e-7 from fp64), and the reference must not move between runs.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # fla's Triton kernels multiply fp32 in TF32 unless told otherwise (fla's own fp32 tests set this
-    # too): a 1e-7 difference of the inputs then sometimes crosses a TF32 rounding step (1e-3), and
-    # five AdamW steps spread it. On two H200s (2026-11-29) PP=2's fp32 weights came out 1.9e-4 from
-    # one GPU's with TF32 dots (losses 1.07e-5), against 1e-5 on CPU-gloo, whose GDN path is fp32 throughout.
+    # Triton kernels (fla's, if a test uses them) multiply fp32 in TF32 unless told otherwise; fla's
+    # own fp32 tests set this too. (It did not change PP=2's fp32 difference: see _pp2_fp32_like_one_gpu.)
     os.environ["TRITON_F32_DEFAULT"] = "ieee"
     # The element-wise blocks run eagerly (model/fused.py): their compiled kernels are specialized per
     # shape, so TP's halved head counts would compare two different fusions, and compiling them
@@ -202,16 +200,18 @@ def tp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
 
 # ---- PP = 2 -------------------------------------------------------------------------------------
 def _pp2_fp32_like_one_gpu(rank, what, pp_rank, device, got_l, one_l, trained, single, exact) -> None:
-    """fp32 PP=2 against one GPU. Where the kernels are fp32 throughout (CPU-gloo) the two agree
-    within 1e-5. fla's GDN kernels are not (TRITON_F32_DEFAULT=ieee changed nothing): a 1e-7
-    difference of their inputs sometimes crosses a TF32 rounding step, and AdamW turns that into
-    +-lr flips of single elements. H200, 2026-11-30 (twice, the same numbers): losses 1.07e-5 and
-    stage-0 weights 1.9e-4 apart, the one-GPU run itself 2.3e-5 / 6.0e-5 from fp64, and merging each
-    step's micro-batches moves the one-GPU run by only 1.3e-6 (so that spread is no yardstick here).
-    So on the GPU each stage's weights must be as accurate as one GPU's against fp64 (ratio 2) plus
-    5e-4: 2.6x the measured flips, and 16-20x below what a 25% wrong learning rate does (measured on
-    CPU, fp32: 8.1e-3 / 1.0e-2 of the weights, losses 4.6e-3 / 2.9e-3, caught by the loss check
-    of the caller, which needs them as accurate as one GPU's plus 1e-5)."""
+    """fp32 PP=2 against one GPU. On CPU-gloo the two agree within 1e-5. On two H200s they do not
+    (2026-11-29 and twice on 2026-11-30, the same numbers each time: losses 1.07e-5 and stage-0
+    weights 1.9e-4 apart, the one-GPU run itself 2.3e-5 / 6.0e-5 from fp64), with TF32 off, the GDN
+    op on the PyTorch 'chunk' path (`place`) and deterministic kernels. Not traced; what fits: GEMMs
+    of the two runs round differently at ~1e-7 (kernel choice per device and per buffer, another
+    order of the gradient-norm sum), and AdamW turns such noise of near-zero gradients into +-lr
+    steps of single elements. Merging each step's micro-batches moves the one-GPU run by only
+    1.3e-6, so that spread is no yardstick here. So on the GPU each stage's weights must be as
+    accurate as one GPU's against fp64 (ratio 2) plus 5e-4: 2.6x the measured difference, and 16-20x
+    below what a 25% wrong learning rate does (measured on CPU, fp32: 8.1e-3 / 1.0e-2 of the
+    weights, losses 4.6e-3 / 2.9e-3, caught by the caller's loss check, which needs them as accurate
+    as one GPU's plus 1e-5)."""
     names = sorted(trained)
     if device == "cpu":
         assert_close(got_l, one_l, f"{what} fp32 step losses", 1e-5)

@@ -4,7 +4,7 @@ TP=2 vs one GPU (logits and the gradient of every parameter), PP=2 vs one GPU (f
 steps on DeepSpeed's pipeline engine: step losses, trained weights), ZeRO-3 over DP=2 vs one GPU
 on the union of the data (five steps), and TP=2 x DP=2 under ZeRO-3 when 4 GPUs are visible.
 fp32 runs with TF32 off and is compared with the one-GPU run directly (relative 1e-5; 2e-5 where
-TP splits the GEMMs; PP=2, whose GDN layers run on fla's TF32 kernels, by accuracy against fp64);
+TP splits the GEMMs; PP=2 by its accuracy against fp64: _workers_nccl.py says why);
 bf16 (and fp32 too) must be at most 2x (TP: 3x) as far from an fp64 run as
 the one-GPU run of the same precision is, plus a floor (tests/gpu/_workers_nccl.py says why).
 GDN uses the pure-PyTorch 'chunk' kernel and the element-wise blocks run eagerly here (fla and the
