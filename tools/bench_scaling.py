@@ -149,9 +149,10 @@ def run_worker(args) -> None:
         print(f"N={n}: {step_ms:.1f} ms/step, {result['tok_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
               f"peak {peak:.2f} GiB", flush=True)
     _sync_barrier(device)
-    # The engine and megatron's group globals keep process groups alive past destroy_process_group;
-    # gloo then tears them down during interpreter finalization, which sometimes aborts (SIGABRT,
-    # "terminate called without an active exception", about 1 run in 5 on CPU): drop them first.
+    # A rank once aborted after its last barrier (CPU, gloo: SIGABRT, "terminate called without an
+    # active exception", 1 of 5 runs of its test): most likely groups kept alive past
+    # destroy_process_group by the engine and megatron's globals, torn down during interpreter
+    # finalization. Drop the engine and every group while the interpreter is whole.
     del trainer
     gc.collect()
     shutdown_distributed()

@@ -4,7 +4,7 @@ The GPU suite runs on the device machine only, a few minutes per session; here i
 with `device="cpu"` on every CI run, so their logic (fp32 and bf16 paths, fp64 references, the
 merged-micro-batch spread) cannot rot between device sessions. Their bf16 pipeline run is the
 only one of the CPU suite that sends bf16 teacher activations through DeepSpeed's pipeline engine
-(the int8 transport of megatron_tc/parallel/pipeline.py). About 35 s on 2 cores.
+(the int8 transport of megatron_tc/parallel/pipeline.py). About 25 s on 2 cores.
 """
 from __future__ import annotations
 
