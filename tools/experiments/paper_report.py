@@ -149,9 +149,9 @@ def tokens_section(s2: dict, out: Path, ours: str) -> tuple[str, list[str]]:
             sub = out / f"{teacher}_{policy}"
             write_report([str(d) for d in dirs], str(sub), ks=KS, title=f"{teacher} / {policy}: stage-2 eval perplexity")
             links.append(f"[{teacher} / {policy}]({sub.name}/report.md)")
-            first = json.loads((sub / "tokens_to_target.json").read_text())
-            stayed = tokens_to_target([load_run(str(d)) for d in dirs], ks=KS, stay=True)
-            for how, res in (("first reach", first), ("reached and stayed", stayed)):
+            curves = [load_run(str(d)) for d in dirs]
+            for how, stay in (("first reach", False), ("reached and stayed", True)):
+                res = tokens_to_target(curves, ks=KS, stay=stay)
                 got_rows, got_misses = _tokens_rows(teacher, policy, res, ours, how)
                 rows[how] += got_rows
                 misses += got_misses
