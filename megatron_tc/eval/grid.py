@@ -18,6 +18,11 @@ cell writes `<cell>/cell.json` atomically; rerunning the grid skips finished cel
 them) and records a failing cell's error without stopping the others (unless `fail_fast`). Inside a
 cell the pipeline's own bookkeeping applies: complete stages are skipped, stage 2 resumes.
 
+Cells of one (teacher, policy) share their convert and select outputs: before a cell runs, a
+finished sibling's `teacher/` and `select/` (with their manifest entries) are linked into it, and the
+pipeline's fingerprint check decides whether they apply (they do: neither stage depends on the init),
+so the teacher is converted and the layers selected once per (teacher, policy), not once per init.
+
 Runners (both go through `megatron_tc.distill.runner.run_pipeline`, the code behind tools/distill.py):
 - zero_shot: run.stages = [convert, select, stats, init, eval]; metrics from the eval stage's
   `eval/results.json`: the init's zero-shot ppl, KL(teacher || student), top-1 agreement, the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -221,16 +227,86 @@ def run_cell(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
     return RUNNERS[grid.mode](cfg, grid, cell)
 
 
+# ---- outputs shared by the cells of one (teacher, policy) ---------------------------------------
+SHARED_STAGES = {"convert": "teacher", "select": "select"}  # stage -> its directory in a run dir
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard link (stage outputs are written once, by rename, never modified in place), else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _manifest(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, "manifest.json")
+    if not os.path.isfile(path):
+        return {"stages": {}}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:
+    """Link `sibling`'s complete convert and select outputs into `cell` (of the same teacher and
+    policy) with their manifest entries; returns the stages reused. A stage the cell already has is
+    never touched; one the sibling has not completed (or whose files did not travel with a packed
+    result, like `teacher/`) is left for the pipeline to run."""
+    theirs, mine = _manifest(sibling.run_dir), _manifest(cell.run_dir)
+    reused = []
+    for stage, sub in SHARED_STAGES.items():
+        entry = theirs["stages"].get(stage, {})
+        src, dst = os.path.join(sibling.run_dir, sub), os.path.join(cell.run_dir, sub)
+        if stage in mine["stages"] or entry.get("status") != "complete" or not os.path.isdir(src) or os.path.exists(dst):
+            continue
+        shutil.copytree(src, dst, copy_function=_link_or_copy)
+        mine["stages"][stage] = {**entry, "outputs": [o.replace(sibling.run_dir, cell.run_dir, 1)
+                                                      for o in entry.get("outputs", [])],
+                                 "reused_from": sibling.run_dir}
+        reused.append(stage)
+    if reused:
+        atomic_write_text(os.path.join(cell.run_dir, "manifest.json"), json.dumps(mine, indent=2, sort_keys=True) + "\n")
+    return reused
+
+
+def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
+    """The other cell of the same (teacher, policy) with the most complete shared stages, if any."""
+    def complete(c: Cell) -> int:
+        stages = _manifest(c.run_dir)["stages"]
+        return sum(stages.get(s, {}).get("status") == "complete" for s in SHARED_STAGES)
+
+    siblings = [c for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
+    best = max(siblings, key=complete, default=None)
+    return best if best is not None and complete(best) > 0 else None
+
+
+def _finished_cell_seconds(out: str) -> float:
+    """The longest finished cell recorded under a grid's out dir (0 when none): what the next cell
+    is expected to take, so a fresh invocation with a short budget starts no cell it cannot finish."""
+    longest = 0.0
+    for root, _dirs, files in os.walk(out):
+        if CELL_FILE in files:
+            try:
+                with open(os.path.join(root, CELL_FILE), encoding="utf-8") as fh:
+                    rec = json.load(fh)
+            except (OSError, json.JSONDecodeError):
+                continue
+            if rec.get("status") == "ok":
+                longest = max(longest, float(rec.get("seconds") or 0.0))
+    return longest
+
+
 # ---- the grid ---------------------------------------------------------------------------------
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds (judged by the
-    longest cell so far); those are recorded as 'pending' and run by the next invocation."""
+    longest finished cell under the grid's out dir, earlier invocations included); those are
+    recorded as 'pending' and run by the next invocation."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records = []
-    started, longest = time.perf_counter(), 0.0
+    started, longest = time.perf_counter(), _finished_cell_seconds(grid.out)
     for n, cell in enumerate(cells, 1):
         path = os.path.join(cell.run_dir, CELL_FILE)
         if os.path.isfile(path) and not force:
@@ -249,6 +325,10 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
         atomic_write_text(os.path.join(cell.run_dir, "run.json"), json.dumps(
             {"name": cell.init, "init": cell.init, "policy": cell.policy, "teacher": cell.teacher}) + "\n")
         log(f"[{n}/{len(cells)}] {cell.key}: running ({grid.mode})")
+        sibling = sibling_with_shared_outputs(cells, cell)
+        reused = reuse_sibling_stages(cell, sibling) if sibling is not None else []
+        if reused:
+            log(f"    {', '.join(reused)}: outputs of {sibling.key} linked in (the pipeline checks they apply)")
         start = time.perf_counter()
         rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir}
         try:

@@ -84,6 +84,44 @@ def test_time_budget_leaves_cells_pending_for_the_next_run(tmp_path):
     assert len(CALLS) == 12 and all(r["status"] == "ok" for r in records)
 
 
+def test_time_budget_counts_cells_finished_by_earlier_runs(tmp_path):
+    """A fresh invocation knows how long a cell takes from the cells an earlier one finished, so a
+    budget shorter than that starts nothing (it used to start one cell and be killed mid-cell)."""
+    grid = load_grid(_grid_file(tmp_path))
+    first = grid.cells()[0]
+    os.makedirs(first.run_dir)
+    with open(os.path.join(first.run_dir, "cell.json"), "w") as fh:
+        json.dump({"teacher": first.teacher, "policy": first.policy, "init": first.init, "run_dir": first.run_dir,
+                   "status": "ok", "metrics": {"ppl": 20.0}, "seconds": 250.0}, fh)
+    CALLS.clear()
+    records = run_grid(grid, log=lambda msg: None, max_seconds=200.0)
+    assert CALLS == [] and [r["status"] for r in records].count("pending") == 11
+    run_grid(grid, log=lambda msg: None, max_seconds=300.0)  # room for a 250 s cell: they start (and are quick)
+    assert len(CALLS) == 11
+
+
+def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
+    from megatron_tc.eval.grid import Cell, reuse_sibling_stages
+
+    a, b = (Cell("t", "/t", "uniform", init, str(tmp_path / init)) for init in ("naive", "ours"))
+    for d in ("teacher", "select"):
+        (tmp_path / "naive" / d).mkdir(parents=True)
+        (tmp_path / "naive" / d / "x.json").write_text(d)
+    stages = {"convert": {"status": "complete", "fingerprint": "f1", "outputs": [f"{a.run_dir}/teacher/x.json"]},
+              "select": {"status": "running", "fingerprint": "f2"}}
+    (tmp_path / "naive" / "manifest.json").write_text(json.dumps({"stages": stages}))
+    (tmp_path / "ours").mkdir()
+    assert reuse_sibling_stages(b, a) == ["convert"]  # select is not complete in the sibling: left to run
+    mine = json.loads((tmp_path / "ours" / "manifest.json").read_text())["stages"]
+    assert mine["convert"]["outputs"] == [f"{b.run_dir}/teacher/x.json"] and mine["convert"]["fingerprint"] == "f1"
+    assert (tmp_path / "ours" / "teacher" / "x.json").read_text() == "teacher" and not (tmp_path / "ours" / "select").exists()
+    stages["select"]["status"] = "complete"
+    (tmp_path / "naive" / "manifest.json").write_text(json.dumps({"stages": stages}))
+    assert reuse_sibling_stages(b, a) == ["select"]  # complete now; the cell's own convert entry is kept
+    assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["stages"]["convert"] == mine["convert"]
+    assert reuse_sibling_stages(b, a) == []  # never overwrites
+
+
 def test_grid_file_errors(tmp_path):
     with pytest.raises(GridError, match="unknown keys"):
         load_grid(_grid_file(tmp_path, typo=1))
@@ -139,6 +177,12 @@ def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
                                                   .read_text())["rows"]}
         manifest = json.loads((tmp_path / "out/tiny/uniform" / rec["init"] / "manifest.json").read_text())["stages"]
         assert sorted(manifest) == ["convert", "eval", "init", "select", "stats"]  # no training stage ran
+        if rec["init"] == "zero_gate":  # the teacher converted and the layers selected once, by naive's cell
+            naive_dir = str(tmp_path / "out/tiny/uniform/naive")
+            assert manifest["convert"]["reused_from"] == manifest["select"]["reused_from"] == naive_dir
+            assert "reused_from" not in manifest["stats"]  # stats depend on the init: computed by this cell
+            assert (tmp_path / "out/tiny/uniform/zero_gate/select/selection.json").read_bytes() == \
+                (tmp_path / "out/tiny/uniform/naive/select/selection.json").read_bytes()
         row = rows["naive zero-shot" if rec["init"] == "naive" else "zero_gate zero-shot"]
         m = rec["metrics"]
         assert m["ppl"] == row["ppl"] and m["kl"] == row["kl"] and m["teacher_ppl"] == rows["teacher"]["ppl"]

@@ -31,10 +31,25 @@ def test_lanes_run_every_step_mark_their_output_and_return_a_failure(tmp_path):
     assert "lane 0 (pretrain:nosuch): exit 2" in out and "lane 1 (grid:qwen2): exit 1" in out
 
 
+def test_a_lane_runs_its_slash_separated_steps_in_order(tmp_path):
+    """lanes:A/B+C: lane 0 runs A then B (B runs although A failed), lane 1 runs C."""
+    done = run(tmp_path, "lanes:grid:qwen2/pretrain:nosuch+grid:mistral")
+    lane0 = [l for l in done.stdout.splitlines() if l.startswith("[lane 0] ")]
+    assert done.returncode != 0, done.stdout
+    first = next(i for i, l in enumerate(lane0) if "grid qwen2: no teacher" in l)
+    second = next(i for i, l in enumerate(lane0) if "unknown teacher nosuch" in l)
+    assert first < second, done.stdout
+    assert any("grid mistral: no teacher" in l for l in done.stdout.splitlines() if l.startswith("[lane 1] "))
+    assert "lane 0: grid:qwen2 pretrain:nosuch" in done.stdout
+
+
 def test_lanes_refuse_steps_that_share_state(tmp_path):
     done = run(tmp_path, "lanes:grid:qwen2+pack")
     assert done.returncode == 2 and "lanes: pack cannot run in a lane" in done.stdout
     assert "[lane" not in done.stdout  # nothing started
+    done = run(tmp_path, "lanes:grid:qwen2/restore+grid:mistral")  # also as a later step of a lane
+    assert done.returncode == 2 and "lanes: restore cannot run in a lane" in done.stdout
+    assert "[lane" not in done.stdout
 
 
 def test_kernel_cache_packs_into_parts_and_unpacks_identically(tmp_path):

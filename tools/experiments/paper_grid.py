@@ -80,6 +80,20 @@ def link_shared_cache(grid, shared: Path) -> None:
             link.symlink_to(shared.resolve(), target_is_directory=True)
 
 
+def reuse_outputs_across(grid, other) -> None:
+    """Cells of `grid` take the converted teacher and the layer selection of their (teacher, policy)
+    from `other`'s cells (stage 2 <-> zero-shot): the ar policy's selection costs 40-90 s of device
+    time, and it is the same for every init."""
+    from megatron_tc.eval.grid import reuse_sibling_stages, sibling_with_shared_outputs
+
+    donors = other.cells()
+    for cell in grid.cells():
+        donor = sibling_with_shared_outputs(donors, cell)
+        if donor is not None:
+            os.makedirs(cell.run_dir, exist_ok=True)
+            reuse_sibling_stages(cell, donor)
+
+
 def run(args: argparse.Namespace) -> int:
     import megatron_tc.calibrate.strategies  # noqa: F401  (registers every strategy name before configs are checked)
     from megatron_tc.eval.grid import load_grid, run_grid
@@ -90,11 +104,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     status = 0
     out = Path(args.out).resolve()
-    for part in ("stage2", "zero_shot"):
+    grids = {part: narrowed(load_grid(CONFIGS / f"grid_{args.kind}_{part}.yaml"), teachers, policies, args.ours,
+                            out / part, extra) for part in ("stage2", "zero_shot")}
+    for part, grid in grids.items():
         left = None if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
-        grid = narrowed(load_grid(CONFIGS / f"grid_{args.kind}_{part}.yaml"), teachers, policies, args.ours,
-                        out / part, extra)
         link_shared_cache(grid, out / "data_cache")
+        reuse_outputs_across(grid, grids["zero_shot" if part == "stage2" else "stage2"])
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0))
         if any(r["status"] == "failed" for r in records):

@@ -20,6 +20,9 @@
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
 #                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
+#                          A lane may run several steps one after another, separated by '/':
+#                          lanes:grid:qwen3:ar/grid:mistral:stats+grid:qwen2:stats (lane 0 goes on to
+#                          mistral when qwen3's cells are done, instead of idling).
 #                          Lanes share $R: cells and the token cache are written atomically; each lane rewrites
 #                          runs/grid/<part>/results.md with its own cells (the report reads every cell.json)
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
@@ -43,7 +46,7 @@ SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # lanes run this script ag
 cd "$(dirname "$0")/../.."
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
-[ $# -gt 0 ] || { sed -n 2,37p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,43p "$0"; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -207,14 +210,19 @@ step_lanes() {  # lanes:STEP+STEP[+...]
   IFS='+' read -r -a lane_steps <<< "$spec"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   local budget=$(( $(left) - 5 ))
+  local -a sub
   for st in "${lane_steps[@]}"; do
-    case $st in lanes:*|pack|pack_kcache|kcache|install_*|data|restore|report) say "lanes: $st cannot run in a lane"; return 2;; esac
+    IFS='/' read -r -a sub <<< "$st"
+    for one in "${sub[@]}"; do
+      case $one in lanes:*|pack|pack_kcache|kcache|install_*|data|restore|report) say "lanes: $one cannot run in a lane"; return 2;; esac
+    done
   done
   for st in "${lane_steps[@]}"; do
     local gpu_env=()
+    IFS='/' read -r -a sub <<< "$st"
     (( ngpu > 0 )) && gpu_env=(CUDA_VISIBLE_DEVICES=$(( i % ngpu )))
-    say "lane $i: $st${gpu_env:+ on ${gpu_env[0]}}, budget ${budget} s"
-    ( env "${gpu_env[@]}" R="$R" OUT="$OUT" BUDGET_S="$budget" bash "$SELF" $([ $QUICK = 1 ] && echo --quick) "$st" 2>&1 \
+    say "lane $i: ${sub[*]}${gpu_env:+ on ${gpu_env[0]}}, budget ${budget} s"
+    ( env "${gpu_env[@]}" R="$R" OUT="$OUT" BUDGET_S="$budget" bash "$SELF" $([ $QUICK = 1 ] && echo --quick) "${sub[@]}" 2>&1 \
         | sed -u "s/^/[lane $i] /"; exit "${PIPESTATUS[0]}" ) &
     pids+=($!)
     i=$(( i + 1 ))
