@@ -83,7 +83,7 @@ _MIN_INT = {
     "distill.stage1.steps": 0, "distill.stage1.warmup_steps": 0,
     "distill.stage2.steps": 0, "distill.stage2.warmup_steps": 0,
     "distill.eval_interval": 0, "distill.checkpoint_interval": 0, "distill.keep_last": 1, "distill.max_skipped": 0,
-    "eval.tokens": 0, "eval.batch_size": 1, "logging.log_interval": 1,
+    "eval.tokens": 0, "logging.log_interval": 1,
     "pretrain.steps": 0, "pretrain.warmup_steps": 0,
 }
 _MIN_FLOAT = {  # key: (minimum, whether the minimum itself is allowed)
@@ -115,7 +115,7 @@ def _range_errors(cfg: Config) -> list[str]:
         errors.append(f"model.keep_fraction={m.keep_fraction} must be in (0, 1]")
     if m.keep_count is not None and m.keep_count < 0:
         errors.append(f"model.keep_count={m.keep_count} must be >= 0 (or null to use keep_fraction)")
-    for key in ("distill.stage2.tokens", "pretrain.tokens", "eval.seq_len"):
+    for key in ("distill.stage2.tokens", "pretrain.tokens", "eval.seq_len", "eval.batch_size"):
         value = _get(cfg, key)
         if value is not None and value < 1:
             errors.append(f"{key}={value} must be >= 1 (or null)")

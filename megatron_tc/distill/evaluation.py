@@ -1,10 +1,12 @@
 """Periodic evaluation during training: perplexity, KL(teacher || student) and top-1 agreement,
 spread over data-parallel ranks, with the conventions of `megatron_tc.eval.perplexity` (every
-window an independent forward; the token at t+1 predicted from positions <= t; sums in fp64).
+window scored on its own; the token at t+1 predicted from positions <= t; sums in fp64). Windows
+of one length go through the model `batch_size` at a time (`eval.batch_size`): one window per
+forward leaves a GPU idle between hundreds of small launches.
 
 Under ZeRO-3 a forward gathers parameters collectively, so every rank must run the same number of
-forwards: windows are dealt round-robin and ranks that run out repeat a window whose scores they
-drop.
+forwards: windows are dealt in rounds of dp_size x batch_size, and ranks that run out repeat a
+window whose scores they drop.
 
 Under tensor parallelism the logits are vocabulary shards ([1, T, V_pad / TP]); pass `vocab_size`
 and `tp_group`: log-probabilities are normalized over the TP group, per-token sums and the top-1
@@ -75,11 +77,34 @@ class TeacherCache:
             self.enabled = False
 
 
+def eval_batch_size(cfg: Any) -> int:
+    """`eval.batch_size`, or the training micro-batch when unset (its logits fit by construction)."""
+    return cfg.eval.batch_size or cfg.data.micro_batch_size
+
+
+def forward_plan(rows: list[torch.Tensor], batch_size: int, dp_rank: int, dp_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's forwards as (row indices, real). Rows of one length share a forward; each length
+    is dealt in rounds of dp_size x batch_size rows, so every rank runs the same number of forwards;
+    a rank with no rows left in a round runs that length's first row and drops it (real False)."""
+    if batch_size < 1:
+        raise ValueError(f"eval batch_size={batch_size}: it is the number of windows per forward, at least 1")
+    by_length: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):  # first-appearance order: the same on every rank
+        by_length.setdefault(row.shape[-1], []).append(i)
+    plan = []
+    for indices in by_length.values():
+        for start in range(0, len(indices), dp_size * batch_size):
+            mine = indices[start + dp_rank * batch_size: start + (dp_rank + 1) * batch_size]
+            plan.append((mine, True) if mine else ([indices[0]], False))
+    return plan
+
+
 @torch.no_grad()
 def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Tensor], dp_rank: int, dp_size: int,
                dp_group=None, device: torch.device | str = "cpu", cache: TeacherCache | None = None,
-               vocab_size: int | None = None, tp_group=None) -> dict[str, float]:
-    """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T]).
+               vocab_size: int | None = None, tp_group=None, batch_size: int = 1) -> dict[str, float]:
+    """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T]), run
+    `batch_size` rows of one length per forward ([b, T]).
 
     With a `cache`, the teacher runs only in the first call; later calls reuse its log-probs.
     With `tp_group` (TP > 1) the logits are vocabulary shards and `vocab_size` is required."""
@@ -89,33 +114,32 @@ def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Ten
         raise ValueError("no evaluation windows: data.eval_tokens is too small for the sequence length")
     # sums: nll, kl, teacher_nll, agree, tokens
     sums = torch.zeros(5, dtype=torch.float64)
-    rounds = math.ceil(len(rows) / dp_size)
+    plan = forward_plan(rows, batch_size, dp_rank, dp_size)
     cached = cache is not None and cache.enabled and cache.rows is not None
     filling = cache is not None and cache.enabled and cache.rows is None
     store: dict[int, torch.Tensor] = {}
-    for r in range(rounds):
-        index = r * dp_size + dp_rank
-        real = index < len(rows)
-        ids = rows[index if real else 0].to(device)
+    for n, (indices, real) in enumerate(plan):
+        ids = torch.cat([rows[i] for i in indices]).to(device)
         s_logits = student(ids)
         if teacher is not None and not cached:
             t_logits = teacher(ids)
-            if filling and r == 0:
-                cache.plan(rounds, ids.shape[1], t_logits.shape[-1])
+            if filling and n == 0:
+                cache.plan(sum(len(ix) for ix, r in plan if r), ids.shape[1], t_logits.shape[-1])
                 filling = cache.enabled
         if not real:
             continue
-        targets = ids[0, 1:]
-        lps, start = _log_probs(s_logits[0, :-1], vocab_size, tp_group)
-        sums[0] += -_target_log_probs(lps, start, targets, tp_group)
-        if teacher is not None:
-            lpt = cache.rows[index] if cached else _log_probs(t_logits[0, :-1], vocab_size, tp_group)[0]
-            if filling:
-                store[index] = lpt
-            sums[1] += _tp_sum((lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu(), tp_group)
-            sums[2] += -_target_log_probs(lpt, start, targets, tp_group)
-            sums[3] += float((_top1(lps, start, tp_group) == _top1(lpt, start, tp_group)).sum())
-        sums[4] += targets.numel()
+        for j, index in enumerate(indices):
+            targets = ids[j, 1:]
+            lps, start = _log_probs(s_logits[j, :-1], vocab_size, tp_group)
+            sums[0] += -_target_log_probs(lps, start, targets, tp_group)
+            if teacher is not None:
+                lpt = cache.rows[index] if cached else _log_probs(t_logits[j, :-1], vocab_size, tp_group)[0]
+                if filling:
+                    store[index] = lpt
+                sums[1] += _tp_sum((lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu(), tp_group)
+                sums[2] += -_target_log_probs(lpt, start, targets, tp_group)
+                sums[3] += float((_top1(lps, start, tp_group) == _top1(lpt, start, tp_group)).sum())
+            sums[4] += targets.numel()
     if filling:
         cache.rows = store
     if dp_size > 1:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_tc.distill.context import RunContext
-from megatron_tc.distill.evaluation import TeacherCache, score_rows, window_rows
+from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
 from megatron_tc.distill.rundir import write_json
 from megatron_tc.monitor import get_logger
 
@@ -58,7 +58,7 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
     for label, path in candidates:
         model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
         scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device,
-                            cache)
+                            cache, batch_size=eval_batch_size(cfg))
         if not results:  # the teacher's own perplexity comes with the first comparison
             results.append({"model": "teacher", "ppl": scores["teacher_ppl"], "kl": 0.0, "top1_agree": 1.0,
                             "path": str(ctx.paths.teacher)})

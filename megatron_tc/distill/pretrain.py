@@ -66,12 +66,13 @@ class PretrainTrainer(Stage2Trainer):
         return ce, {"loss": ce.detach(), "ce": ce.detach()}
 
     def evaluate(self, state: Any) -> dict[str, Any]:
-        from megatron_tc.distill.evaluation import append_jsonl, score_rows
+        from megatron_tc.distill.evaluation import append_jsonl, eval_batch_size, score_rows
 
         self.engine.eval()
         try:
             result = score_rows(lambda x: self.engine(x), None, self.eval_rows, self.ctx.dp_rank, self.ctx.dp_size,
-                                self.ctx.dp_group, self.device, vocab_size=self.vocab_size, tp_group=self.tp_group)
+                                self.ctx.dp_group, self.device, vocab_size=self.vocab_size, tp_group=self.tp_group,
+                                batch_size=eval_batch_size(self.cfg))
         finally:
             self.engine.train()
         result["eval_tokens"] = result.pop("tokens")

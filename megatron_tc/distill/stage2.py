@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron_tc.distill import faults
 from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
-from megatron_tc.distill.evaluation import TeacherCache, append_jsonl, score_rows, truncate_jsonl
+from megatron_tc.distill.evaluation import TeacherCache, append_jsonl, eval_batch_size, score_rows, truncate_jsonl
 from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
@@ -237,7 +237,8 @@ class Stage2Trainer:
         try:
             result = score_rows(lambda x: self.engine(x), lambda x: self.teacher(x), self.eval_rows,
                                 self.ctx.dp_rank, self.ctx.dp_size, self.ctx.dp_group, self.device,
-                                self.teacher_cache, vocab_size=self.vocab_size, tp_group=self.tp_group)
+                                self.teacher_cache, vocab_size=self.vocab_size, tp_group=self.tp_group,
+                                batch_size=eval_batch_size(self.cfg))
         finally:
             self.engine.train()
         result["eval_tokens"] = result.pop("tokens")

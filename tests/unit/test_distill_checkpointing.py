@@ -51,7 +51,8 @@ JOB = textwrap.dedent("""
             manager.save(engine, state)
     from deepspeed.utils import safe_get_full_fp32_param
     weights = [safe_get_full_fp32_param(p).flatten().tolist() for p in engine.module.parameters()]
-    print("RESULT " + json.dumps({"losses": losses, "weights": weights}))
+    print("RESULT " + json.dumps({"losses": losses, "weights": weights}), flush=True)
+    dist.destroy_process_group()  # a gloo group left to interpreter exit can abort it ("terminate called ...")
 """)
 
 
