@@ -280,33 +280,36 @@ def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
     return best if best is not None and complete(best) > 0 else None
 
 
-def _finished_cell_seconds(out: str) -> float:
-    """The longest finished cell recorded under a grid's out dir (0 when none): what the next cell
-    is expected to take, so a fresh invocation with a short budget starts no cell it cannot finish."""
-    longest = 0.0
+def recent_cell_seconds(out: str, recent: int = 3) -> float:
+    """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
+    none): what a fresh invocation expects its first cell to take. Recent ones, because the cost of
+    a cell changes with the code (and unpacked results keep their finishing times)."""
+    finished = []
     for root, _dirs, files in os.walk(out):
         if CELL_FILE in files:
+            path = os.path.join(root, CELL_FILE)
             try:
-                with open(os.path.join(root, CELL_FILE), encoding="utf-8") as fh:
+                with open(path, encoding="utf-8") as fh:
                     rec = json.load(fh)
             except (OSError, json.JSONDecodeError):
                 continue
             if rec.get("status") == "ok":
-                longest = max(longest, float(rec.get("seconds") or 0.0))
-    return longest
+                finished.append((os.path.getmtime(path), float(rec.get("seconds") or 0.0)))
+    return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
 
 
 # ---- the grid ---------------------------------------------------------------------------------
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
-    `max_seconds`: start no cell that would likely end after this many seconds (judged by the
-    longest finished cell under the grid's out dir, earlier invocations included); those are
-    recorded as 'pending' and run by the next invocation."""
+    `max_seconds`: start no cell that would likely end after this many seconds, judged by the
+    longest cell of this invocation, or before one has finished by the recently finished cells of
+    earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run by the next
+    invocation."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records = []
-    started, longest = time.perf_counter(), _finished_cell_seconds(grid.out)
+    started, earlier, longest = time.perf_counter(), recent_cell_seconds(grid.out), 0.0
     for n, cell in enumerate(cells, 1):
         path = os.path.join(cell.run_dir, CELL_FILE)
         if os.path.isfile(path) and not force:
@@ -316,7 +319,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
                 records.append(rec)
                 continue
-        if max_seconds is not None and time.perf_counter() - started + longest > max_seconds:
+        if max_seconds is not None and time.perf_counter() - started + (longest or earlier) > max_seconds:
             log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
             records.append({"teacher": cell.teacher, "policy": cell.policy, "init": cell.init,
                             "run_dir": cell.run_dir, "status": "pending", "seconds": 0.0})

@@ -100,6 +100,21 @@ def test_time_budget_counts_cells_finished_by_earlier_runs(tmp_path):
     assert len(CALLS) == 11
 
 
+def test_only_recently_finished_cells_set_the_expected_cell_time(tmp_path):
+    from megatron_tc.eval.grid import recent_cell_seconds
+
+    for n, seconds in enumerate([900.0, 120.0, 100.0, 130.0]):  # the 900 s cell finished first
+        cell = tmp_path / f"c{n}"
+        cell.mkdir()
+        (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
+        os.utime(cell / "cell.json", (1000.0 + n, 1000.0 + n))
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "failed" / "cell.json").write_text(json.dumps({"status": "failed", "seconds": 5000.0}))
+    assert recent_cell_seconds(str(tmp_path)) == 130.0
+    assert recent_cell_seconds(str(tmp_path), recent=4) == 900.0
+    assert recent_cell_seconds(str(tmp_path / "none")) == 0.0
+
+
 def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
     from megatron_tc.eval.grid import Cell, reuse_sibling_stages
 
