@@ -240,11 +240,14 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _manifest(run_dir: str) -> dict[str, Any]:
-    path = os.path.join(run_dir, "manifest.json")
-    if not os.path.isfile(path):
+    """A run dir's manifest.json; none, or one that does not parse, shares nothing (the pipeline
+    reports a broken manifest when that cell itself runs)."""
+    try:
+        with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError):
         return {"stages": {}}
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    return data if isinstance(data, dict) and isinstance(data.get("stages"), dict) else {"stages": {}}
 
 
 def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:

@@ -116,7 +116,7 @@ def test_only_recently_finished_cells_set_the_expected_cell_time(tmp_path):
 
 
 def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
-    from megatron_tc.eval.grid import Cell, reuse_sibling_stages
+    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
 
     a, b = (Cell("t", "/t", "uniform", init, str(tmp_path / init)) for init in ("naive", "ours"))
     for d in ("teacher", "select"):
@@ -135,6 +135,10 @@ def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_pat
     assert reuse_sibling_stages(b, a) == ["select"]  # complete now; the cell's own convert entry is kept
     assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["stages"]["convert"] == mine["convert"]
     assert reuse_sibling_stages(b, a) == []  # never overwrites
+    (tmp_path / "naive" / "manifest.json").write_text("{cut short")  # a sibling with a broken manifest shares nothing
+    c = Cell("t", "/t", "uniform", "third", str(tmp_path / "third"))
+    assert sibling_with_shared_outputs([a, b, c], c) == b  # b's entries are complete copies
+    assert sibling_with_shared_outputs([a, c], c) is None
 
 
 def test_grid_file_errors(tmp_path):
