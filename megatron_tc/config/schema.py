@@ -211,7 +211,7 @@ class EvalConfig:
 
     tokens: int = opt(0, "Evaluation tokens; 0 uses all of data.eval_tokens.")
     seq_len: Optional[int] = opt(None, "Evaluation context length; None uses data.seq_len.")
-    batch_size: Optional[int] = opt(None, "Evaluation windows per forward (held-out perplexity during training and in the eval stage); None uses data.micro_batch_size.")
+    batch_size: Optional[int] = opt(None, "Evaluation windows per forward (held-out perplexity during training and in the eval stage; their logits, batch_size x seq_len x vocab, are held at once); None uses data.micro_batch_size.")
     target_ppl_factors: list[float] = opt([1.10, 1.15, 1.25], "Tokens-to-target factors k: target perplexity = k x teacher perplexity.")
     probe_lengths: list[int] = opt([], "Context lengths of the synthetic long-context retrieval probe; empty skips it.")
 
