@@ -278,9 +278,9 @@ def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
         stages = _manifest(c.run_dir)["stages"]
         return sum(stages.get(s, {}).get("status") == "complete" for s in SHARED_STAGES)
 
-    siblings = [c for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
-    best = max(siblings, key=complete, default=None)
-    return best if best is not None and complete(best) > 0 else None
+    scored = [(complete(c), c) for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
+    score, best = max(scored, key=lambda sc: sc[0], default=(0, None))
+    return best if score > 0 else None
 
 
 def recent_cell_seconds(out: str, recent: int = 3) -> float:

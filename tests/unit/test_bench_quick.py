@@ -6,7 +6,6 @@ formula, FLOP counts against the model's own parameters. No timing is asserted.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,15 +15,11 @@ import torch
 from megatron_tc.bench.models import forward_flops, matmul_params, quarter_pattern, tiny
 from megatron_tc.bench.summary import summarize
 from megatron_tc.model import HybridLM
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tests._scripts import load_script
 
 
 def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"tools/{name}.py")
 
 
 def run(name: str, tmp_path: Path, *extra: str) -> dict:

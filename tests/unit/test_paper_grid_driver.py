@@ -2,18 +2,16 @@
 converted teacher and layer selection, in both directions, and never overwrite a cell's own."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("paper_grid", ROOT / "tools" / "experiments" / "paper_grid.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/experiments/paper_grid.py")
 
 
 def _grid(tmp_path: Path, part: str, inits: list[str]):

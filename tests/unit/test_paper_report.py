@@ -2,18 +2,14 @@
 tables, the goals checked cell by cell, and unfinished cells listed rather than guessed."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("paper_report", ROOT / "tools" / "experiments" / "paper_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/experiments/paper_report.py")
 
 
 def _cell(root: Path, part: str, init: str, curve: list[tuple[int, float]], zero_shot: dict[str, float]) -> None:
