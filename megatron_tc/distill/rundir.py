@@ -69,10 +69,13 @@ class RunPaths:
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "pretrain": ("pretrain", "model.teacher", "data", "run.seed", "run.precision"),
     "convert": ("model.teacher", "model.teacher_format", "model.dtype", "model.make_vocab_size_divisible_by"),
+    # select (ar / ga / readout_gap) and stats read calibration rows in data.calib_order and seed
+    # the readout fits' default GDN parameters with run.seed
     "select": ("model.layer_pattern", "model.policy", "model.keep_fraction", "model.keep_count", "model.keep_layers",
-               "data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens"),
+               "data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens",
+               "data.calib_order", "calibrate.stats_chunk_size", "run.seed"),
     "stats": ("data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens",
-              "calibrate.init", "calibrate.stats_chunk_size"),
+              "data.calib_order", "calibrate.init", "calibrate.stats_chunk_size", "run.seed"),
     "init": ("calibrate", "model.gdn_conv_size", "model.gdn_expand_kv", "model.gdn_b_bias", "model.gdn_chunk_size",
              "run.seed"),
     "stage1": ("distill.stage1", "data", "run.seed", "run.precision"),

@@ -1,0 +1,43 @@
+"""Which config keys invalidate which pipeline stage (distill/rundir.py STAGE_KEYS)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_tc.config.loader import config_to_dict, load_config
+from megatron_tc.distill.rundir import STAGE_KEYS, stage_fingerprints
+from megatron_tc.distill.runner import STAGES
+
+PIPELINE = [s for s in STAGES if s != "pretrain"]
+
+
+def _fingerprints(*overrides: str) -> dict[str, str]:
+    return stage_fingerprints(config_to_dict(load_config(None, overrides, check=False)), PIPELINE)
+
+
+def _changed(*overrides: str) -> list[str]:
+    base, other = _fingerprints(), _fingerprints(*overrides)
+    return [stage for stage in PIPELINE if base[stage] != other[stage]]
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_KEYS))
+def test_every_stage_key_names_a_config_field(stage):
+    tree = config_to_dict(load_config(None, check=False))
+    for key in STAGE_KEYS[stage]:
+        node = tree
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"STAGE_KEYS[{stage!r}] names {key!r}, not in the config"
+            node = node[part]
+
+
+@pytest.mark.parametrize("override, first_changed", [
+    # the calibration rows' order decides ar / ga / readout_gap scores and the statistics
+    ("data.calib_order=stream", "select"),
+    ("run.seed=7", "select"),
+    ("data.calib_tokens=4096", "select"),
+    ("calibrate.init=naive", "stats"),
+    ("distill.stage2.lr=1e-3", "stage2"),
+    ("eval.batch_size=4", "eval"),
+])
+def test_a_change_invalidates_its_stage_and_every_later_one(override, first_changed):
+    start = PIPELINE.index(first_changed)
+    assert _changed(override) == PIPELINE[start:]
