@@ -283,10 +283,16 @@ def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
     return best if score > 0 else None
 
 
-def recent_cell_seconds(out: str, recent: int = 3) -> float:
+def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None) -> float:
     """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
     none): what a fresh invocation expects its first cell to take. Recent ones, because the cost of
-    a cell changes with the code (and unpacked results keep their finishing times)."""
+    a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
+    that teacher's cells (<out>/<teacher>/...) when it has any: a cell of a 30-layer teacher takes
+    about twice one of a 12-layer teacher, so the other teachers' cells are only the fallback."""
+    if teacher is not None:
+        own = recent_cell_seconds(os.path.join(out, teacher), recent)
+        if own > 0:
+            return own
     finished = []
     for root, _dirs, files in os.walk(out):
         if CELL_FILE in files:
@@ -306,13 +312,13 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
-    longest cell of this invocation, or before one has finished by the recently finished cells of
-    earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run by the next
-    invocation."""
+    longest cell of its teacher in this invocation, or before one has finished by the recently
+    finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
+    by the next invocation."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records = []
-    started, earlier, longest = time.perf_counter(), recent_cell_seconds(grid.out), 0.0
+    started, longest = time.perf_counter(), {}
     for n, cell in enumerate(cells, 1):
         path = os.path.join(cell.run_dir, CELL_FILE)
         if os.path.isfile(path) and not force:
@@ -322,7 +328,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
                 records.append(rec)
                 continue
-        if max_seconds is not None and time.perf_counter() - started + (longest or earlier) > max_seconds:
+        expected = longest.get(cell.teacher) or recent_cell_seconds(grid.out, teacher=cell.teacher)
+        if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
             log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
             records.append({"teacher": cell.teacher, "policy": cell.policy, "init": cell.init,
                             "run_dir": cell.run_dir, "status": "pending", "seconds": 0.0})
@@ -345,7 +352,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
             rec.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
             log(f"    failed: {rec['error']}")
         rec["seconds"] = round(time.perf_counter() - start, 2)
-        longest = max(longest, rec["seconds"])
+        longest[cell.teacher] = max(longest.get(cell.teacher, 0.0), rec["seconds"])
         atomic_write_text(path, json.dumps(rec, indent=1, default=str) + "\n")
         records.append(rec)
     write_results(grid, records)

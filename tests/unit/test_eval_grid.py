@@ -115,6 +115,20 @@ def test_only_recently_finished_cells_set_the_expected_cell_time(tmp_path):
     assert recent_cell_seconds(str(tmp_path / "none")) == 0.0
 
 
+def test_a_teachers_own_finished_cells_set_its_expected_cell_time(tmp_path):
+    from megatron_tc.eval.grid import recent_cell_seconds
+
+    for n, (teacher, seconds) in enumerate([("big", 400.0), ("small", 120.0), ("small", 110.0), ("small", 100.0)]):
+        cell = tmp_path / teacher / "uniform" / f"init{n}"
+        cell.mkdir(parents=True)
+        (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
+        os.utime(cell / "cell.json", (1000.0 + n, 1000.0 + n))
+    assert recent_cell_seconds(str(tmp_path)) == 120.0  # the three most recent: all of the small teacher
+    assert recent_cell_seconds(str(tmp_path), teacher="big") == 400.0
+    assert recent_cell_seconds(str(tmp_path), teacher="small") == 120.0
+    assert recent_cell_seconds(str(tmp_path), teacher="new") == 120.0  # none of its own: every teacher's
+
+
 def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
     from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
 
