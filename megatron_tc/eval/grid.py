@@ -22,6 +22,8 @@ Cells of one (teacher, policy) share their convert and select outputs: before a 
 finished sibling's `teacher/` and `select/` (with their manifest entries) are linked into it, and the
 pipeline's fingerprint check decides whether they apply (they do: neither stage depends on the init),
 so the teacher is converted and the layers selected once per (teacher, policy), not once per init.
+Several processes may run one grid at once (one per GPU): each cell runs in the process holding its
+lock (`grid_claims.py`), so they split the cells between them.
 
 Runners (both go through `megatron_tc.distill.runner.run_pipeline`, the code behind tools/distill.py):
 - zero_shot: run.stages = [convert, select, stats, init, eval]; metrics from the eval stage's
@@ -42,17 +44,20 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import yaml
 
+from megatron_tc.eval.grid_claims import CellClaim, started_unfinished
 from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
 
 GRID_KEYS = {"base", "out", "mode", "process", "overrides", "axes"}
 PROCESS = ("subprocess", "inline")
 AXES = ("teacher", "policy", "init")
 CELL_FILE = "cell.json"
+UNFINISHED = ("pending", "elsewhere")  # not run by this process (time budget / another process holds it)
 Runner = Callable[[Any, "Grid", "Cell"], dict[str, Any]]
 
 
@@ -308,55 +313,100 @@ def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None) -
 
 
 # ---- the grid ---------------------------------------------------------------------------------
+def _finished(run_dir: str) -> dict[str, Any] | None:
+    """The cell's record when it finished ok (<cell>/cell.json), else None."""
+    path = os.path.join(run_dir, CELL_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if rec.get("status") == "ok" else None
+
+
+def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
+    """Another process is making this cell's shared outputs (a sibling started, none finished them):
+    running it now would convert and select a second time."""
+    if os.path.isfile(os.path.join(cell.run_dir, "run.json")) or sibling_with_shared_outputs(cells, cell):
+        return False
+    return any(started_unfinished(c.run_dir, _finished) for c in cells
+               if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell)
+
+
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
     longest cell of its teacher in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
-    by the next invocation."""
+    by the next invocation. Several processes may run one grid at once (grid_claims): a cell another
+    process holds is recorded 'elsewhere', and a cell whose sibling another process is setting up
+    waits until the other cells have been tried."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
-    records = []
+    records: dict[int, dict[str, Any]] = {}
     started, longest = time.perf_counter(), {}
-    for n, cell in enumerate(cells, 1):
-        path = os.path.join(cell.run_dir, CELL_FILE)
-        if os.path.isfile(path) and not force:
-            with open(path, encoding="utf-8") as fh:
-                rec = json.load(fh)
-            if rec.get("status") == "ok":
-                log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
-                records.append(rec)
-                continue
+    queue, deferred = deque(enumerate(cells, 1)), set()
+    while queue:
+        n, cell = queue.popleft()
+        done = None if force else _finished(cell.run_dir)
+        if done is not None:
+            log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
+            records[n] = done
+            continue
         expected = longest.get(cell.teacher) or recent_cell_seconds(grid.out, teacher=cell.teacher)
         if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
             log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
-            records.append({"teacher": cell.teacher, "policy": cell.policy, "init": cell.init,
-                            "run_dir": cell.run_dir, "status": "pending", "seconds": 0.0})
+            records[n] = _placeholder(cell, "pending")
             continue
-        os.makedirs(cell.run_dir, exist_ok=True)
-        atomic_write_text(os.path.join(cell.run_dir, "run.json"), json.dumps(
-            {"name": cell.init, "init": cell.init, "policy": cell.policy, "teacher": cell.teacher}) + "\n")
-        log(f"[{n}/{len(cells)}] {cell.key}: running ({grid.mode})")
-        sibling = sibling_with_shared_outputs(cells, cell)
-        reused = reuse_sibling_stages(cell, sibling) if sibling is not None else []
-        if reused:
-            log(f"    {', '.join(reused)}: outputs of {sibling.key} linked in (the pipeline checks they apply)")
-        start = time.perf_counter()
-        rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir}
-        try:
-            rec.update(status="ok", metrics=run_cell(configs[cell.key], grid, cell))
-        except Exception as exc:  # a failed cell is recorded; the grid goes on unless fail_fast
-            if fail_fast:
-                raise
-            rec.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-            log(f"    failed: {rec['error']}")
-        rec["seconds"] = round(time.perf_counter() - start, 2)
-        longest[cell.teacher] = max(longest.get(cell.teacher, 0.0), rec["seconds"])
-        atomic_write_text(path, json.dumps(rec, indent=1, default=str) + "\n")
-        records.append(rec)
-    write_results(grid, records)
-    return records
+        if n not in deferred and queue and _waits_for_sibling(cells, cell):
+            log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
+            deferred.add(n)
+            queue.append((n, cell))
+            continue
+        with CellClaim(cell.run_dir) as held:
+            if not held:
+                log(f"[{n}/{len(cells)}] {cell.key}: running in another process, skipped")
+                records[n] = _placeholder(cell, "elsewhere")
+                continue
+            done = None if force else _finished(cell.run_dir)  # another process may have just finished it
+            records[n] = done or _run_one(grid, cells, cell, configs[cell.key], f"[{n}/{len(cells)}]", log, fail_fast)
+        if done is None:
+            longest[cell.teacher] = max(longest.get(cell.teacher, 0.0), records[n]["seconds"])
+    ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
+               for n in sorted(records)]  # cells other processes finished meanwhile count as finished
+    write_results(grid, ordered)
+    return ordered
+
+
+def _placeholder(cell: Cell, status: str) -> dict[str, Any]:
+    return {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir,
+            "status": status, "seconds": 0.0}
+
+
+def _run_one(grid: Grid, cells: list[Cell], cell: Cell, cfg: Any, tag: str, log: Callable[[str], None],
+             fail_fast: bool) -> dict[str, Any]:
+    """Run one claimed cell: link a finished sibling's shared outputs in, run it, write cell.json."""
+    os.makedirs(cell.run_dir, exist_ok=True)
+    atomic_write_text(os.path.join(cell.run_dir, "run.json"), json.dumps(
+        {"name": cell.init, "init": cell.init, "policy": cell.policy, "teacher": cell.teacher}) + "\n")
+    log(f"{tag} {cell.key}: running ({grid.mode})")
+    sibling = sibling_with_shared_outputs(cells, cell)
+    reused = reuse_sibling_stages(cell, sibling) if sibling is not None else []
+    if reused:
+        log(f"    {', '.join(reused)}: outputs of {sibling.key} linked in (the pipeline checks they apply)")
+    start = time.perf_counter()
+    rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir}
+    try:
+        rec.update(status="ok", metrics=run_cell(cfg, grid, cell))
+    except Exception as exc:  # a failed cell is recorded; the grid goes on unless fail_fast
+        if fail_fast:
+            raise
+        rec.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        log(f"    failed: {rec['error']}")
+    rec["seconds"] = round(time.perf_counter() - start, 2)
+    atomic_write_text(os.path.join(cell.run_dir, CELL_FILE), json.dumps(rec, indent=1, default=str) + "\n")
+    return rec
 
 
 def _ratio_vs_naive(records: list[dict[str, Any]], rec: dict[str, Any]) -> str:
@@ -443,11 +493,12 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
         parts.append(f"![perplexity {what} / teacher, per cell](results.png)")
     if trained:
         parts.append("## Tokens to target\n\n" + "\n\n".join(_tokens_to_target_sections(grid, records)))
-    pending = [r for r in records if r["status"] == "pending"]
+    pending = [r for r in records if r["status"] in UNFINISHED]
     if pending:
-        parts.append("## Pending cells (not run yet: rerun the grid)\n\n"
-                     + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}" for r in pending))
-    failed = [r for r in records if r["status"] not in ("ok", "pending")]
+        parts.append("## Pending cells (not run yet, or still running in another process: rerun the grid)\n\n"
+                     + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}"
+                                  + (" (running elsewhere)" if r["status"] == "elsewhere" else "") for r in pending))
+    failed = [r for r in records if r["status"] not in ("ok", *UNFINISHED)]
     if failed:
         parts.append("## Failed cells\n\n" + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}: {r['error']}"
                                                         for r in failed))
@@ -481,4 +532,4 @@ def grid_main(argv: list[str] | None = None) -> int:
     print(os.path.join(grid.out, "results.md"))
     if any(r["status"] == "failed" for r in records):
         return 1
-    return 3 if any(r["status"] == "pending" for r in records) else 0
+    return 3 if any(r["status"] in UNFINISHED for r in records) else 0

@@ -12,7 +12,7 @@ def _save_png(fig, path: str | os.PathLike) -> str:
     import matplotlib.pyplot as plt
 
     path = str(path)
-    tmp = path + ".tmp.png"
+    tmp = f"{path}.tmp-{os.getpid()}.png"  # per process: grid lanes write the same table's plot
     fig.savefig(tmp, format="png")
     plt.close(fig)
     os.replace(tmp, path)

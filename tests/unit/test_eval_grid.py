@@ -240,3 +240,80 @@ def test_run_grid_cli_knows_every_registered_init(tmp_path):
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert "not a known strategy" not in done.stderr, done.stderr[-2000:]
     assert done.returncode == 3, (done.returncode, done.stderr[-2000:])  # the cell is left pending
+
+
+# ---- several processes on one grid (the GPU script's lanes) -------------------------------------
+def lanes_runner(cfg, grid, cell):
+    """Appends '<cell> <pid>' to <out>/calls.txt (shared by the processes), then works a little."""
+    import time
+
+    with open(os.path.join(grid.out, "calls.txt"), "a") as fh:
+        fh.write(f"{cell.key} {os.getpid()}\n")
+    time.sleep(0.3)
+    return {"ppl": 12.0, "zero_shot_ppl": 40.0, "kl": 0.1, "teacher_ppl": 10.0}
+
+
+register_runner("lanes_for_test", lanes_runner)
+
+
+def test_a_cell_lock_is_exclusive_and_released_when_its_holder_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from megatron_tc.eval.grid_claims import CellClaim
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from megatron_tc.eval.grid_claims import "
+                               f"CellClaim\nwith CellClaim({str(tmp_path)!r}) as held:\n print(held, flush=True)\n"
+                               " time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        with CellClaim(str(tmp_path)) as held:
+            assert not held
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops the lock
+        holder.wait()
+    with CellClaim(str(tmp_path)) as held:
+        assert held
+        with CellClaim(str(tmp_path)) as again:  # a second open file of this process is another holder
+            assert not again
+
+
+def test_two_processes_on_one_grid_run_every_cell_once(tmp_path):
+    import multiprocessing
+
+    grid_path = _grid_file(tmp_path, mode="lanes_for_test")
+    os.makedirs(tmp_path / "out")
+    ctx = multiprocessing.get_context("fork")
+    lanes = [ctx.Process(target=run_grid, args=(load_grid(grid_path),), kwargs={"log": lambda msg: None})
+             for _ in range(2)]
+    for lane in lanes:
+        lane.start()
+    for lane in lanes:
+        lane.join(60)
+    assert [lane.exitcode for lane in lanes] == [0, 0]
+    calls = [line.split() for line in (tmp_path / "out" / "calls.txt").read_text().splitlines()]
+    keys = [key for key, _ in calls]
+    assert sorted(keys) == sorted(c.key for c in load_grid(grid_path).cells())  # each once
+    assert len({pid for _, pid in calls}) == 2  # both did work
+    # the process that finished last saw the other's cells finish: its table has every cell
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [c["status"] for c in res["cells"]] == ["ok"] * 12
+
+
+def test_a_cell_waits_while_a_sibling_is_set_up_elsewhere(tmp_path):
+    from megatron_tc.eval.grid_claims import CellClaim
+
+    grid = load_grid(_grid_file(tmp_path))
+    busy = grid.cells()[0]  # t1/uniform/naive: started by "another process", which holds it
+    os.makedirs(busy.run_dir)
+    with open(os.path.join(busy.run_dir, "run.json"), "w") as fh:
+        fh.write("{}\n")
+    CALLS.clear()
+    with CellClaim(busy.run_dir) as held:
+        assert held
+        records = run_grid(grid, log=lambda msg: None)
+    later = ["t1/uniform/taylor_calibrate", "t1/uniform/zero_gate"]
+    assert CALLS[-2:] == later and busy.key not in CALLS and len(CALLS) == 11
+    assert [r["status"] for r in records] == ["elsewhere"] + ["ok"] * 11  # in grid order
+    assert "- t1/uniform/naive (running elsewhere)" in (tmp_path / "out" / "results.md").read_text()

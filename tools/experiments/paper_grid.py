@@ -77,7 +77,10 @@ def link_shared_cache(grid, shared: Path) -> None:
         link = Path(cell.run_dir) / "data_cache"
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.exists() and not link.is_symlink():
-            link.symlink_to(shared.resolve(), target_is_directory=True)
+            try:
+                link.symlink_to(shared.resolve(), target_is_directory=True)
+            except FileExistsError:  # another lane made it
+                pass
 
 
 def reuse_outputs_across(grid, other) -> None:
@@ -85,18 +88,20 @@ def reuse_outputs_across(grid, other) -> None:
     from `other`'s cells (stage 2 <-> zero-shot): the ar policy's selection costs 40-90 s of device
     time, and it is the same for every init."""
     from megatron_tc.eval.grid import reuse_sibling_stages, sibling_with_shared_outputs
+    from megatron_tc.eval.grid_claims import CellClaim
 
     donors = other.cells()
     for cell in grid.cells():
         donor = sibling_with_shared_outputs(donors, cell)
         if donor is not None:
-            os.makedirs(cell.run_dir, exist_ok=True)
-            reuse_sibling_stages(cell, donor)
+            with CellClaim(cell.run_dir) as held:  # a cell another lane runs is left to it
+                if held:
+                    reuse_sibling_stages(cell, donor)
 
 
 def run(args: argparse.Namespace) -> int:
     import megatron_tc.calibrate.strategies  # noqa: F401  (registers every strategy name before configs are checked)
-    from megatron_tc.eval.grid import load_grid, run_grid
+    from megatron_tc.eval.grid import UNFINISHED, load_grid, run_grid
 
     teachers = dict(t.split("=", 1) for t in args.teacher)
     policies = args.policies.split(",") if args.policies else None
@@ -114,10 +119,11 @@ def run(args: argparse.Namespace) -> int:
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0))
         if any(r["status"] == "failed" for r in records):
             status = 1
-        elif any(r["status"] == "pending" for r in records) and status == 0:
+        elif any(r["status"] in UNFINISHED for r in records) and status == 0:
             status = 3
-        print(f"   {sum(r['status'] == 'ok' for r in records)} ok, {sum(r['status'] == 'pending' for r in records)} "
-              f"pending, {sum(r['status'] == 'failed' for r in records)} failed -> {grid.out}/results.md", flush=True)
+        count = {s: sum(r["status"] == s for r in records) for s in ("ok", *UNFINISHED, "failed")}
+        print(f"   {count['ok']} ok, {count['pending']} pending, {count['elsewhere']} running elsewhere, "
+              f"{count['failed']} failed -> {grid.out}/results.md", flush=True)
     from megatron_tc.parallel.state import shutdown_distributed
 
     shutdown_distributed()  # the inline cells' process group

@@ -24,7 +24,11 @@
 #                          lanes:grid:qwen3:ar/grid:mistral:stats+grid:qwen2:stats (lane 0 goes on to
 #                          mistral when qwen3's cells are done, instead of idling).
 #                          Lanes share $R: cells and the token cache are written atomically; each lane rewrites
-#                          runs/grid/<part>/results.md with its own cells (the report reads every cell.json)
+#                          runs/grid/<part>/results.md with its own cells (the report reads every cell.json).
+#                          Lanes may run the same teacher (lanes:grid:smollm2+grid:smollm2): a lane runs a cell
+#                          only while it holds the cell's lock, so the lanes split the cells between them, and a
+#                          lane skips ahead rather than convert and select a second time for a (teacher, policy)
+#                          another lane is setting up (megatron_tc/eval/grid_claims.py)
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
 #                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
 #                          teacher made on this machine, once (unpack into .paper_runs/teachers)
@@ -173,7 +177,7 @@ step_grid() {  # grid:NAME[:POLICIES]
   say "grid $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
   timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
   local rc=$?
-  case $rc in 0) say "grid $name: all cells done";; 3) say "grid $name: cells pending; run the step again";;
+  case $rc in 0) say "grid $name: all cells done";; 3) say "grid $name: cells pending (or still running in another lane); run the step again";;
     *) say "grid $name: exit $rc (failed cells are listed in $R/runs/grid/*/results.md)";; esac
   return $rc
 }
