@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import yaml
 
-from megatron_tc.eval.grid_claims import CellClaim, started_unfinished
+from megatron_tc.eval.grid_claims import CellClaim
 from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
 
 GRID_KEYS = {"base", "out", "mode", "process", "overrides", "axes"}
@@ -329,7 +329,7 @@ def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
     running it now would convert and select a second time."""
     if os.path.isfile(os.path.join(cell.run_dir, "run.json")) or sibling_with_shared_outputs(cells, cell):
         return False
-    return any(started_unfinished(c.run_dir, _finished) for c in cells
+    return any(os.path.isfile(os.path.join(c.run_dir, "run.json")) and _finished(c.run_dir) is None for c in cells
                if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell)
 
 

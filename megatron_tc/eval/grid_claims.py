@@ -41,7 +41,3 @@ class CellClaim:
             os.close(self.fd)
             self.fd = None
 
-
-def started_unfinished(run_dir: str, is_finished) -> bool:
-    """A cell some process began (its run.json exists) that has not finished."""
-    return os.path.isfile(os.path.join(run_dir, "run.json")) and not is_finished(run_dir)
