@@ -18,8 +18,8 @@ def _cell(root: Path, part: str, init: str, curve: list[tuple[int, float]], zero
     metrics = {"ppl": curve[-1][1], "kl": 0.5}
     (d / "cell.json").write_text(json.dumps({"status": "ok", "metrics": metrics}))
     (d / "run.json").write_text(json.dumps({"name": init, "init": init}))
-    (d / "eval_log.jsonl").write_text("".join(json.dumps({"step": i, "tokens": t, "ppl": p, "teacher_ppl": 20.0}) + "\n"
-                                              for i, (t, p) in enumerate(curve)))
+    (d / "eval_log.jsonl").write_text("".join(json.dumps({"step": i, "tokens": t, "ppl": p, "kl": p / 100,
+                                                          "teacher_ppl": 20.0}) + "\n" for i, (t, p) in enumerate(curve)))
     rows = [{"model": "teacher", "ppl": 20.0, "kl": 0.0}] + [{"model": k, "ppl": v, "kl": v / 100} for k, v in zero_shot.items()]
     (d / "eval" / "results.json").write_text(json.dumps({"rows": rows}))
 
@@ -48,4 +48,9 @@ def test_tables_ratios_and_goals(tmp_path):
                      for part in md.split("Reached and stayed:")[:2])
     assert first.isdigit() and int(first) < 500, first
     assert stayed.endswith("k") and 1 < float(stayed[:-1]) < 100, stayed
+    # supplementary KL table: the KL curves are the ppl curves / 100, so naive's final KL (0.24) is
+    # reached where naive's final ppl is, by ours and taylor_calibrate at the same tokens
+    kl_line = next(l for l in md.split("Supplementary")[1].splitlines() if l.startswith("| qwen2 | uniform |"))
+    assert kl_line.startswith("| qwen2 | uniform | 0.2400 / 0.2100 / 0.2100 | 12.5% | 0.0% | 100k / "), kl_line
+    assert kl_line.endswith("| 1.00x |"), kl_line
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
