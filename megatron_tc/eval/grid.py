@@ -288,31 +288,6 @@ def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
     return best if score > 0 else None
 
 
-def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None) -> float:
-    """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
-    none): what a fresh invocation expects its first cell to take. Recent ones, because the cost of
-    a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
-    that teacher's cells (<out>/<teacher>/...) when it has any: a cell of a 30-layer teacher takes
-    about twice one of a 12-layer teacher, so the other teachers' cells are only the fallback."""
-    if teacher is not None:
-        own = recent_cell_seconds(os.path.join(out, teacher), recent)
-        if own > 0:
-            return own
-    finished = []
-    for root, _dirs, files in os.walk(out):
-        if CELL_FILE in files:
-            path = os.path.join(root, CELL_FILE)
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    rec = json.load(fh)
-            except (OSError, json.JSONDecodeError):
-                continue
-            if rec.get("status") == "ok":
-                finished.append((os.path.getmtime(path), float(rec.get("seconds") or 0.0)))
-    return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
-
-
-# ---- the grid ---------------------------------------------------------------------------------
 def _finished(run_dir: str) -> dict[str, Any] | None:
     """The cell's record when it finished ok (<cell>/cell.json), else None."""
     path = os.path.join(run_dir, CELL_FILE)
@@ -324,6 +299,25 @@ def _finished(run_dir: str) -> dict[str, Any] | None:
     return rec if rec.get("status") == "ok" else None
 
 
+def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None) -> float:
+    """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
+    none): what a fresh invocation expects its first cell to take. Recent ones, because the cost of
+    a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
+    that teacher's cells (<out>/<teacher>/...) when it has any: a cell of a 30-layer teacher takes
+    several times one of a 12-layer teacher, so the other teachers' cells are only the fallback."""
+    if teacher is not None:
+        own = recent_cell_seconds(os.path.join(out, teacher), recent)
+        if own > 0:
+            return own
+    finished = []
+    for root, _dirs, files in os.walk(out):
+        rec = _finished(root) if CELL_FILE in files else None
+        if rec is not None:
+            finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)), float(rec.get("seconds") or 0.0)))
+    return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
+
+
+# ---- the grid ---------------------------------------------------------------------------------
 def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
     """Another process is making this cell's shared outputs (a sibling started, none finished them):
     running it now would convert and select a second time."""

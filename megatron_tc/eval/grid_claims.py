@@ -40,4 +40,3 @@ class CellClaim:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
-
