@@ -11,6 +11,8 @@ exception (a segfault, os._exit) or hangs past `timeout` fails the test as well.
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import socket
 import sys
@@ -55,6 +57,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a rank killed by SIGABRT/SIGSEGV prints every thread's Python stack
     try:
         kwargs = {}
         if backend == "nccl":
@@ -70,8 +73,20 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
         errors.put((rank, report))
         raise SystemExit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_distributed()
+
+
+def _leave_distributed() -> None:
+    """Drop megatron-core's groups and the default group, then collect garbage, while the
+    interpreter is whole: groups still referenced at interpreter finalization are torn down there,
+    which can abort the process (SIGABRT) after the function has passed."""
+    if "megatron.core.parallel_state" in sys.modules:  # never imported just to be torn down
+        from megatron_tc.parallel.state import destroy_parallel
+
+        destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 300.0,

@@ -23,7 +23,6 @@ GPU count itself); on CPU up to --max-ranks (2).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -84,6 +83,7 @@ def run_worker(args) -> None:
     from megatron_tc.bench.models import quarter_pattern
     from megatron_tc.distill.stage2 import select_trainable
     from megatron_tc.model import HybridLM
+    from megatron_tc.parallel.deepspeed_engine import release_engine
     from megatron_tc.parallel.state import init_parallel, shutdown_distributed
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -149,12 +149,11 @@ def run_worker(args) -> None:
         print(f"N={n}: {step_ms:.1f} ms/step, {result['tok_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
               f"peak {peak:.2f} GiB", flush=True)
     _sync_barrier(device)
-    # A rank once aborted after its last barrier (CPU, gloo: SIGABRT, "terminate called without an
-    # active exception", 1 of 5 runs of its test): most likely groups kept alive past
-    # destroy_process_group by the engine and megatron's globals, torn down during interpreter
-    # finalization. Drop the engine and every group while the interpreter is whole.
+    # DeepSpeed keeps ZeRO-3 engines alive past their use (see release_engine), and their groups torn
+    # down during interpreter finalization have aborted a rank (SIGABRT): release them here.
+    if trainer.engine is not None:
+        release_engine(trainer.engine)
     del trainer
-    gc.collect()
     shutdown_distributed()
 
 

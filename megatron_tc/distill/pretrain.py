@@ -235,7 +235,8 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
     engine = build_student_engine(model, ds_config, par)
     trainer = PretrainTrainer(tcfg, par, engine, None, loader, rows, out_dir, _RenamedTB(ctx.tb), ctx.device,
                               arch.vocab_size, eval_log=out_dir / "eval_log.jsonl")
-    result = trainer.run(stop_after)
+    with trainer:
+        result = trainer.run(stop_after)
     if result.stopped_early:
         raise StageStopped(f"pretrain stopped at step {result.steps}")
     if ctx.rank0:

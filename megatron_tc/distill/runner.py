@@ -67,10 +67,11 @@ def run_stage1(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     teacher = ctx.teacher().model
     trainer, _ = build_stage1(ctx.cfg, ctx.par, student, teacher, _loader(ctx), layers,
                               ctx.paths.stage_dir("stage1"), ctx.tb, ctx.device)
-    state, stopped = trainer.run(stop_after)
-    if stopped:
-        raise StageStopped(f"stage1 stopped at step {state.step}")
-    merged = merged_student_state(student, trainer)
+    with trainer:
+        state, stopped = trainer.run(stop_after)
+        if stopped:
+            raise StageStopped(f"stage1 stopped at step {state.step}")
+        merged = merged_student_state(student, trainer)
     rank0_save_student(ctx, merged, student.arch, ctx.paths.student("stage1"),
                        {"stage": "stage1", "from": str(source), "steps": state.step})
     _release_changed_teacher(ctx, teacher)
@@ -95,7 +96,8 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     trainer = build_stage2(ctx.cfg, ctx.par, student, teacher, _loader(ctx), rows,
                            ctx.paths.stage_dir("stage2"), ctx.tb, ctx.device,
                            tensorboard_dir=str(ctx.paths.tensorboard), eval_log=ctx.paths.eval_log)
-    result = trainer.run(stop_after)
+    with trainer:
+        result = trainer.run(stop_after)
     if result.stopped_early:
         raise StageStopped(f"stage2 stopped at step {result.steps}")
     rank0_save_student(ctx, result.student_state, arch, ctx.paths.student("stage2"),

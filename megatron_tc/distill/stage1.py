@@ -30,6 +30,7 @@ from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.distill.stage2 import gather_full_state, restore_vocab_padding
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
+from megatron_tc.parallel.deepspeed_engine import EngineOwner
 
 log = get_logger(__name__)
 TRAIN_LOG = "train_log.jsonl"
@@ -70,7 +71,7 @@ def teacher_io(teacher: nn.Module, batch: dict[str, torch.Tensor], layers: list[
     return tuple(xs[l] for l in sorted(layers)), tuple(ys[l] for l in sorted(layers))
 
 
-class Stage1Trainer:
+class Stage1Trainer(EngineOwner):
     def __init__(self, cfg: Any, ctx: Any, engine: Any, teacher: nn.Module, loader: Any, layers: list[int],
                  out_dir: Path, tb: Any, device: torch.device):
         self.cfg, self.ctx, self.engine, self.teacher, self.loader = cfg, ctx, engine, teacher, loader

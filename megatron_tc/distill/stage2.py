@@ -45,6 +45,7 @@ from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_fin
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
+from megatron_tc.parallel.deepspeed_engine import EngineOwner
 
 log = get_logger(__name__)
 
@@ -139,7 +140,7 @@ def _dp_mean(values: torch.Tensor, ctx) -> torch.Tensor:
 
 # ---- the trainer -------------------------------------------------------------------------------------
 
-class Stage2Trainer:
+class Stage2Trainer(EngineOwner):
     """Owns the engines, the loader, the schedule and the bookkeeping of one stage-2 run."""
 
     def __init__(self, cfg: Any, ctx: Any, engine: Any, teacher: nn.Module, loader: Any, eval_rows: list[torch.Tensor],

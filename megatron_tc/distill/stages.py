@@ -101,7 +101,7 @@ def _num_keep(cfg: Any, num_layers: int) -> int:
 
 def run_select(ctx: RunContext) -> dict[str, Any]:
     """The layers kept as softmax attention -> select/selection.json {policy, keep, pattern, scores}."""
-    from megatron_tc.calibrate.policies import select_layers, uniform
+    from megatron_tc.calibrate.policies import uniform
     from megatron_tc.calibrate.student import pattern_from_keep
 
     cfg, teacher = ctx.cfg, ctx.teacher()

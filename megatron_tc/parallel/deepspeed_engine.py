@@ -7,6 +7,7 @@
   without optimizer (ZeRO-3 parameter partitioning for inference, the pattern TRL uses) or as a
   plain replicated copy. Either way it is in eval mode, its parameters do not require gradients,
   and `assert_no_grads` proves after a step that none arrived.
+- `release_engine(engine)`: what a trainer's `close()` calls when its run ends, however it ends.
 
 On CPU, DeepSpeed's first collective would compile its shared-memory all-reduce op (about 90 s
 of C++ build per fresh cache). That op serves only `inference_all_reduce` (AutoTP inference),
@@ -165,6 +166,61 @@ def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext
                                       mpu=DeepSpeedMPU(ctx), lr_scheduler=lr_scheduler,
                                       dist_init_required=False)
     return engine
+
+
+def release_engine(engine: Any) -> None:
+    """Undo what `deepspeed.initialize` attached to the model, so the engine, its optimizer state and
+    its process-group references die now rather than at interpreter exit.
+
+    `engine.destroy()` removes ZeRO-3's per-module hooks, but three references survive it in
+    DeepSpeed 0.19: the engine's own forward pre/post hooks on the module (closures over the
+    engine), ZeRO-3's module-level FWD_MODULE_STACK (the top module is pushed at set-up, never
+    popped), and a class-level lru_cache on PartitionedParameterCoordinator keyed by coordinator
+    and submodule. Each keeps the engine alive for the life of the process, so a process running
+    several stages or grid cells piles them up, and the survivors take their gloo groups down
+    during interpreter finalization, which has aborted a rank ("terminate called without an
+    active exception", SIGABRT). Safe on an error path (no collective); a plain module (the
+    replicated teacher) is left alone.
+    """
+    import gc
+
+    if not hasattr(engine, "destroy") or not hasattr(engine, "module"):
+        return
+    engine.destroy()
+    for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+        handle = getattr(engine, name, None)
+        if handle is not None and hasattr(handle, "remove"):
+            handle.remove()
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])
+    stack[:] = [m for m in stack if m is not engine.module]
+    coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
+    memo = getattr(coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    # the lru_cache sits inside DeepSpeed's NVTX wrapper (a closure, no __wrapped__)
+    cells = [c.cell_contents for c in (getattr(memo, "__closure__", None) or ())]
+    for wrapper in [memo, *cells]:
+        if hasattr(wrapper, "cache_clear"):
+            wrapper.cache_clear()  # a memo of parameter ids: live engines recompute what they need
+    gc.collect()
+
+
+class EngineOwner:
+    """A trainer holding `engine` (and `teacher`, a module or an engine): `close()`, or leaving a
+    `with trainer:` block, releases both (`release_engine`); the trainer is unusable afterwards."""
+
+    engine: Any
+    teacher: Any
+
+    def close(self) -> None:
+        release_engine(self.engine)
+        release_engine(self.teacher)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def freeze(module: nn.Module) -> nn.Module:

@@ -156,9 +156,12 @@ def shutdown_distributed() -> None:
     """At the normal end of an entry point: drop the TP/PP/DP groups and leave the default group.
     (NCCL warns at exit about a group never destroyed; on an error path the process just exits,
     since destroying a communicator that other ranks still wait on can block.)"""
+    import gc
+
     destroy_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # groups held in reference cycles die now, not during interpreter finalization
 
 
 class DeepSpeedMPU:

@@ -164,7 +164,8 @@ def _stage2_run(out: Path, device: str) -> None:
         backends = {layer.mixer.backend for layer in trainer.engine.module.layers if layer.kind == "G"}
         if backends != {"fla" if cuda else "chunk"}:
             raise AssertionError(f"GDN backends in the engine: {backends}")
-        result = trainer.run()
+        with trainer:
+            result = trainer.run()
         tb.close()
         if result.steps != STEPS:
             raise AssertionError(f"ran {result.steps} steps, wanted {STEPS}")

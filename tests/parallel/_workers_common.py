@@ -115,3 +115,15 @@ def assert_as_accurate(got: torch.Tensor, single: torch.Tensor, exact: torch.Ten
     assert err <= ratio * base + floor, (f"{what} ({dtype}): parallel error vs fp64 {err:.3g} > {ratio:g} x "
                                          f"single-device error {base:.3g} + {floor:g}")
     return err / base if base else 0.0
+
+
+def assert_no_live_engines() -> None:
+    """Every DeepSpeed engine of this process has been released (`release_engine`): none survives
+    a full garbage collection."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gc.collect()
+    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+    assert not alive, f"DeepSpeed engines still alive after release: {alive}"

@@ -87,7 +87,8 @@ def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0
     eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (6, SEQ)))
     tb = TBWriter(out / "tb")
     trainer = build_stage2(cfg, ctx, student, teacher, loader, window_rows([eval_ids]), out, tb, torch.device("cpu"))
-    result = trainer.run(stop_after=stop_after)
+    with trainer:  # releases the engine, so runs in one process do not pile up
+        result = trainer.run(stop_after=stop_after)
     tb.close()
     return result
 
@@ -123,6 +124,7 @@ def train_resume_matches_uninterrupted(rank: int, world_size: int, root: str) ->
 
 def nan_policies(rank: int, world_size: int, root: str) -> None:
     from megatron_tc.distill.numerics import NonFiniteError
+    from tests.parallel._workers_common import assert_no_live_engines
 
     root = Path(root)
     os.environ["MEGATRON_TC_FAULTS"] = "nan_loss@1,nan_grad@3"
@@ -145,6 +147,8 @@ def nan_policies(rank: int, world_size: int, root: str) -> None:
     # the abort left the checkpoint of step 2 (interval 2) and nothing later
     if rank == 0:
         assert (root / "abort/checkpoints/latest").read_text().strip() == "step_00000002"
+    # both runs, the aborted one included, released their engines (close() on leaving `with trainer`)
+    assert_no_live_engines()
 
 
 def pipeline_resume_matches_uninterrupted(rank: int, world_size: int, root: str) -> None:

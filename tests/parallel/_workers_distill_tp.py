@@ -47,7 +47,8 @@ def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = 
     eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (4, SEQ)))
     tb = TBWriter(out / "tb")
     trainer = build_stage2(cfg, ctx, student, teacher, loader, window_rows([eval_ids]), out, tb, torch.device("cpu"))
-    result = trainer.run(stop_after=stop_after)
+    with trainer:
+        result = trainer.run(stop_after=stop_after)
     tb.close()
     if result.student_state is not None:
         torch.save(result.student_state, out / "student.pt")
@@ -71,9 +72,10 @@ def run_stage1(out: Path, tp: int, steps: int = 3) -> None:
                                     ctx.dp_rank, ctx.dp_size, seed=7)
     tb = TBWriter(out / "tb")
     trainer, _ = build_stage1(cfg, ctx, student, teacher, loader, [1, 3], out, tb, torch.device("cpu"))
-    state, stopped = trainer.run()
-    assert state.step == steps and not stopped
-    merged = merged_student_state(student, trainer)
+    with trainer:
+        state, stopped = trainer.run()
+        assert state.step == steps and not stopped
+        merged = merged_student_state(student, trainer)
     tb.close()
     if merged is not None:
         torch.save(merged, out / "student.pt")
@@ -121,7 +123,8 @@ def stage1_bf16_with_fp32_teacher(rank: int, world_size: int, root: str) -> None
     trainer, _ = build_stage1(cfg, ctx, student, teacher, loader, [1, 3], out, tb, torch.device("cpu"))
     assert next(trainer.engine.module.parameters()).dtype == torch.bfloat16
     assert next(teacher.parameters()).dtype == torch.float32
-    state, stopped = trainer.run()
+    with trainer:
+        state, stopped = trainer.run()
     tb.close()
     assert state.step == 2 and not stopped and state.skipped_steps == 0
     destroy_parallel()

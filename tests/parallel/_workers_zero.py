@@ -11,7 +11,7 @@ from megatron_tc.parallel import deepspeed_engine as dse
 from megatron_tc.parallel.losses import vocab_parallel_kl
 from megatron_tc.parallel.state import destroy_parallel, init_parallel
 from tests.parallel._workers_common import (VOCAB, ReferenceAdamW, assert_close, assert_same_weights, batches, on,
-                                            place, tiny_arch)
+                                            assert_no_live_engines, place, tiny_arch)
 
 STEPS, GLOBAL_BATCH, SEQ = 5, 4, 16
 LR, CLIP, TEMPERATURE = 2e-3, 0.5, 2.0
@@ -99,6 +99,8 @@ def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
     with deepspeed.zero.GatheredParameters(list(teacher_engine.module.parameters())):
         for name, value in teacher_engine.module.state_dict().items():
             assert torch.equal(value, teacher_before[name]), f"teacher weight {name} changed"
+    dse.release_engine(engine)
+    dse.release_engine(teacher_engine)
     return losses, state
 
 
@@ -111,6 +113,7 @@ def zero3_matches_single_process(rank: int, world_size: int) -> None:
     try:
         assert ctx.dp_size == 2
         losses, got_state = zero3_run(ctx, data)
+        assert_no_live_engines()  # the student's (ZeRO-3 optimizer) and the teacher's (inference) engine
         for got, want in zip(losses, want_losses):
             assert_close(torch.tensor(got), torch.tensor(want), "ZeRO-3 step loss")
         assert_same_weights(got_state, want_state, "ZeRO-3 final")
