@@ -77,9 +77,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
 
 
 def _leave_distributed() -> None:
-    """Drop megatron-core's groups and the default group, then collect garbage, while the
-    interpreter is whole: groups still referenced at interpreter finalization are torn down there,
-    which can abort the process (SIGABRT) after the function has passed."""
+    """Release the DeepSpeed engines the function left behind, drop megatron-core's groups and the
+    default group, then collect garbage, while the interpreter is whole: groups still referenced at
+    interpreter finalization are torn down there, which can abort the process (SIGABRT) after the
+    function has passed."""
+    if "deepspeed.runtime.engine" in sys.modules:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        from megatron_tc.parallel.deepspeed_engine import release_engine
+
+        gc.collect()
+        for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
+            release_engine(engine)
     if "megatron.core.parallel_state" in sys.modules:  # never imported just to be torn down
         from megatron_tc.parallel.state import destroy_parallel
 
