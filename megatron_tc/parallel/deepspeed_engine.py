@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
@@ -219,8 +220,14 @@ class EngineOwner:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the run's own error is the one to report, not a failure while cleaning up after it
+            self.close()
+        except Exception as cleanup_error:  # noqa: BLE001
+            warnings.warn(f"releasing the DeepSpeed engines after {exc_type.__name__} failed: {cleanup_error!r}")
 
 
 def freeze(module: nn.Module) -> nn.Module:
