@@ -82,12 +82,9 @@ def _leave_distributed() -> None:
     interpreter finalization are torn down there, which can abort the process (SIGABRT) after the
     function has passed."""
     if "deepspeed.runtime.engine" in sys.modules:
-        from deepspeed.runtime.engine import DeepSpeedEngine
+        from megatron_tc.parallel.deepspeed_engine import live_engines, release_engine
 
-        from megatron_tc.parallel.deepspeed_engine import release_engine
-
-        gc.collect()
-        for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
+        for engine in live_engines():
             release_engine(engine)
     if "megatron.core.parallel_state" in sys.modules:  # never imported just to be torn down
         from megatron_tc.parallel.state import destroy_parallel

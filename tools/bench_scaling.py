@@ -151,8 +151,7 @@ def run_worker(args) -> None:
     _sync_barrier(device)
     # DeepSpeed keeps ZeRO-3 engines alive past their use (see release_engine), and their groups torn
     # down during interpreter finalization have aborted a rank (SIGABRT): release them here.
-    if trainer.engine is not None:
-        release_engine(trainer.engine)
+    release_engine(trainer.engine)  # a no-op when the trainer has no engine (engine None)
     del trainer
     shutdown_distributed()
 

@@ -206,6 +206,16 @@ def release_engine(engine: Any) -> None:
     gc.collect()
 
 
+def live_engines() -> list[Any]:
+    """The DeepSpeed engines this process still holds after a full garbage collection."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+
+
 class EngineOwner:
     """A trainer holding `engine` (and `teacher`, a module or an engine): `close()`, or leaving a
     `with trainer:` block, releases both (`release_engine`); the trainer is unusable afterwards."""
@@ -221,12 +231,12 @@ class EngineOwner:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # the run's own error is the one to report, not a failure while cleaning up after it
+        try:
             self.close()
         except Exception as cleanup_error:  # noqa: BLE001
+            if exc_type is None:
+                raise
+            # the run's own error is the one to report, not a failure while cleaning up after it
             warnings.warn(f"releasing the DeepSpeed engines after {exc_type.__name__} failed: {cleanup_error!r}")
 
 

@@ -9,6 +9,7 @@ parallel layers read the same global state, so both views always agree.
 """
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from dataclasses import dataclass
@@ -156,8 +157,6 @@ def shutdown_distributed() -> None:
     """At the normal end of an entry point: drop the TP/PP/DP groups and leave the default group.
     (NCCL warns at exit about a group never destroyed; on an error path the process just exits,
     since destroying a communicator that other ranks still wait on can block.)"""
-    import gc
-
     destroy_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -120,10 +120,7 @@ def assert_as_accurate(got: torch.Tensor, single: torch.Tensor, exact: torch.Ten
 def assert_no_live_engines() -> None:
     """Every DeepSpeed engine of this process has been released (`release_engine`): none survives
     a full garbage collection."""
-    import gc
+    from megatron_tc.parallel.deepspeed_engine import live_engines
 
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    gc.collect()
-    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+    alive = [type(o).__name__ for o in live_engines()]
     assert not alive, f"DeepSpeed engines still alive after release: {alive}"
