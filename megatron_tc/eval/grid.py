@@ -299,21 +299,40 @@ def _finished(run_dir: str) -> dict[str, Any] | None:
     return rec if rec.get("status") == "ok" else None
 
 
-def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None) -> float:
+def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None, init: str | None = None) -> float:
     """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
-    none): what a fresh invocation expects its first cell to take. Recent ones, because the cost of
+    none): what a fresh invocation expects its next cell to take. Recent ones, because the cost of
     a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
     that teacher's cells (<out>/<teacher>/...) when it has any: a cell of a 30-layer teacher takes
-    several times one of a 12-layer teacher, so the other teachers' cells are only the fallback."""
+    several times one of a 12-layer teacher, so the other teachers' cells are only the fallback.
+    With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
+    calibrated init aligns every converted layer before stage 2, and costs 1.3-2x a naive cell."""
+    if teacher is not None and init is not None:
+        own = _longest_recent([os.path.join(out, teacher, policy, init) for policy in _subdirs(os.path.join(out, teacher))],
+                              recent)
+        if own > 0:
+            return own
     if teacher is not None:
         own = recent_cell_seconds(os.path.join(out, teacher), recent)
         if own > 0:
             return own
+    return _longest_recent([out], recent)
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(path) if e.is_dir())
+    except OSError:
+        return []
+
+
+def _longest_recent(roots: list[str], recent: int) -> float:
     finished = []
-    for root, _dirs, files in os.walk(out):
-        rec = _finished(root) if CELL_FILE in files else None
-        if rec is not None:
-            finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)), float(rec.get("seconds") or 0.0)))
+    for top in roots:
+        for root, _dirs, files in os.walk(top):
+            rec = _finished(root) if CELL_FILE in files else None
+            if rec is not None:
+                finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)), float(rec.get("seconds") or 0.0)))
     return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
 
 
@@ -331,7 +350,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
-    longest cell of its teacher in this invocation, or before one has finished by the recently
+    longest cell of its teacher and init in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
     by the next invocation. Several processes may run one grid at once (grid_claims): a cell another
     process holds is recorded 'elsewhere', and a cell whose sibling another process is setting up
@@ -348,7 +367,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
             log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
             records[n] = done
             continue
-        expected = longest.get(cell.teacher) or recent_cell_seconds(grid.out, teacher=cell.teacher)
+        expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds(grid.out, teacher=cell.teacher,
+                                                                                  init=cell.init)
         if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
             log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
             records[n] = _placeholder(cell, "pending")
@@ -366,7 +386,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
             done = None if force else _finished(cell.run_dir)  # another process may have just finished it
             records[n] = done or _run_one(grid, cells, cell, configs[cell.key], f"[{n}/{len(cells)}]", log, fail_fast)
         if done is None:
-            longest[cell.teacher] = max(longest.get(cell.teacher, 0.0), records[n]["seconds"])
+            key = (cell.teacher, cell.init)
+            longest[key] = max(longest.get(key, 0.0), records[n]["seconds"])
     ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)

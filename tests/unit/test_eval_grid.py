@@ -129,6 +129,21 @@ def test_a_teachers_own_finished_cells_set_its_expected_cell_time(tmp_path):
     assert recent_cell_seconds(str(tmp_path), teacher="new") == 120.0  # none of its own: every teacher's
 
 
+def test_a_teachers_cells_of_the_same_init_set_its_expected_cell_time(tmp_path):
+    from megatron_tc.eval.grid import recent_cell_seconds
+
+    done = [("uniform", "naive", 290.0), ("uniform", "ours", 367.0), ("ar", "naive", 349.0), ("ar", "ours", 315.0)]
+    for n, (policy, init, seconds) in enumerate(done):
+        cell = tmp_path / "smollm2" / policy / init
+        cell.mkdir(parents=True)
+        (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
+        os.utime(cell / "cell.json", (1000.0 + n, 1000.0 + n))
+    assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="ours") == 367.0
+    assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="naive") == 349.0
+    assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="zero_gate") == 367.0  # none: the teacher's
+    assert recent_cell_seconds(str(tmp_path), recent=1, teacher="smollm2", init="naive") == 349.0
+
+
 def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
     from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
 

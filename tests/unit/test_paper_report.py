@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests._scripts import load_script
 
 
@@ -41,8 +43,10 @@ def test_tables_ratios_and_goals(tmp_path):
     assert line.endswith("| not reached | 54.8k | 54.8k | ≥ 1.82x | 1.00x |"), line  # naive never gets to 22
     assert (tmp_path / "out" / "qwen2_uniform" / "ppl_vs_tokens.png").is_file()
     for how in ("first reach", "reached and stayed"):
-        assert f"- missed: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x)" in md
-        assert f"- missed: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs taylor_calibrate 1.00x (goal ≥ 1.5x)" in md
+        # naive never reaches 22: only a lower bound, below the goal, is known
+        assert (f"- not shown: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x); "
+                "naive did not reach it in the budget") in md
+        assert f"- missed: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs taylor_calibrate 1.00x (goal ≥ 1.5x)\n" in md
     # 1.25x the teacher (25): first reached in the dip, before 500 tokens; stayed only after 1000
     first, stayed = (next(l for l in part.splitlines() if l.startswith("| qwen2 | uniform | 1.25x")).split(" | ")[5]
                      for part in md.split("Reached and stayed:")[:2])
@@ -54,3 +58,16 @@ def test_tables_ratios_and_goals(tmp_path):
     assert kl_line.startswith("| qwen2 | uniform | 0.2400 / 0.2100 / 0.2100 | 12.5% | 0.0% | 100k / "), kl_line
     assert kl_line.endswith("| 1.00x |"), kl_line
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
+
+
+@pytest.mark.parametrize("ratio, goal, verdict", [
+    ({"value": None, "bound": "zero-shot"}, 10.0, None),
+    ({"value": 12.0, "bound": "="}, 10.0, None),
+    ({"value": 9.9, "bound": "="}, 10.0, "missed"),
+    ({"value": 12.0, "bound": ">="}, 10.0, None),   # a lower bound above the goal already proves it
+    ({"value": 2.3, "bound": ">="}, 10.0, "not shown"),
+    ({"value": 0.5, "bound": "<="}, 1.5, "missed"),  # ours never reaches the target, the baseline does
+    (None, 1.5, "missed"),                           # neither reaches it
+])
+def test_goal_verdict(ratio, goal, verdict):
+    assert _load()._goal_verdict(ratio, goal) == verdict
