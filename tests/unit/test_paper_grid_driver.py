@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +43,8 @@ def test_zero_shot_and_stage2_cells_take_each_others_selection(tmp_path):
     zs = {c.key: c for c in zero_shot.cells()}
     _finish_shared_stages(s2["t/ar/naive"].run_dir, '{"keep": [1]}')  # stage 2 ran ar's selection
     _finish_shared_stages(zs["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')  # zero-shot ran uniform's
-    driver.reuse_outputs_across(zero_shot, stage2)
-    driver.reuse_outputs_across(stage2, zero_shot)
+    driver.reuse_outputs_across(zero_shot, [stage2])
+    driver.reuse_outputs_across(stage2, [zero_shot])
     assert Path(zs["t/ar/zero_gate"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
     for init in ("naive", "ours"):
         assert Path(s2[f"t/uniform/{init}"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
@@ -52,3 +54,33 @@ def test_zero_shot_and_stage2_cells_take_each_others_selection(tmp_path):
     assert stages["select"]["reused_from"] == zs["t/uniform/zero_gate"].run_dir
     # a cell with its own selection keeps it
     assert Path(zs["t/uniform/zero_gate"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
+
+
+def test_the_long_naive_part_takes_the_selection_of_either_other_part(tmp_path):
+    driver = _driver()
+    stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "ours"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
+    long = _grid(tmp_path, "naive_long", ["naive"])
+    _finish_shared_stages({c.key: c for c in stage2.cells()}["t/ar/ours"].run_dir, '{"keep": [1]}')
+    _finish_shared_stages({c.key: c for c in zero_shot.cells()}["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')
+    driver.reuse_outputs_across(long, [stage2, zero_shot])
+    cells = {c.key: c for c in long.cells()}
+    assert Path(cells["t/ar/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
+    assert Path(cells["t/uniform/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
+
+
+def test_parts_of_a_kind_and_the_long_budget():
+    from megatron_tc.eval.grid import load_grid
+
+    driver = _driver()
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "zero_shot"]
+    with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
+        driver.part_files("small", ["stage2", "naive_long"])
+    sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
+            for p, f in driver.part_files("smollm2", []).items()}
+    long, base = sets["naive_long"], sets["stage2"]
+    assert int(long["distill.stage2.tokens"].split()[0]) == 9 * int(base["distill.stage2.tokens"].split()[0]) // 2
+    # everything else that shapes training is the stage-2 grid's
+    for key in ("data.micro_batch_size", "data.global_batch_size", "distill.stage2.lr", "distill.stage2.min_lr",
+                "model.dtype", "run.stages"):
+        assert long[key].split()[0] == base[key].split()[0], key
+    assert load_grid(driver.part_files("smollm2", [])["naive_long"]).axes["init"] == ["naive"]

@@ -3,6 +3,7 @@ tables, the goals checked cell by cell, and unfinished cells listed rather than 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,7 @@ def _cell(root: Path, part: str, init: str, curve: list[tuple[int, float]], zero
     (d / "eval" / "results.json").write_text(json.dumps({"rows": rows}))
 
 
-def test_tables_ratios_and_goals(tmp_path):
-    runs = tmp_path / "runs"
+def _grid_cells(runs: Path) -> None:
     _cell(runs, "stage2", "naive", [(0, 4000.0), (1000, 100.0), (100000, 24.0)], {"naive zero-shot": 4000.0})
     _cell(runs, "stage2", "taylor_calibrate", [(0, 80.0), (1000, 30.0), (100000, 21.0)],
           {"naive zero-shot": 4000.0, "taylor_calibrate zero-shot": 80.0})
@@ -35,6 +35,11 @@ def test_tables_ratios_and_goals(tmp_path):
     _cell(runs, "stage2", "ours", [(0, 60.0), (500, 24.0), (1000, 30.0), (100000, 21.0)],
           {"naive zero-shot": 4000.0, "ours zero-shot": 60.0})
     _cell(runs, "zero_shot", "zero_gate", [(0, 900.0)], {})
+
+
+def test_tables_ratios_and_goals(tmp_path):
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
     md = (tmp_path / "out" / "README.md").read_text()
     assert "| qwen2 | uniform | 20 | 4000 / 40 | 900 / 0.5 (4.4x) | 80 / 0.8 (50.0x) | 60 / 0.6 (66.7x) |" in md
@@ -58,6 +63,27 @@ def test_tables_ratios_and_goals(tmp_path):
     assert kl_line.startswith("| qwen2 | uniform | 0.2400 / 0.2100 / 0.2100 | 12.5% | 0.0% | 100k / "), kl_line
     assert kl_line.endswith("| 1.00x |"), kl_line
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
+    assert "No long naive run yet." in md
+
+
+def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
+    # naive with 4.5x the budget reaches 1.10x the teacher (22) between 100k and 450k tokens
+    _cell(runs, "naive_long", "naive", [(0, 4000.0), (100000, 100.0), (450000, 21.0)], {"naive zero-shot": 4000.0})
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    md = (tmp_path / "out" / "README.md").read_text()
+    long_tokens = math.exp(math.log(1e5) + (math.log(100 / 22) / math.log(100 / 21)) * math.log(4.5))
+    ours_tokens = math.exp(math.log(1e3) + (math.log(30 / 22) / math.log(30 / 21)) * math.log(100))
+    expected = f"{long_tokens / ours_tokens:.2f}x"
+    assert expected == "7.85x"
+    for how in ("first reach", "reached and stayed"):
+        assert (f"- not shown: tokens ({how}) qwen2/uniform 1.10x teacher: ours vs naive ≥ 1.82x (goal ≥ 10.0x); "
+                f"naive did not reach it in the budget; against naive given 4.5x the budget: {expected}, missed") in md
+    table = md.split("## Supplementary: naive given a longer")[1]
+    row = next(l for l in table.splitlines() if l.startswith("| qwen2 | uniform | reached and stayed | 1.10x"))
+    assert row.endswith(f"| 430k | 54.8k | {expected} | missed |"), row
+    assert "- qwen2 / uniform: naive ends at ppl 21 after 450k tokens (4.5x the budget); ours at 21 after 100k" in table
 
 
 @pytest.mark.parametrize("ratio, goal, verdict", [

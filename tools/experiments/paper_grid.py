@@ -3,13 +3,14 @@
 
     python tools/experiments/paper_grid.py grid --kind small --teacher qwen2=DIR [--teacher ...]
         [--out runs/paper/grid] [--ours taylor_fit] [--policies uniform,ar,stats] [--max-seconds 480]
-        [--set key=value ...] [--quick]
+        [--parts stage2,zero_shot] [--set key=value ...] [--quick]
     python tools/experiments/paper_grid.py quick-configs OUT_DIR   # tiny variants of the teacher configs
     python tools/experiments/paper_grid.py quick-overrides         # the --quick key=value list
 
-`grid` runs configs/paper/grid_<kind>_stage2.yaml (policy x init with stage 2) and then
-grid_<kind>_zero_shot.yaml (zero_gate) through megatron_tc.eval.grid, restricted to the named
-teachers (paths given here) and policies, with `OURS` replaced by --ours. Finished cells are
+`grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
+init with stage 2) and then zero_shot (zero_gate); naive_long (SmolLM2's naive with 4.5x the stage-2
+budget) on request. Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths
+given here) and policies, with `OURS` replaced by --ours. Finished cells are
 skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call.
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
 the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
+PARTS = ("stage2", "zero_shot", "naive_long")  # grid_<kind>_<part>.yaml; not every kind has every part
 
 # CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
 QUICK = [
@@ -83,20 +85,30 @@ def link_shared_cache(grid, shared: Path) -> None:
                 pass
 
 
-def reuse_outputs_across(grid, other) -> None:
+def reuse_outputs_across(grid, others) -> None:
     """Cells of `grid` take the converted teacher and the layer selection of their (teacher, policy)
-    from `other`'s cells (stage 2 <-> zero-shot): the ar policy's selection costs 40-90 s of device
-    time, and it is the same for every init."""
+    from the cells of the `others` grids (the other parts): the ar policy's selection costs 40-170 s
+    of device time, and it is the same for every init and budget."""
     from megatron_tc.eval.grid import reuse_sibling_stages, sibling_with_shared_outputs
     from megatron_tc.eval.grid_claims import CellClaim
 
-    donors = other.cells()
+    donors = [cell for other in others for cell in other.cells()]
     for cell in grid.cells():
         donor = sibling_with_shared_outputs(donors, cell)
         if donor is not None:
             with CellClaim(cell.run_dir) as held:  # a cell another lane runs is left to it
                 if held:
                     reuse_sibling_stages(cell, donor)
+
+
+def part_files(kind: str, parts: list[str]) -> dict[str, Path]:
+    """part -> grid file for every part of `kind` (the requested ones must exist)."""
+    files = {p: CONFIGS / f"grid_{kind}_{p}.yaml" for p in PARTS if (CONFIGS / f"grid_{kind}_{p}.yaml").is_file()}
+    wrong = [p for p in parts if p not in files]
+    if wrong:
+        raise SystemExit(f"--parts {','.join(wrong)}: no such grid for kind {kind!r} "
+                         f"(configs/paper has {sorted(files)} for it)")
+    return files
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     status = 0
     out = Path(args.out).resolve()
-    grids = {part: narrowed(load_grid(CONFIGS / f"grid_{args.kind}_{part}.yaml"), teachers, policies, args.ours,
-                            out / part, extra) for part in ("stage2", "zero_shot")}
-    for part, grid in grids.items():
+    parts = args.parts.split(",")
+    grids = {part: narrowed(load_grid(path), teachers, policies, args.ours, out / part, extra)
+             for part, path in part_files(args.kind, parts).items()}
+    for part in parts:
+        grid = grids[part]
         left = None if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
         link_shared_cache(grid, out / "data_cache")
-        reuse_outputs_across(grid, grids["zero_shot" if part == "stage2" else "stage2"])
+        reuse_outputs_across(grid, [g for p, g in grids.items() if p != part])
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0))
         if any(r["status"] == "failed" for r in records):
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", default=str(ROOT / "runs" / "paper" / "grid"))
     g.add_argument("--ours", default="taylor_fit", help="the strategy the registry calls ours")
     g.add_argument("--policies", default=None, help="comma-separated subset of the grid's policies")
+    g.add_argument("--parts", default="stage2,zero_shot", help=f"comma-separated grids to run, of {list(PARTS)}")
     g.add_argument("--max-seconds", type=float, default=None)
     g.add_argument("--set", action="append", default=[], help="extra key=value override for every cell")
     g.add_argument("--quick", action="store_true", help="CPU toy sizes (end-to-end check)")

@@ -17,6 +17,9 @@
 #                          the GGUF into $R/teachers/smollm2/ and convert it once to $R/teachers/smollm2_tc
 #   grid:NAME[:POLICIES]   the grid cells of teacher NAME (qwen2, mistral, qwen3, smollm2), optionally only
 #                          POLICIES (comma-separated), within what is left of $BUDGET_S; the rest stay pending
+#   long:NAME[:POLICIES]   the same for configs/paper/grid_<kind>_naive_long.yaml (SmolLM2 only: naive with 4.5x
+#                          the stage-2 budget, a supplementary baseline; it takes the converted teacher and the
+#                          selection of the grid's finished cells of each policy)
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
 #                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
@@ -50,7 +53,7 @@ SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # lanes run this script ag
 cd "$(dirname "$0")/../.."
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
-[ $# -gt 0 ] || { sed -n 2,43p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/p" "$0" | sed "\$d"; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -160,25 +163,26 @@ step_smollm2() {
   fi
 }
 
-step_grid() {  # grid:NAME[:POLICIES]
-  local name=${1#grid:} policies=""
+step_grid() {  # grid:NAME[:POLICIES] or long:NAME[:POLICIES]
+  local name=${1#*:} policies="" parts=stage2,zero_shot label=grid
+  case $1 in long:*) parts=naive_long; label=long;; esac
   case $name in *:*) policies=${name#*:}; name=${name%%:*};; esac
   local kind=small path
   [ "$name" = smollm2 ] && kind=smollm2
   path=$(teacher_path "$name")
-  [ -n "$path" ] || { say "grid $name: no teacher (run pretrain / smollm2 first, or carry .paper_runs/teachers/$name)"; return 1; }
+  [ -n "$path" ] || { say "$label $name: no teacher (run pretrain / smollm2 first, or carry .paper_runs/teachers/$name)"; return 1; }
   local t=$(( $(left) - 25 ))
-  if [ $t -lt 30 ]; then say "grid $name: not started (${t} s left)"; return 3; fi
-  local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$OURS" --max-seconds "$t"
+  if [ $t -lt 30 ]; then say "$label $name: not started (${t} s left)"; return 3; fi
+  local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$OURS" --max-seconds "$t" --parts $parts
               --set "data.source.paths=[$DATA/text]")
   [ -n "$policies" ] && args+=(--policies "$policies")
   [ $QUICK = 1 ] && args+=(--quick)
   for kv in ${EXTRA:-}; do args+=(--set "$kv"); done
-  say "grid $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
+  say "$label $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
   timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
   local rc=$?
-  case $rc in 0) say "grid $name: all cells done";; 3) say "grid $name: cells pending (or still running in another lane); run the step again";;
-    *) say "grid $name: exit $rc (failed cells are listed in $R/runs/grid/*/results.md)";; esac
+  case $rc in 0) say "$label $name: all cells done";; 3) say "$label $name: cells pending (or still running in another lane); run the step again";;
+    *) say "$label $name: exit $rc (failed cells are listed in $R/runs/grid/*/results.md)";; esac
   return $rc
 }
 
@@ -254,7 +258,7 @@ for step in "$@"; do
     pretrain|pretrain:*) step_pretrain "$step" ;;
     lanes:*) step_lanes "$step" ;;
     smollm2) step_smollm2 ;;
-    grid:*) step_grid "$step" ;;
+    grid:*|long:*) step_grid "$step" ;;
     pack) step_pack ;;
     kcache) step_kcache ;;
     pack_kcache) step_pack_kcache ;;
