@@ -36,6 +36,7 @@ Other runners can be registered with `register_runner(mode, fn)`.
 """
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -308,23 +309,16 @@ def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None, i
     With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
     calibrated init aligns every converted layer before stage 2, which a naive cell does not (on the
     H200, 90-165 s of a 300-370 s SmolLM2 cell)."""
-    if teacher is not None and init is not None:
-        own = _longest_recent([os.path.join(out, teacher, policy, init) for policy in _subdirs(os.path.join(out, teacher))],
-                              recent)
-        if own > 0:
-            return own
+    tiers = [[out]]  # most specific first
     if teacher is not None:
-        own = recent_cell_seconds(os.path.join(out, teacher), recent)
-        if own > 0:
-            return own
-    return _longest_recent([out], recent)
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        return sorted(e.name for e in os.scandir(path) if e.is_dir())
-    except OSError:
-        return []
+        tiers.insert(0, [os.path.join(out, teacher)])
+        if init is not None:
+            tiers.insert(0, glob.glob(os.path.join(glob.escape(out), glob.escape(teacher), "*", glob.escape(init))))
+    for roots in tiers:
+        seconds = _longest_recent(roots, recent)
+        if seconds > 0:
+            return seconds
+    return 0.0
 
 
 def _longest_recent(roots: list[str], recent: int) -> float:

@@ -24,6 +24,7 @@ from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_t
 KS = (1.10, 1.15, 1.25)
 TEACHERS = ("smollm2", "qwen2", "mistral", "qwen3")
 POLICIES = ("uniform", "ar", "stats")
+HOWS = (("first reach", False), ("reached and stayed", True))  # tokens_to_target's `stay`
 
 
 def _json(path: Path):
@@ -157,7 +158,7 @@ def long_naive_results(s2: dict, long_cells: dict, ours: str) -> dict[tuple[str,
         long_curve = load_run(str(cell["dir"]))
         long_curve.name = "naive_long"
         ours_curve = load_run(str(s2[(teacher, policy, ours)]["dir"]))
-        for how, stay in (("first reach", False), ("reached and stayed", True)):
+        for how, stay in HOWS:
             # the grid's targets: its teacher perplexity (the long run's own evaluation of the teacher may
             # differ in the last bits), and no naive-final target (naive= names no run)
             out[(teacher, policy, how)] = tokens_to_target([long_curve, ours_curve], teacher_ppl=ours_curve.teacher_ppl,
@@ -222,7 +223,7 @@ def tokens_section(s2: dict, out: Path, ours: str, long_res: dict | None = None)
             write_report([str(d) for d in dirs], str(sub), ks=KS, title=f"{teacher} / {policy}: stage-2 eval perplexity")
             links.append(f"[{teacher} / {policy}]({sub.name}/report.md)")
             curves = [load_run(str(d)) for d in dirs]
-            for how, stay in (("first reach", False), ("reached and stayed", True)):
+            for how, stay in HOWS:
                 res = tokens_to_target(curves, ks=KS, stay=stay)
                 got_rows, got_misses = _tokens_rows(teacher, policy, res, ours, how,
                                                     (long_res or {}).get((teacher, policy, how)))
