@@ -15,7 +15,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from megatron_tc.eval.plots import plot_ppl_vs_tokens
-from megatron_tc.eval.tokens_to_target import (DEFAULT_KS, RunCurve, Target, load_run, make_targets,
+from megatron_tc.eval.tokens_to_target import (DEFAULT_KS, EvalLogError, RunCurve, Target, load_run,
                                                tokens_to_target)
 
 
@@ -111,12 +111,38 @@ def _extra_sections(run_dirs: Sequence[str], names: Sequence[str]) -> list[str]:
     return out
 
 
+def load_named_runs(specs: Sequence[str]) -> tuple[list[str], list[RunCurve]]:
+    """Runs given as PATH or NAME=PATH (a run dir or an eval_log.jsonl; NAME replaces the name the run
+    would get from its run.json or folder, e.g. for logs copied side by side). Returns (paths, curves)."""
+    paths, curves = [], []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or os.sep in name or not name:
+            name, path = None, spec
+        curve = load_run(path)
+        if name:
+            curve.name = name
+        paths.append(path)
+        curves.append(curve)
+    names = [c.name for c in curves]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise EvalLogError(f"several runs are named {dup} ({', '.join(specs)}); name each one with NAME=PATH")
+    return paths, curves
+
+
 def write_report(run_dirs: Sequence[str], out_dir: str, teacher_ppl: float | None = None,
                  ks: Iterable[float] = DEFAULT_KS, method: str = "interpolate", title: str = "Distillation report",
-                 naive: str = "naive") -> str:
-    """Write report.md + ppl_vs_tokens.png + tokens_to_target.json into out_dir; returns report.md's path."""
-    curves: list[RunCurve] = [load_run(d) for d in run_dirs]
-    result = tokens_to_target(curves, teacher_ppl=teacher_ppl, ks=ks, method=method, naive=naive)
+                 naive: str = "naive", baselines: Sequence[str] | None = None) -> str:
+    """Write report.md + ppl_vs_tokens.png + tokens_to_target.json into out_dir; returns report.md's path.
+    `run_dirs`: PATH or NAME=PATH each (`load_named_runs`); `baselines`: the runs the others are
+    compared with (default: the naive run and taylor_calibrate)."""
+    run_dirs, curves = load_named_runs(run_dirs)
+    unknown = sorted(set(baselines or ()) - {c.name for c in curves})
+    if unknown:
+        raise EvalLogError(f"baselines {unknown} name no run (runs: {[c.name for c in curves]})")
+    result = tokens_to_target(curves, teacher_ppl=teacher_ppl, ks=ks, method=method, naive=naive,
+                              baselines=baselines or (naive, "taylor_calibrate"))
     os.makedirs(out_dir, exist_ok=True)
     targets = [Target(t["label"], t["ppl"]) for t in result["targets"]]
     plot_ppl_vs_tokens(curves, targets, os.path.join(out_dir, "ppl_vs_tokens.png"), title=title,
@@ -142,16 +168,19 @@ def report_main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="report.py", description="Markdown report (tables + PNG) from stage-2 run dirs")
-    p.add_argument("runs", nargs="+", help="run directories (eval_log.jsonl or TensorBoard events inside)")
+    p.add_argument("runs", nargs="+", help="run directories (eval_log.jsonl or TensorBoard events inside) or "
+                   "eval_log.jsonl files, each optionally as NAME=PATH")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--teacher-ppl", type=float, help="teacher perplexity (default: teacher_ppl in the logs)")
     p.add_argument("--ks", default=",".join(str(k) for k in DEFAULT_KS), help="target factors x teacher ppl")
     p.add_argument("--method", default="interpolate", choices=["interpolate", "first"])
     p.add_argument("--naive", default="naive", help="name of the naive run (its final ppl is a target)")
+    p.add_argument("--baselines", help="comma list: the runs the others are compared with "
+                   "(default: the --naive run and taylor_calibrate)")
     p.add_argument("--title", default="Distillation report")
     args = p.parse_args(argv)
     path = write_report(args.runs, args.out, teacher_ppl=args.teacher_ppl,
                         ks=[float(k) for k in args.ks.split(",")], method=args.method, title=args.title,
-                        naive=args.naive)
+                        naive=args.naive, baselines=args.baselines.split(",") if args.baselines else None)
     print(path)
     return 0

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -172,3 +173,25 @@ def test_tensorboard_stage2_layout_and_eval_token_count_refused(tmp_path):
     p.write_text('{"step": 0, "tokens": 512, "train_tokens": 0, "ppl": 50}\n'
                  '{"step": 10, "tokens": 512, "train_tokens": 4096, "ppl": 40}\n')
     assert read_jsonl_log(p).tokens == [0, 4096]
+
+
+def test_report_names_logs_copied_side_by_side(run_dirs, tmp_path):
+    """eval_log.jsonl files kept in one folder get their names from NAME=PATH; without names they
+    would all be named after that folder, which is refused."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    specs = []
+    for d in run_dirs[:2]:
+        name = os.path.basename(d)
+        shutil.copy(os.path.join(d, "eval_log.jsonl"), flat / f"{name}_eval_log.jsonl")
+        specs.append(f"{name}={flat / f'{name}_eval_log.jsonl'}")
+    path = write_report(specs, str(tmp_path / "named"), ks=(1.0, 2.0), naive="taylor_calibrate",
+                        baselines=["taylor_calibrate"])
+    text = open(path).read()
+    # naive reaches 2x the teacher (20) at 100k tokens, taylor_calibrate at 1e4 (see above)
+    assert "Times fewer tokens than `taylor_calibrate`" in text and "Times fewer tokens than `naive`" not in text
+    assert "| naive | ≤ 1.00x | 0.10x | ≤ 1.00x |" in text
+    with pytest.raises(EvalLogError, match=r"baselines \['ours'\] name no run"):
+        write_report(specs, str(tmp_path / "named"), baselines=["ours"])
+    with pytest.raises(EvalLogError, match=r"several runs are named \['flat'\].*NAME=PATH"):
+        write_report([s.split("=", 1)[1] for s in specs], str(tmp_path / "unnamed"))

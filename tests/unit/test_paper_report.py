@@ -100,3 +100,30 @@ def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
 ])
 def test_goal_verdict(ratio, goal, verdict):
     assert _load()._goal_verdict(ratio, goal) == verdict
+
+
+def test_several_roots_read_as_one_grid_and_a_scoped_report(tmp_path):
+    """Sessions commit their own results roots: a later root's cell replaces an earlier one's, and
+    --teachers/--policies limit the report and its list of unfinished cells."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    _grid_cells(old)
+    # a later session reran ours: its zero-shot point (50) is what the report must show
+    _cell(new, "stage2", "ours", [(0, 50.0), (100000, 21.0)], {"naive zero-shot": 4000.0, "ours zero-shot": 50.0})
+    out = tmp_path / "out"
+    assert _load().main(["--runs", str(old), "--runs", str(new), "--out", str(out), "--ours", "ours",
+                         "--teachers", "qwen2", "--policies", "uniform"]) == 0
+    md = (out / "README.md").read_text()
+    assert f"--runs {old} --runs {new} --teachers qwen2 --policies uniform" in md
+    assert "| qwen2 | uniform | 20 | 4000 / 40 | 900 / 0.5 (4.4x) | 80 / 0.8 (50.0x) | 50 / 0.5 (80.0x) |" in md
+    assert md.split("## Cells not finished")[1].strip() == "- none"
+    assert "No pretraining run in these results." in md
+    # the same roots, unscoped: every other teacher's cells are listed as not finished
+    assert _load().main(["--runs", str(old), "--runs", str(new), "--out", str(out), "--ours", "ours"]) == 0
+    assert "- smollm2/stats/ours" in (out / "README.md").read_text().split("## Cells not finished")[1]
+
+
+@pytest.mark.parametrize("flag, value", [("--teachers", "qwen2,llama"), ("--policies", "")])
+def test_unknown_scope_names_are_refused(tmp_path, flag, value):
+    _grid_cells(tmp_path / "runs")
+    with pytest.raises(SystemExit, match=f"error: {flag} .*choose from"):
+        _load().main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), flag, value])

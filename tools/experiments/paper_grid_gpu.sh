@@ -35,7 +35,12 @@
 #   pack                   $OUT/paper_results.tgz (every small result file under $R/runs; unpack with
 #                          `tar xzf paper_results.tgz -C .paper_runs`) and $OUT/teacher_<name>.tgz for each
 #                          teacher made on this machine, once (unpack into .paper_runs/teachers)
-#   report                 (here, on CPU) tables and plots from .paper_runs/runs -> docs/reports/paper_grid/
+#   report                 (here, on CPU) tables and plots from the results roots REPORT_RUNS (default
+#                          .paper_runs/runs; several, space-separated, are read as one grid) -> REPORT_OUT
+#                          (default .paper_runs/report, git-ignored: docs/reports/paper_grid/ is frozen, see
+#                          its note); REPORT_ARGS adds e.g. "--teachers smollm2 --policies stats". Results
+#                          worth keeping are committed (docs/bench/<session>/paper_results/runs): a
+#                          git-ignored folder does not outlive the session's checkout
 #   kcache                 the carried compiled-kernel cache (.paper_kcache/kcache.tgz.part-*) -> $KCACHE
 #   pack_kcache            $KCACHE (Triton + TileLang kernels compiled here) -> $OUT/kcache.tgz.part-* (15 MiB
 #                          each): fla compiles every new shape for 1-2 minutes per lane, so the next session
@@ -243,9 +248,10 @@ step_lanes() {  # lanes:STEP+STEP[+...]
 }
 
 step_report() {
-  local runs=$CARRIED/runs out=docs/reports/paper_grid
+  local runs=${REPORT_RUNS:-$CARRIED/runs} out=${REPORT_OUT:-$CARRIED/report} args=() root
   [ $QUICK = 1 ] && { runs=$R/runs; out=$R/report; }
-  $PY tools/experiments/paper_report.py --runs "$runs" --out "$out" --ours "$OURS"
+  for root in $runs; do args+=(--runs "$root"); done
+  $PY tools/experiments/paper_report.py "${args[@]}" --out "$out" --ours "$OURS" ${REPORT_ARGS:-}
 }
 
 status=0

@@ -2,10 +2,13 @@
 """Issue 10's tables and plots from the grid's returned results (the small files that
 `paper_grid_gpu.sh pack` bundles; unpacked under .paper_runs/runs).
 
-    python tools/experiments/paper_report.py [--runs .paper_runs/runs] [--out docs/reports/paper_grid]
-        [--ours taylor_fit]
+    python tools/experiments/paper_report.py [--runs .paper_runs/runs [--runs ROOT ...]]
+        [--out docs/reports/paper_grid] [--ours taylor_fit] [--teachers smollm2,...] [--policies stats,...]
 
-Reads runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/
+Several --runs roots are read as one grid (a cell in a later root replaces the same cell in an
+earlier one): each session commits the results it returned under docs/bench/<session>/paper_results/runs,
+and a report can span sessions. --teachers / --policies restrict the report (and its list of cells
+not finished) to part of the grid. Reads runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/
 (stage-2 cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells),
 and writes OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the
 goals of the issue checked cell by cell), OUT/pretrain_curves.png and, per teacher x policy,
@@ -31,14 +34,17 @@ def _json(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def cells(root: Path, part: str) -> dict[tuple[str, str, str], dict]:
-    """(teacher, policy, init) -> {"dir": Path, "cell": cell.json} for the finished cells of a part."""
+def cells(roots: Path | list[Path], part: str, teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
+    """(teacher, policy, init) -> {"dir": Path, "cell": cell.json} for the finished cells of a part,
+    over several roots (a later root's cell replaces an earlier one's)."""
     out = {}
-    for path in sorted((root / "grid" / part).glob("*/*/*/cell.json")):
-        rec = _json(path)
-        if rec and rec.get("status") == "ok":
+    for root in [roots] if isinstance(roots, Path) else roots:
+        for path in sorted((root / "grid" / part).glob("*/*/*/cell.json")):
+            rec = _json(path)
             d = path.parent
-            out[(d.parent.parent.name, d.parent.name, d.name)] = {"dir": d, "cell": rec}
+            key = (d.parent.parent.name, d.parent.name, d.name)
+            if rec and rec.get("status") == "ok" and key[0] in teachers and key[1] in policies:
+                out[key] = {"dir": d, "cell": rec}
     return out
 
 
@@ -47,13 +53,15 @@ def eval_rows(cell_dir: Path) -> dict[str, dict]:
     return {row["model"]: row for row in data["rows"]}
 
 
-def pretrain_section(root: Path, out: Path) -> str:
+def pretrain_section(roots: list[Path], out: Path, teachers=TEACHERS) -> str:
     from megatron_tc.eval.plots import plot_ppl_vs_tokens
     from megatron_tc.eval.tokens_to_target import load_run
 
     rows, curves = [], []
-    for run in sorted((root / "pretrain").glob("*/pretrain")):
-        name = run.parent.name
+    runs = {run.parent.name: run for root in roots for run in sorted((root / "pretrain").glob("*/pretrain"))}
+    for name, run in sorted(runs.items()):
+        if name not in teachers:
+            continue
         evals = [json.loads(l) for l in (run / "eval_log.jsonl").read_text().splitlines() if l.strip()] \
             if (run / "eval_log.jsonl").is_file() else []
         train = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines() if l.strip()] \
@@ -70,6 +78,8 @@ def pretrain_section(root: Path, out: Path) -> str:
             curve = load_run(run)
             curve.name = name
             curves.append(curve)
+    if not rows:
+        return "No pretraining run in these results."
     if curves:
         plot_ppl_vs_tokens(curves, [], out / "pretrain_curves.png", title="Teacher pretraining: held-out perplexity")
     table = md_table(["teacher", "tokens", "steps", "last train CE", "held-out ppl (end)", "best held-out ppl",
@@ -272,27 +282,44 @@ def kl_section(s2: dict, ours: str) -> str:
     return md_table(header, rows) if rows else "No cell with all three inits' KL curves yet."
 
 
+def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"error: --{what} {text!r}: unknown {bad or 'empty'} (choose from {','.join(known)})")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=Path, default=Path(".paper_runs/runs"))
+    ap.add_argument("--runs", type=Path, action="append",
+                    help="a results root (repeatable; default .paper_runs/runs)")
     ap.add_argument("--out", type=Path, default=Path("docs/reports/paper_grid"))
     ap.add_argument("--ours", default="taylor_fit")
+    ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
     args = ap.parse_args(argv)
-    if not args.runs.is_dir():
-        print(f"error: {args.runs} does not exist (unpack paper_results.tgz there first)", file=sys.stderr)
-        return 1
+    roots = args.runs or [Path(".paper_runs/runs")]
+    teachers, policies = _names(args.teachers, TEACHERS, "teachers"), _names(args.policies, POLICIES, "policies")
+    for root in roots:
+        if not root.is_dir():
+            print(f"error: {root} does not exist (unpack paper_results.tgz there first)", file=sys.stderr)
+            return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    s2, zs = cells(args.runs, "stage2"), cells(args.runs, "zero_shot")
+    s2, zs = cells(roots, "stage2", teachers, policies), cells(roots, "zero_shot", teachers, policies)
     zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)
-    long_res = long_naive_results(s2, cells(args.runs, "naive_long"), args.ours)
+    long_res = long_naive_results(s2, cells(roots, "naive_long", teachers, policies), args.ours)
     tok_table, tok_miss = tokens_section(s2, args.out, args.ours, long_res)
-    expected = {(t, p, i) for t in TEACHERS for p in POLICIES for i in ("naive", "taylor_calibrate", args.ours)}
-    missing = sorted(expected - set(s2)) + sorted({(t, p, "zero_gate") for t in TEACHERS for p in POLICIES} - set(zs))
+    expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
+    missing = sorted(expected - set(s2)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
+    scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
+        f" --teachers {','.join(teachers)} --policies {','.join(policies)}"
     parts = [
         "# Issue 10 grid: pretrained teachers, zero-shot and tokens-to-target",
-        f"Generated by `tools/experiments/paper_report.py --runs {args.runs}` (ours = `{args.ours}`). "
+        f"Generated by `tools/experiments/paper_report.py {' '.join(f'--runs {r}' for r in roots)}{scope}` "
+        f"(ours = `{args.ours}`). "
         "Every number is one run with seed 0; see docs/RESULTS.md for the setup and the commands.",
-        "## Teachers pretrained by us\n\n" + pretrain_section(args.runs, args.out),
+        "## Teachers pretrained by us\n\n" + pretrain_section(roots, args.out, teachers),
         "## Zero-shot perplexity and KL(teacher || student) on the evaluation documents\n\n" + zero_table,
         "## Tokens to target (stage 2, same budget and data order for every init)\n\n" + tok_table,
         "## Supplementary: final KL(teacher || student) and tokens to naive's final KL\n\n"
