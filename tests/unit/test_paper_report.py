@@ -127,3 +127,15 @@ def test_unknown_scope_names_are_refused(tmp_path, flag, value):
     _grid_cells(tmp_path / "runs")
     with pytest.raises(SystemExit, match=f"error: {flag} .*choose from"):
         _load().main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), flag, value])
+
+
+def test_committed_gpu_results_give_the_committed_report(tmp_path, monkeypatch):
+    """The twelfth session's results (SmolLM2 / stats, returned by the GPU and committed) still give
+    the report committed beside them, to the byte: the tables in docs/RESULTS.md rest on it."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the report names its roots as given
+    runs = Path("docs/bench/2026-11-30-h200-s12/paper_results/runs")
+    committed = Path("docs/reports/paper_grid_s12/README.md")
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path), "--teachers", "smollm2",
+                         "--policies", "stats"]) == 0
+    assert (tmp_path / "README.md").read_text() == committed.read_text()
+    assert "| smollm2 | stats | naive final (ppl ≤ 48.27) | 3.15M | 280k | 193k | 16.34x | 1.46x |" in committed.read_text()
