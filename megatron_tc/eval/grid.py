@@ -47,7 +47,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -300,7 +300,8 @@ def _finished(run_dir: str) -> dict[str, Any] | None:
     return rec if rec.get("status") == "ok" else None
 
 
-def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None, init: str | None = None) -> float:
+def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str | None = None,
+                        init: str | None = None) -> float:
     """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
     none): what a fresh invocation expects its next cell to take. Recent ones, because the cost of
     a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
@@ -308,12 +309,15 @@ def recent_cell_seconds(out: str, recent: int = 3, teacher: str | None = None, i
     several times one of a 12-layer teacher, so the other teachers' cells are only the fallback.
     With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
     calibrated init aligns every converted layer before stage 2, which a naive cell does not (on the
-    H200, 90-165 s of a 300-370 s SmolLM2 cell)."""
-    tiers = [[out]]  # most specific first
+    H200, 90-165 s of a 300-370 s SmolLM2 cell). `out` may be several dirs of the same layout (the
+    grid's own, then committed results of earlier sessions): each tier looks in all of them."""
+    outs = [out] if isinstance(out, str) else list(out)
+    tiers = [outs]  # most specific first
     if teacher is not None:
-        tiers.insert(0, [os.path.join(out, teacher)])
+        tiers.insert(0, [os.path.join(o, teacher) for o in outs])
         if init is not None:
-            tiers.insert(0, glob.glob(os.path.join(glob.escape(out), glob.escape(teacher), "*", glob.escape(init))))
+            tiers.insert(0, [d for o in outs
+                             for d in glob.glob(os.path.join(glob.escape(o), glob.escape(teacher), "*", glob.escape(init)))])
     for roots in tiers:
         seconds = _longest_recent(roots, recent)
         if seconds > 0:
@@ -342,12 +346,14 @@ def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
 
 
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
-             log: Callable[[str], None] = print, max_seconds: float | None = None) -> list[dict[str, Any]]:
+             log: Callable[[str], None] = print, max_seconds: float | None = None,
+             history: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
-    by the next invocation. Several processes may run one grid at once (grid_claims): a cell another
+    by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
+    earlier sessions) that count as earlier invocations there. Several processes may run one grid at once (grid_claims): a cell another
     process holds is recorded 'elsewhere', and a cell whose sibling another process is setting up
     waits until the other cells have been tried."""
     cells = grid.cells()
@@ -362,8 +368,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
             log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
             records[n] = done
             continue
-        expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds(grid.out, teacher=cell.teacher,
-                                                                                  init=cell.init)
+        expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds([grid.out, *history],
+                                                                                  teacher=cell.teacher, init=cell.init)
         if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
             log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
             records[n] = _placeholder(cell, "pending")

@@ -332,3 +332,33 @@ def test_a_cell_waits_while_a_sibling_is_set_up_elsewhere(tmp_path):
     assert CALLS[-2:] == later and busy.key not in CALLS and len(CALLS) == 11
     assert [r["status"] for r in records] == ["elsewhere"] + ["ok"] * 11  # in grid order
     assert "- t1/uniform/naive (running elsewhere)" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):
+    """On a fresh machine the grid's out dir is empty; committed results (history) stand in for it,
+    tier by tier, and the out dir's own cells come first once it has some."""
+    from megatron_tc.eval.grid import recent_cell_seconds
+
+    history, out = tmp_path / "committed", tmp_path / "out"
+    for root, policy, init, seconds in [(history, "stats", "naive", 402.0), (history, "stats", "ours", 323.0),
+                                        (out, "uniform", "naive", 290.0)]:
+        cell = root / "smollm2" / policy / init
+        cell.mkdir(parents=True)
+        (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
+    assert recent_cell_seconds(str(tmp_path / "empty")) == 0.0
+    assert recent_cell_seconds([str(tmp_path / "empty"), str(history)], teacher="smollm2", init="ours") == 323.0
+    assert recent_cell_seconds([str(out), str(history)], teacher="smollm2", init="naive") == 402.0  # same init tier
+    assert recent_cell_seconds([str(out), str(history)], teacher="smollm2", init="taylor_calibrate") == 402.0
+
+
+def test_a_fresh_grid_with_history_leaves_a_cell_that_would_not_fit_pending(tmp_path):
+    grid = load_grid(_grid_file(tmp_path))
+    first = grid.cells()[0]
+    old = tmp_path / "committed" / first.teacher / first.policy / first.init
+    old.mkdir(parents=True)
+    (old / "cell.json").write_text(json.dumps({"status": "ok", "seconds": 250.0}))
+    CALLS.clear()
+    records = run_grid(grid, log=lambda msg: None, max_seconds=200.0, history=[str(tmp_path / "committed")])
+    assert CALLS == [] and {r["status"] for r in records} == {"pending"}
+    run_grid(grid, log=lambda msg: None, max_seconds=200.0)  # without it: nothing known, everything starts
+    assert len(CALLS) == 12

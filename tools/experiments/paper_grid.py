@@ -3,7 +3,7 @@
 
     python tools/experiments/paper_grid.py grid --kind small --teacher qwen2=DIR [--teacher ...]
         [--out runs/paper/grid] [--ours taylor_fit] [--policies uniform,ar,stats] [--max-seconds 480]
-        [--parts stage2,zero_shot] [--set key=value ...] [--quick]
+        [--parts stage2,zero_shot] [--history ROOT ...] [--set key=value ...] [--quick]
     python tools/experiments/paper_grid.py quick-configs OUT_DIR   # tiny variants of the teacher configs
     python tools/experiments/paper_grid.py quick-overrides         # the --quick key=value list
 
@@ -11,7 +11,8 @@
 init with stage 2) and then zero_shot (zero_gate); naive_long (SmolLM2's naive with 4.5x the stage-2
 budget) on request. Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths
 given here) and policies, with `OURS` replaced by --ours. Finished cells are
-skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call.
+skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call
+(how long a cell takes: this out dir's finished cells, else those of the --history roots).
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
 the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
 """
@@ -130,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         link_shared_cache(grid, out / "data_cache")
         reuse_outputs_across(grid, [g for p, g in grids.items() if p != part])
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
-        records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0))
+        records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0),
+                           history=[str(h / part) for h in args.history])
         if any(r["status"] == "failed" for r in records):
             status = 1
         elif any(r["status"] in UNFINISHED for r in records) and status == 0:
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--policies", default=None, help="comma-separated subset of the grid's policies")
     g.add_argument("--parts", default="stage2,zero_shot", help=f"comma-separated grids to run, of {list(PARTS)}")
     g.add_argument("--max-seconds", type=float, default=None)
+    g.add_argument("--history", action="append", default=[], type=Path,
+                   help="a grid root of earlier results (e.g. docs/bench/<session>/paper_results/runs/grid; "
+                        "repeatable): its cells' times tell --max-seconds how long a cell takes before one of "
+                        "this out dir has finished")
     g.add_argument("--set", action="append", default=[], help="extra key=value override for every cell")
     g.add_argument("--quick", action="store_true", help="CPU toy sizes (end-to-end check)")
     q = sub.add_parser("quick-configs", help="write tiny teacher configs of the three families")
