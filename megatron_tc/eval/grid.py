@@ -353,9 +353,9 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
     by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
-    earlier sessions) that count as earlier invocations there. Several processes may run one grid at once (grid_claims): a cell another
-    process holds is recorded 'elsewhere', and a cell whose sibling another process is setting up
-    waits until the other cells have been tried."""
+    earlier sessions) that count as earlier invocations there. Several processes may run one grid at
+    once (grid_claims): a cell another process holds is recorded 'elsewhere', and a cell whose
+    sibling another process is setting up waits until the other cells have been tried."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records: dict[int, dict[str, Any]] = {}

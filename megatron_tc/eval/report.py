@@ -117,7 +117,7 @@ def load_named_runs(specs: Sequence[str]) -> tuple[list[str], list[RunCurve]]:
     paths, curves = [], []
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep or os.sep in name or not name:
+        if not sep or not name or os.sep in name or os.path.exists(spec):  # a path that holds '='
             name, path = None, spec
         curve = load_run(path)
         if name:

@@ -195,3 +195,11 @@ def test_report_names_logs_copied_side_by_side(run_dirs, tmp_path):
         write_report(specs, str(tmp_path / "named"), baselines=["ours"])
     with pytest.raises(EvalLogError, match=r"several runs are named \['flat'\].*NAME=PATH"):
         write_report([s.split("=", 1)[1] for s in specs], str(tmp_path / "unnamed"))
+
+
+
+def test_a_run_folder_whose_name_holds_an_equals_sign_is_a_path(run_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(run_dirs[0], tmp_path / "lr=3e-4")
+    path = write_report(["lr=3e-4", run_dirs[1]], str(tmp_path / "out"), ks=(1.0, 2.0))
+    assert "| naive |" in open(path).read()  # named by its run.json, not split at the '='

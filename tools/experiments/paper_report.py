@@ -3,15 +3,16 @@
 `paper_grid_gpu.sh pack` bundles; unpacked under .paper_runs/runs).
 
     python tools/experiments/paper_report.py [--runs .paper_runs/runs [--runs ROOT ...]]
-        [--out docs/reports/paper_grid] [--ours taylor_fit] [--teachers smollm2,...] [--policies stats,...]
+        [--out .paper_runs/report] [--ours taylor_fit] [--teachers smollm2,...] [--policies stats,...]
 
 Several --runs roots are read as one grid (a cell in a later root replaces the same cell in an
-earlier one): each session commits the results it returned under docs/bench/<session>/paper_results/runs,
-and a report can span sessions. --teachers / --policies restrict the report (and its list of cells
-not finished) to part of the grid. Reads runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/
-(stage-2 cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells),
-and writes OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the
-goals of the issue checked cell by cell), OUT/pretrain_curves.png and, per teacher x policy,
+earlier one): each session commits the results it returned under
+docs/bench/<session>/paper_results/runs, and a report can span sessions. --teachers / --policies
+restrict the report (and its list of cells not finished) to part of the grid. Reads
+runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2
+cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes
+OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
+issue checked cell by cell), OUT/pretrain_curves.png and, per teacher x policy,
 OUT/<teacher>_<policy>/ (megatron_tc.eval.report: report.md, ppl_vs_tokens.png,
 tokens_to_target.json). Cells that are missing or failed are listed, never guessed.
 """
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, action="append",
                     help="a results root (repeatable; default .paper_runs/runs)")
-    ap.add_argument("--out", type=Path, default=Path("docs/reports/paper_grid"))
+    # not docs/reports/paper_grid: that report is frozen (its raw results are lost; see its note)
+    ap.add_argument("--out", type=Path, default=Path(".paper_runs/report"))
     ap.add_argument("--ours", default="taylor_fit")
     ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
