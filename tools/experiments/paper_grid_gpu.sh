@@ -180,8 +180,13 @@ step_grid() {  # grid:NAME[:POLICIES] or long:NAME[:POLICIES]
   if [ $t -lt 30 ]; then say "$label $name: not started (${t} s left)"; return 3; fi
   local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$OURS" --max-seconds "$t" --parts $parts
               --set "data.source.paths=[$DATA/text]")
-  local h  # committed results of earlier sessions: how long a cell takes on a machine that has run none yet
-  [ $QUICK = 1 ] || for h in docs/bench/*/paper_results/runs/grid; do [ -d "$h" ] && args+=(--history "$h"); done
+  # committed results of earlier sessions: how long a grid cell takes on a machine that has run none
+  # yet. Not for long runs: they span calls by design (cut, then resumed from a checkpoint), so they
+  # start whenever time is left
+  local h
+  if [ $QUICK = 0 ] && [ $label = grid ]; then
+    for h in docs/bench/*/paper_results/runs/grid; do [ -d "$h" ] && args+=(--history "$h"); done
+  fi
   [ -n "$policies" ] && args+=(--policies "$policies")
   [ $QUICK = 1 ] && args+=(--quick)
   for kv in ${EXTRA:-}; do args+=(--set "$kv"); done
