@@ -262,8 +262,10 @@ def tokens_to_target(curves: list[RunCurve], teacher_ppl: float | None = None, k
     """The tokens-to-target table and ratios for `curves` (JSON-ready; format in the module doc;
     `stay`: tokens from which each run stays at or below the target)."""
     names = [c.name for c in curves]
-    if len(set(names)) != len(names):
-        raise EvalLogError(f"run names are not unique: {names}; set 'name' in each run.json")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise EvalLogError(f"several runs are named {dup} (sources: {[c.source for c in curves]}); set 'name' in "
+                           "each run.json, or name each one with NAME=PATH (tools/report.py)")
     by_name = {c.name: c for c in curves}
     teacher = _teacher_ppl(curves, teacher_ppl)
     targets = make_targets(teacher, by_name.get(naive), ks)

@@ -35,11 +35,11 @@ def _json(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def cells(roots: Path | list[Path], part: str, teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
+def cells(roots: list[Path], part: str, teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, init) -> {"dir": Path, "cell": cell.json} for the finished cells of a part,
     over several roots (a later root's cell replaces an earlier one's)."""
     out = {}
-    for root in [roots] if isinstance(roots, Path) else roots:
+    for root in roots:
         for path in sorted((root / "grid" / part).glob("*/*/*/cell.json")):
             rec = _json(path)
             d = path.parent
