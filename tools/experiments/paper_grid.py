@@ -8,9 +8,9 @@
     python tools/experiments/paper_grid.py quick-overrides         # the --quick key=value list
 
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
-init with stage 2) and then zero_shot (zero_gate); naive_long (SmolLM2's naive with 4.5x the stage-2
-budget) on request. Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths
-given here) and policies, with `OURS` replaced by --ours. Finished cells are
+init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
+stage-2 budget) and stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread).
+Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and policies, with `OURS` replaced by --ours. Finished cells are
 skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call
 (how long a cell takes: this out dir's finished cells, else those of the --history roots).
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
-PARTS = ("stage2", "zero_shot", "naive_long")  # grid_<kind>_<part>.yaml; not every kind has every part
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed")  # grid_<kind>_<part>.yaml; not every kind has every part
+TIMED_LIKE = {"stage2_seed": "stage2"}  # a part whose cells take as long as another part's (for --history)
 
 # CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
 QUICK = [
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         reuse_outputs_across(grid, [g for p, g in grids.items() if p != part])
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0),
-                           history=[str(h / part) for h in args.history])
+                           history=[str(h / TIMED_LIKE.get(part, part)) for h in args.history])
         if any(r["status"] == "failed" for r in records):
             status = 1
         elif any(r["status"] in UNFINISHED for r in records) and status == 0:

@@ -20,6 +20,8 @@
 #   long:NAME[:POLICIES]   the same for configs/paper/grid_<kind>_naive_long.yaml (SmolLM2 only: naive with 4.5x
 #                          the stage-2 budget, a supplementary baseline; it takes the converted teacher and the
 #                          selection of the grid's finished cells of each policy)
+#   seed:NAME[:POLICIES]   the same for configs/paper/grid_<kind>_stage2_seed.yaml (SmolLM2 only: the stage-2 cells
+#                          again with run.seed=1, to measure the run-to-run spread)
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
 #                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
@@ -168,9 +170,9 @@ step_smollm2() {
   fi
 }
 
-step_grid() {  # grid:NAME[:POLICIES] or long:NAME[:POLICIES]
+step_grid() {  # grid:NAME[:POLICIES], long:NAME[:POLICIES] or seed:NAME[:POLICIES]
   local name=${1#*:} policies="" parts=stage2,zero_shot label=grid
-  case $1 in long:*) parts=naive_long; label=long;; esac
+  case $1 in long:*) parts=naive_long; label=long;; seed:*) parts=stage2_seed; label=seed;; esac
   case $name in *:*) policies=${name#*:}; name=${name%%:*};; esac
   local kind=small path
   [ "$name" = smollm2 ] && kind=smollm2
@@ -184,7 +186,7 @@ step_grid() {  # grid:NAME[:POLICIES] or long:NAME[:POLICIES]
   # yet. Not for long runs: they span calls by design (cut, then resumed from a checkpoint), so they
   # start whenever time is left
   local h
-  if [ $QUICK = 0 ] && [ $label = grid ]; then
+  if [ $QUICK = 0 ] && [ $label != long ]; then
     for h in docs/bench/*/paper_results/runs/grid; do [ -d "$h" ] && args+=(--history "$h"); done
   fi
   [ -n "$policies" ] && args+=(--policies "$policies")
@@ -271,7 +273,7 @@ for step in "$@"; do
     pretrain|pretrain:*) step_pretrain "$step" ;;
     lanes:*) step_lanes "$step" ;;
     smollm2) step_smollm2 ;;
-    grid:*|long:*) step_grid "$step" ;;
+    grid:*|long:*|seed:*) step_grid "$step" ;;
     pack) step_pack ;;
     kcache) step_kcache ;;
     pack_kcache) step_pack_kcache ;;
