@@ -72,7 +72,7 @@ def test_parts_of_a_kind_and_the_long_budget():
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "zero_shot"]
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_seed", "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
     sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
@@ -84,3 +84,20 @@ def test_parts_of_a_kind_and_the_long_budget():
                 "model.dtype", "run.stages"):
         assert long[key].split()[0] == base[key].split()[0], key
     assert load_grid(driver.part_files("smollm2", [])["naive_long"]).axes["init"] == ["naive"]
+
+
+def test_the_seed_part_is_the_stage2_grid_with_another_seed():
+    """Only run.seed differs (init randomness and data order), so the two parts' cells measure the
+    run-to-run spread of one recipe."""
+    from megatron_tc.eval.grid import load_grid
+
+    driver = _driver()
+    files = driver.part_files("smollm2", ["stage2_seed"])
+    seed, base = load_grid(files["stage2_seed"]), load_grid(files["stage2"])
+    sets = [dict(o.split("=", 1) for o in g.overrides) for g in (seed, base)]
+    assert {k: v.split()[0] for k, v in sets[0].items() if k != "run.seed"} == \
+        {k: v.split()[0] for k, v in sets[1].items()}
+    assert sets[0]["run.seed"] != sets[1].get("run.seed", "0")
+    assert sorted(seed.axes["init"]) == sorted(base.axes["init"])
+    assert sorted(seed.axes["policy"]) == sorted(base.axes["policy"])
+    assert Path(seed.out).name == "stage2_seed"

@@ -65,6 +65,7 @@ def test_tables_ratios_and_goals(tmp_path):
     assert kl_line.endswith("| 1.00x |"), kl_line
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
     assert "No long naive run yet." in md
+    assert "No cell run with a second seed in these results." in md
 
 
 def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
@@ -87,6 +88,31 @@ def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
     row = next(l for l in table.splitlines() if l.startswith("| qwen2 | uniform | reached and stayed | 1.10x"))
     assert row.endswith(f"| 430k | 54.8k | {expected} | missed |"), row
     assert "- qwen2 / uniform: naive ends at ppl 21 after 450k tokens (4.5x the budget); ours at 21 after 100k" in table
+
+
+def test_a_second_seed_beside_the_grid_run(tmp_path):
+    """stage2_seed cells (another run.seed) sit beside the grid's: per seed, taylor_calibrate / ours and
+    ours' ratio; then how far each init moved between the seeds."""
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
+    # seed 1: taylor_calibrate reaches 1.15x the teacher (23) at 4,000 tokens, ours at 2,000, and both stay
+    _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
+    _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 20.5)], {})
+    for init in ("taylor_calibrate", "ours"):
+        (runs / "grid" / "stage2_seed" / "qwen2" / "uniform" / init / "config.yaml").write_text("run:\n  seed: 1\n")
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: a second seed")[1].split("##")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
+    # the grid's cells have no config.yaml here: labelled by their part
+    assert [r[2] for r in rows] == ["stage2", "1"]
+    assert rows[1][3:6] == ["70 / 55", "21 / 20.5", "0.2100 / 0.2050"]
+    assert rows[1][7] == "4k / 2k (2.00x)"
+    # the grid's ours reaches 23 on its last segment (30 at 1k -> 21 at 100k; log-log interpolation)
+    ours_grid = math.exp(math.log(1e3) + (math.log(30 / 23) / math.log(30 / 21)) * math.log(100))
+    spread = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform"))
+    assert spread.startswith("- qwen2 / uniform: tokens with seed 1 over seed stage2 at 1.10x teacher / "
+                             "1.15x teacher / 1.25x teacher: taylor_calibrate "), spread
+    assert spread.split("; ours ")[1].split(" / ")[1] == f"{2000 / ours_grid:.2f}x", spread
 
 
 @pytest.mark.parametrize("ratio, goal, verdict", [

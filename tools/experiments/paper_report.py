@@ -12,9 +12,9 @@ restrict the report (and its list of cells not finished) to part of the grid. Re
 runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2
 cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes
 OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
-issue checked cell by cell), OUT/pretrain_curves.png and, per teacher x policy,
-OUT/<teacher>_<policy>/ (megatron_tc.eval.report: report.md, ppl_vs_tokens.png,
-tokens_to_target.json). Cells that are missing or failed are listed, never guessed.
+issue checked cell by cell; runs/grid/naive_long and runs/grid/stage2_seed cells in sections of their
+own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
+(megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are missing or failed are listed, never guessed.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
 
 KS = (1.10, 1.15, 1.25)
+KS_LABELS = tuple(f"{k:.2f}x teacher" for k in KS)  # tokens_to_target's labels of these targets
 TEACHERS = ("smollm2", "qwen2", "mistral", "qwen3")
 POLICIES = ("uniform", "ar", "stats")
 HOWS = (("first reach", False), ("reached and stayed", True))  # tokens_to_target's `stay`
@@ -283,6 +284,75 @@ def kl_section(s2: dict, ours: str) -> str:
     return md_table(header, rows) if rows else "No cell with all three inits' KL curves yet."
 
 
+def _run_seed(cell_dir: Path, part: str) -> str:
+    """The cell's run.seed as its config.yaml records it (the part's name when it does not)."""
+    import yaml
+
+    path = cell_dir / "config.yaml"
+    seed = (yaml.safe_load(path.read_text()) or {}).get("run", {}).get("seed") if path.is_file() else None
+    return part if seed is None else str(seed)
+
+
+def seed_section(s2: dict, seeds: dict, ours: str) -> str:
+    """taylor_calibrate and ours in the cells run with a second seed (the stage2_seed part: another
+    run.seed, so other random init parts and data order), beside the grid's run of the same cell: a
+    gap between the two inits reads against how far one init moves from seed to seed. Tokens are
+    reached-and-stayed."""
+    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
+
+    inits = ("taylor_calibrate", ours)
+    rows, spread = [], []
+    for teacher in TEACHERS:
+        for policy in POLICIES:
+            runs = [(part, grid) for part, grid in (("stage2", s2), ("stage2_seed", seeds))
+                    if all((teacher, policy, i) in grid for i in inits)]
+            if len(runs) < 2:
+                continue
+            per_seed = []
+            for part, grid in runs:
+                curves = [load_run(str(grid[(teacher, policy, i)]["dir"])) for i in inits]
+                for curve, init in zip(curves, inits):
+                    curve.name = init
+                res = tokens_to_target(curves, ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
+                seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
+                rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
+                per_seed.append((seed, {r["name"]: r["tokens"] for r in res["runs"]}))
+            (a, ta), (b, tb) = per_seed
+            ratios = "; ".join(f"{i} " + " / ".join(_over(tb[i][lab], ta[i][lab]) for lab in KS_LABELS) for i in inits)
+            spread.append(f"- {teacher} / {policy}: tokens with seed {b} over seed {a} at "
+                          f"{' / '.join(KS_LABELS)}: {ratios}")
+    if not rows:
+        return "No cell run with a second seed in these results."
+    header = ["teacher", "policy", "run.seed", f"zero-shot ppl: taylor_calibrate / {ours}",
+              f"final ppl: taylor_calibrate / {ours}", f"final KL: taylor_calibrate / {ours}",
+              *(f"tokens to {k:.2f}x teacher: taylor_calibrate / {ours} ({ours} vs taylor_calibrate)" for k in KS)]
+    return md_table(header, rows) + "\n\nThe same init from seed to seed:\n\n" + "\n".join(spread)
+
+
+def _seed_columns(res: dict, inits: tuple[str, str]) -> list[str]:
+    """'taylor_calibrate / ours' zero-shot ppl, final ppl, final KL, and tokens (with their ratio) per target."""
+    by = {r["name"]: r for r in res["runs"]}
+
+    def both(fmt) -> str:
+        return " / ".join(fmt(by[i]) for i in inits)
+
+    cols = [both(lambda r: fmt_num(r["zero_shot_ppl"], 4)), both(lambda r: fmt_num(r["final_ppl"], 4)),
+            both(lambda r: f"{r['final_kl']:.4f}")]
+    for t in res["targets"]:
+        r = res["ratios"]["vs_taylor_calibrate"][inits[1]][t["label"]]
+        cols.append(f"{both(lambda run: fmt_tokens(run['tokens'][t['label']]))} ({fmt_ratio(r)})")
+    return cols
+
+
+def _over(num: float | None, den: float | None) -> str:
+    """num / den tokens ('—' when either run never reached the target; both 0: met zero-shot twice)."""
+    if num is None or den is None:
+        return "—"
+    if den == 0:
+        return "1.00x" if num == 0 else "∞"
+    return f"{num / den:.2f}x"
+
+
 def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     names = tuple(n for n in text.split(",") if n)
     bad = [n for n in names if n not in known]
@@ -312,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)
     long_res = long_naive_results(s2, cells(roots, "naive_long", teachers, policies), args.ours)
     tok_table, tok_miss = tokens_section(s2, args.out, args.ours, long_res)
+    seeds = cells(roots, "stage2_seed", teachers, policies)
     expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
     missing = sorted(expected - set(s2)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
     scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
@@ -320,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Issue 10 grid: pretrained teachers, zero-shot and tokens-to-target",
         f"Generated by `tools/experiments/paper_report.py {' '.join(f'--runs {r}' for r in roots)}{scope}` "
         f"(ours = `{args.ours}`). "
-        "Every number is one run with seed 0; see docs/RESULTS.md for the setup and the commands.",
+        "Every grid number is one run with run.seed 0 (cells repeated with another seed have their own section); "
+        "see docs/RESULTS.md for the setup and the commands.",
         "## Teachers pretrained by us\n\n" + pretrain_section(roots, args.out, teachers),
         "## Zero-shot perplexity and KL(teacher || student) on the evaluation documents\n\n" + zero_table,
         "## Tokens to target (stage 2, same budget and data order for every init)\n\n" + tok_table,
@@ -332,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         "bound. This naive run has the same recipe and data order with a longer budget (its cosine schedule "
         "stretched to it; configs/paper/grid_smollm2_naive_long.yaml); ours is the grid's run.\n\n"
         + long_naive_section(long_res, args.ours),
+        "## Supplementary: a second seed\n\n"
+        "Each grid cell is one run. These cells ran again with another run.seed (configs/paper/"
+        "grid_smollm2_stage2_seed.yaml: the inits' random parts and the data order drawn anew; the same text, "
+        "budget and evaluation), so the gap between taylor_calibrate and ours can be read against the spread "
+        "of either from seed to seed.\n\n" + seed_section(s2, seeds, args.ours),
         "## Goals of the issue, cell by cell\n\n" + ("\n".join(f"- {m}" for m in zero_miss + tok_miss)
                                                     or "- every finished cell meets both goals"),
         "## Cells not finished\n\n" + ("\n".join(f"- {'/'.join(c)}" for c in missing) or "- none"),
