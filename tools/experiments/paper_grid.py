@@ -10,9 +10,10 @@
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
 stage-2 budget) and stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread).
-Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and policies, with `OURS` replaced by --ours. Finished cells are
-skipped; cells that would not end within --max-seconds stay pending (exit code 3) for the next call
-(how long a cell takes: this out dir's finished cells, else those of the --history roots).
+Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
+policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
+--max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
+finished cells, else those of the --history roots; a stage2_seed cell takes as long as a stage2 one).
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
 the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
 """

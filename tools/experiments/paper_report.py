@@ -14,7 +14,8 @@ cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate
 OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
 issue checked cell by cell; runs/grid/naive_long and runs/grid/stage2_seed cells in sections of their
 own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
-(megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are missing or failed are listed, never guessed.
+(megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are
+missing or failed are listed, never guessed.
 """
 from __future__ import annotations
 
