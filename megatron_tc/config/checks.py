@@ -243,6 +243,12 @@ def _name_errors(cfg: Config, init_strategies: Sequence[str] | None, policies: S
             f"calibrate.init={cfg.calibrate.init!r} is not a known strategy.{suggest(cfg.calibrate.init, inits)} "
             f"Known: {', '.join(inits)}"
         )
+    try:
+        from megatron_tc.distill.signals import signal_numbers
+
+        signal_numbers(cfg.run.exit_signals)
+    except ValueError as err:
+        errors.append(f"run.exit_signals={cfg.run.exit_signals}: {err}")
     if cfg.model.policy not in pols:
         errors.append(
             f"model.policy={cfg.model.policy!r} is not a known policy.{suggest(cfg.model.policy, pols)} "

@@ -25,6 +25,12 @@ class RunConfig:
     seed: int = opt(1234, "Seed for model initialization, sampling and dropout (the document split uses data.split.seed).")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Where to compute: 'auto' picks cuda when available, else cpu.")
     precision: Literal["fp32", "bf16"] = opt("fp32", "Compute precision of training and evaluation (bf16 on GPUs; fp32 on CPU).")
+    exit_signals: list[str] = opt(
+        ["SIGTERM", "SIGUSR1"],
+        "Signals that stop a training stage at the end of its current step with a checkpoint (Slurm's time limit "
+        "and scancel send SIGTERM; `#SBATCH --signal=USR1@120` warns ahead); the process then exits with "
+        "128 + the signal's number. Empty: the default actions.",
+    )
 
 
 @dataclass

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from megatron_tc.distill.runner import run_pipeline
+    from megatron_tc.distill.runner import StoppedBySignal, run_pipeline
     from megatron_tc.parallel.state import shutdown_distributed
 
     force = [s.strip() for s in args.force.split(",") if s.strip()]
@@ -39,5 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # checks that need the world size or the teacher
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except StoppedBySignal as stop:  # the code a shell gives a process the signal ended: not finished
+        print(str(stop), file=sys.stderr)
+        shutdown_distributed()
+        return 128 + stop.signum
     shutdown_distributed()
     return 0

@@ -6,6 +6,8 @@
     nan_grad@S            the gradients of step S become NaN (the loss stays finite)
     kill@checkpoint:S     rank 0 SIGKILLs itself while writing the step-S checkpoint (before rename)
     kill@step:S           rank 0 SIGKILLs itself right after step S
+    term@step:S           rank 0 sends itself SIGTERM right after step S (the other ranks learn of it
+                          through megatron_tc.distill.signals' all-reduce at the next step)
 
 Tests start real subprocesses with this variable to check skip/abort policies, resume after a kill
 and half-written checkpoints.
@@ -29,6 +31,10 @@ def active(kind: str, step: int) -> bool:
 
 
 def maybe_kill(point: str, step: int) -> None:
-    """Die without cleanup at `point` of `step` when ``kill@point:step`` is requested (rank 0)."""
-    if f"kill@{point}:{step}" in _entries() and os.environ.get("RANK", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
+    """On rank 0 at `point` of `step`: die without cleanup for ``kill@point:step``, or send itself
+    SIGTERM for ``term@point:step``."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for kind, signum in (("kill", signal.SIGKILL), ("term", signal.SIGTERM)):
+        if f"{kind}@{point}:{step}" in _entries():
+            os.kill(os.getpid(), signum)

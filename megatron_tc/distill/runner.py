@@ -23,13 +23,29 @@ import torch.distributed as dist
 from megatron_tc.config.names import STAGES
 from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
 from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
+from megatron_tc.distill.signals import ExitSignals
 from megatron_tc.monitor import TBWriter, get_logger
 
 log = get_logger(__name__)
 
 
 class StageStopped(Exception):
-    """A training stage stopped early on request (stop_after); the pipeline ends there."""
+    """A training stage stopped early on request (stop_after or a signal); the pipeline ends there."""
+
+
+class StoppedBySignal(Exception):
+    """A signal of run.exit_signals stopped the run at a checkpoint (megatron_tc.distill.signals);
+    the CLI exits with 128 + `signum`."""
+
+    def __init__(self, signum: int, stage: str):
+        from megatron_tc.distill.signals import signal_name
+
+        super().__init__(f"{signal_name(signum)} received during {stage}: stopped with its state saved; "
+                         "run the same command again to resume")
+        self.signum, self.stage = signum, stage
+
+
+TRAINING_STAGES = ("pretrain", "stage1", "stage2")
 
 
 # ---- the training stages (thin wrappers that load inputs and save the student) ----------------------
@@ -229,12 +245,17 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
             ctx.barrier()
             log.info("stage %s: running", stage)
             t0 = time.time()
-            kwargs = {"stop_after": stop_after} if stage in ("pretrain", "stage1", "stage2") else {}
+            training = stage in TRAINING_STAGES
+            kwargs = {"stop_after": stop_after} if training else {}
+            signals = ExitSignals(cfg.run.exit_signals if training else ())
             try:
-                summary = fn(ctx, **kwargs)
+                with signals:
+                    summary = fn(ctx, **kwargs)
             except StageStopped as stop:
                 if ctx.rank0:
                     manifest.mark(stage, "stopped", fingerprints[stage], seconds=round(time.time() - t0, 1))
+                if signals.received:
+                    raise StoppedBySignal(signals.received, stage) from None
                 log.info("%s; run the same command again to resume", stop)
                 results[stage] = "stopped"
                 break
@@ -252,6 +273,8 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
                               summary=summary)
             log.info("stage %s: done in %.1f s", stage, seconds)
             results[stage] = summary
+            if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
+                raise StoppedBySignal(signum, stage)
     finally:
         ctx.tb.close()
     if ctx.rank0:

@@ -27,6 +27,7 @@ from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
 from megatron_tc.distill.evaluation import append_jsonl, truncate_jsonl
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
+from megatron_tc.distill.signals import signal_name, stop_requested
 from megatron_tc.distill.stage2 import gather_full_state, restore_vocab_padding
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
@@ -155,6 +156,9 @@ class Stage1Trainer(EngineOwner):
             bar.update(1)
             bar.set_postfix(mse=f"{scalars['loss']:.4f}")
             stopping = stop_after is not None and state.step >= stop_after and state.step < self.steps
+            if state.step < self.steps and (signum := stop_requested(self.device)):
+                log.info("stage1: %s received: checkpoint at step %d, then stop", signal_name(signum), state.step)
+                stopping = True
             if (every and state.step % every == 0) or stopping or state.step == self.steps:
                 state.data, state.layout = self.loader.state_dict(), dict(self.layout)
                 self.manager.save(self.engine, state)

@@ -43,6 +43,7 @@ from megatron_tc.distill.evaluation import TeacherCache, append_jsonl, eval_batc
 from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
+from megatron_tc.distill.signals import signal_name, stop_requested
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
 from megatron_tc.parallel.deepspeed_engine import EngineOwner
@@ -292,6 +293,9 @@ class Stage2Trainer(EngineOwner):
             if is_eval_step(self.cfg.distill, state.step) and self.eval_rows:
                 last_eval = self.evaluate(state)
             stopping = stop_after is not None and state.step >= stop_after and state.step < self.steps
+            if state.step < self.steps and (signum := stop_requested(self.device)):
+                log.info("stage2: %s received: checkpoint at step %d, then stop", signal_name(signum), state.step)
+                stopping = True
             if (ckpt_every and state.step % ckpt_every == 0) or stopping or state.step == self.steps:
                 self._save(state)
                 saved_at = state.step

@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from megatron_tc.distill.signals import ExitSignals, active, signal_name
 from megatron_tc.eval.grid_claims import CellClaim
 from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
 
@@ -59,6 +60,12 @@ PROCESS = ("subprocess", "inline")
 AXES = ("teacher", "policy", "init")
 CELL_FILE = "cell.json"
 UNFINISHED = ("pending", "elsewhere")  # not run by this process (time budget / another process holds it)
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1")  # stop the grid after the running cell (megatron_tc.distill.signals)
+
+
+class CellStopped(Exception):
+    """A cell's pipeline stopped at a checkpoint on a signal (exit code 128 + its number); the next
+    invocation resumes it."""
 Runner = Callable[[Any, "Grid", "Cell"], dict[str, Any]]
 
 
@@ -165,18 +172,42 @@ def run_cell_pipeline(grid: Grid, cell: Cell, extra: list[str]) -> None:
     overrides = [*grid.overrides, *cell.overrides(), *extra]
     if grid.process == "inline":
         from megatron_tc.config.loader import load_config
-        from megatron_tc.distill.runner import run_pipeline
+        from megatron_tc.distill.runner import StoppedBySignal, run_pipeline
 
-        run_pipeline(load_config(grid.base, overrides))
+        try:
+            run_pipeline(load_config(grid.base, overrides))
+        except StoppedBySignal as stop:
+            raise CellStopped(str(stop)) from None
         return
     log_path = os.path.join(cell.run_dir, "pipeline.log")
     with open(log_path, "wb") as log_file:
-        rc = subprocess.run([sys.executable, DISTILL, grid.base, *overrides], env=_child_env(), stdout=log_file,
-                            stderr=subprocess.STDOUT).returncode
+        child = subprocess.Popen([sys.executable, DISTILL, grid.base, *overrides], env=_child_env(), stdout=log_file,
+                                 stderr=subprocess.STDOUT)
+        rc = _wait_forwarding_signal(child)
+    if rc > 128:  # the child's own exit after a signal stopped it at a checkpoint (tools/distill.py)
+        raise CellStopped(f"stopped by {signal_name(rc - 128)} with its state saved (log: {log_path})")
+    signals = active()
+    if rc < 0 and signals is not None and signals.received == -rc:  # ended outside a training loop
+        raise CellStopped(f"ended by {signal_name(-rc)} between checkpoints; its unfinished stage starts over "
+                          f"(log: {log_path})")
     if rc != 0:
         with open(log_path, encoding="utf-8", errors="replace") as fh:
             tail = fh.read()[-2000:]
         raise RuntimeError(f"tools/distill.py exited with {rc} (log: {log_path}):\n{tail}")
+
+
+def _wait_forwarding_signal(child: subprocess.Popen) -> int:
+    """The child's exit code; a stop signal this process receives meanwhile is passed on to it once
+    (a signal sent to the whole process group, as by `timeout` or Slurm, reaches it anyway)."""
+    forwarded = False
+    while True:
+        try:
+            return child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            signals = active()
+            if signals is not None and signals.received and not forwarded:
+                child.send_signal(signals.received)
+                forwarded = True
 
 
 def _results_rows(run_dir: str) -> dict[str, dict[str, Any]]:
@@ -361,34 +392,40 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     records: dict[int, dict[str, Any]] = {}
     started, longest = time.perf_counter(), {}
     queue, deferred = deque(enumerate(cells, 1)), set()
-    while queue:
-        n, cell = queue.popleft()
-        done = None if force else _finished(cell.run_dir)
-        if done is not None:
-            log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
-            records[n] = done
-            continue
-        expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds([grid.out, *history],
-                                                                                  teacher=cell.teacher, init=cell.init)
-        if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
-            log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
-            records[n] = _placeholder(cell, "pending")
-            continue
-        if n not in deferred and queue and _waits_for_sibling(cells, cell):
-            log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
-            deferred.add(n)
-            queue.append((n, cell))
-            continue
-        with CellClaim(cell.run_dir) as held:
-            if not held:
-                log(f"[{n}/{len(cells)}] {cell.key}: running in another process, skipped")
-                records[n] = _placeholder(cell, "elsewhere")
+    with ExitSignals(EXIT_SIGNALS) as signals:  # after a stop signal: the running cell stops, no new one starts
+        while queue:
+            n, cell = queue.popleft()
+            done = None if force else _finished(cell.run_dir)
+            if done is not None:
+                log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
+                records[n] = done
                 continue
-            done = None if force else _finished(cell.run_dir)  # another process may have just finished it
-            records[n] = done or _run_one(grid, cells, cell, configs[cell.key], f"[{n}/{len(cells)}]", log, fail_fast)
-        if done is None:
-            key = (cell.teacher, cell.init)
-            longest[key] = max(longest.get(key, 0.0), records[n]["seconds"])
+            if signals.received:
+                log(f"[{n}/{len(cells)}] {cell.key}: pending ({signal_name(signals.received)} received)")
+                records[n] = _placeholder(cell, "pending")
+                continue
+            expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds(
+                [grid.out, *history], teacher=cell.teacher, init=cell.init)
+            if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
+                log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
+                records[n] = _placeholder(cell, "pending")
+                continue
+            if n not in deferred and queue and _waits_for_sibling(cells, cell):
+                log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
+                deferred.add(n)
+                queue.append((n, cell))
+                continue
+            with CellClaim(cell.run_dir) as held:
+                if not held:
+                    log(f"[{n}/{len(cells)}] {cell.key}: running in another process, skipped")
+                    records[n] = _placeholder(cell, "elsewhere")
+                    continue
+                done = None if force else _finished(cell.run_dir)  # another process may have just finished it
+                records[n] = done or _run_one(grid, cells, cell, configs[cell.key], f"[{n}/{len(cells)}]", log,
+                                              fail_fast)
+            if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
+                key = (cell.teacher, cell.init)
+                longest[key] = max(longest.get(key, 0.0), records[n]["seconds"])
     ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)
@@ -415,6 +452,9 @@ def _run_one(grid: Grid, cells: list[Cell], cell: Cell, cfg: Any, tag: str, log:
     rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir}
     try:
         rec.update(status="ok", metrics=run_cell(cfg, grid, cell))
+    except CellStopped as stop:  # no cell.json: the next invocation runs (resumes) it
+        log(f"    {stop}; pending")
+        return {**rec, "status": "pending", "seconds": round(time.perf_counter() - start, 2)}
     except Exception as exc:  # a failed cell is recorded; the grid goes on unless fail_fast
         if fail_fast:
             raise
