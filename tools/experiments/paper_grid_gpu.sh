@@ -196,6 +196,7 @@ step_grid() {  # grid:NAME[:POLICIES], long:NAME[:POLICIES] or seed:NAME[:POLICI
   timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
   local rc=$?
   case $rc in 0) say "$label $name: all cells done";; 3) say "$label $name: cells pending (or still running in another lane); run the step again";;
+    124) say "$label $name: cut by the budget (a cell in stage 2 stopped at its current step with a checkpoint; run the step again)";;
     *) say "$label $name: exit $rc (failed cells are listed in $R/runs/grid/*/results.md)";; esac
   return $rc
 }
