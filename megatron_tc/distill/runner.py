@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_tc.config.names import STAGES
 from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
 from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
-from megatron_tc.distill.signals import ExitSignals
+from megatron_tc.distill.signals import ExitSignals, signal_name
 from megatron_tc.monitor import TBWriter, get_logger
 
 log = get_logger(__name__)
@@ -38,8 +38,6 @@ class StoppedBySignal(Exception):
     the CLI exits with 128 + `signum`."""
 
     def __init__(self, signum: int, stage: str):
-        from megatron_tc.distill.signals import signal_name
-
         super().__init__(f"{signal_name(signum)} received during {stage}: stopped with its state saved; "
                          "run the same command again to resume")
         self.signum, self.stage = signum, stage

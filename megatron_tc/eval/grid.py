@@ -23,7 +23,9 @@ finished sibling's `teacher/` and `select/` (with their manifest entries) are li
 pipeline's fingerprint check decides whether they apply (they do: neither stage depends on the init),
 so the teacher is converted and the layers selected once per (teacher, policy), not once per init.
 Several processes may run one grid at once (one per GPU): each cell runs in the process holding its
-lock (`grid_claims.py`), so they split the cells between them.
+lock (`grid_claims.py`), so they split the cells between them. SIGTERM or SIGUSR1 (`timeout`,
+Slurm) stops a grid cleanly: the running cell's stage 2 checkpoints the step it is on and the cell
+stays pending for the next invocation (megatron_tc.distill.signals); no other cell starts.
 
 Runners (both go through `megatron_tc.distill.runner.run_pipeline`, the code behind tools/distill.py):
 - zero_shot: run.stages = [convert, select, stats, init, eval]; metrics from the eval stage's
@@ -66,6 +68,8 @@ EXIT_SIGNALS = ("SIGTERM", "SIGUSR1")  # stop the grid after the running cell (m
 class CellStopped(Exception):
     """A cell's pipeline stopped at a checkpoint on a signal (exit code 128 + its number); the next
     invocation resumes it."""
+
+
 Runner = Callable[[Any, "Grid", "Cell"], dict[str, Any]]
 
 
