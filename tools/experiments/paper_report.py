@@ -299,7 +299,7 @@ def seed_section(s2: dict, seeds: dict, ours: str) -> str:
     run.seed, so other random init parts and data order), beside the grid's run of the same cell: a
     gap between the two inits reads against how far one init moves from seed to seed. Tokens are
     reached-and-stayed."""
-    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
 
     inits = ("taylor_calibrate", ours)
     rows, spread = [], []
@@ -317,9 +317,11 @@ def seed_section(s2: dict, seeds: dict, ours: str) -> str:
                 res = tokens_to_target(curves, ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
                 seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
                 rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
-                per_seed.append((seed, {r["name"]: r["tokens"] for r in res["runs"]}))
-            (a, ta), (b, tb) = per_seed
-            ratios = "; ".join(f"{i} " + " / ".join(_over(tb[i][lab], ta[i][lab]) for lab in KS_LABELS) for i in inits)
+                per_seed.append((seed, dict(zip(inits, curves)), {r["name"]: r["tokens"] for r in res["runs"]}))
+            (a, ca, ta), (b, cb, tb) = per_seed
+            # tokens(seed b) / tokens(seed a): tokens_to_target's ratio with seed a as the "run"
+            ratios = "; ".join(f"{i} " + " / ".join(fmt_ratio(ratio(ca[i], ta[i][lab], cb[i], tb[i][lab]))
+                                                    for lab in KS_LABELS) for i in inits)
             spread.append(f"- {teacher} / {policy}: tokens with seed {b} over seed {a} at "
                           f"{' / '.join(KS_LABELS)}: {ratios}")
     if not rows:
@@ -343,15 +345,6 @@ def _seed_columns(res: dict, inits: tuple[str, str]) -> list[str]:
         r = res["ratios"]["vs_taylor_calibrate"][inits[1]][t["label"]]
         cols.append(f"{both(lambda run: fmt_tokens(run['tokens'][t['label']]))} ({fmt_ratio(r)})")
     return cols
-
-
-def _over(num: float | None, den: float | None) -> str:
-    """num / den tokens ('—' when either run never reached the target; both 0: met zero-shot twice)."""
-    if num is None or den is None:
-        return "—"
-    if den == 0:
-        return "1.00x" if num == 0 else "∞"
-    return f"{num / den:.2f}x"
 
 
 def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
