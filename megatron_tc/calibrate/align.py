@@ -28,35 +28,42 @@ GATE_PARAMS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj")
 
 @dataclass
 class LayerData:
-    """Teacher-forced data of one layer: x, y [N, T, hidden] (mixer input / attention output
-    after o_proj), doc_ids [N, T] or None."""
+    """Data of one layer: x, y [N, T, hidden] (mixer input / target: the teacher's attention output
+    after o_proj), doc_ids [N, T] or None; resid [N, T, hidden] the residual stream entering the
+    layer, when collected (student-forced alignment, sequential.py)."""
 
     x: torch.Tensor
     y: torch.Tensor
     doc_ids: torch.Tensor | None
+    resid: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> "LayerData":
         return LayerData(self.x[index], self.y[index], None if self.doc_ids is None else self.doc_ids[index])
 
 
 @torch.no_grad()
-def collect_layer_io(model: nn.Module, batches, layers: list[int]) -> dict[int, LayerData]:
+def collect_layer_io(model: nn.Module, batches, layers: list[int], keep_resid: bool = False) -> dict[int, LayerData]:
     """Teacher forward over `batches` (dicts with input_ids, optional doc_ids); keeps, for each
-    layer, the mixer inputs and outputs of every row (fp32, N*T*hidden*8 bytes per layer)."""
+    layer, the mixer inputs and outputs of every row (fp32, N*T*hidden*8 bytes per layer), and with
+    keep_resid the residual stream entering the layer too."""
     xs: dict[int, list] = {l: [] for l in layers}
     ys: dict[int, list] = {l: [] for l in layers}
+    rs: dict[int, list] = {l: [] for l in layers}
     docs = []
 
     def on_layer(index: int, io: LayerIO) -> None:
         xs[index].append(io.x.float().clone())
         ys[index].append(io.out.float().clone())
+        if keep_resid:
+            rs[index].append(io.resid.float().clone())
 
     device = next(model.parameters()).device  # doc_ids must sit beside the captured activations
     for batch in batches:
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
         docs.append(None if batch.get("doc_ids") is None else batch["doc_ids"].to(device))
     doc_ids = None if any(d is None for d in docs) else torch.cat(docs)
-    return {l: LayerData(torch.cat(xs[l]), torch.cat(ys[l]), doc_ids) for l in layers}
+    return {l: LayerData(torch.cat(xs[l]), torch.cat(ys[l]), doc_ids, torch.cat(rs[l]) if keep_resid else None)
+            for l in layers}
 
 
 def relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> float:

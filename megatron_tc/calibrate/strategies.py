@@ -55,6 +55,10 @@ class AlignSettings:
     eval_every: int = 10
     best_on: str = "heldout"
     schedule: str = "constant"  # or "cosine": both learning rates decay to 0 at the last step
+    # inputs the layers train on: 'teacher' (the teacher's, every layer at once: align.py), or the
+    # partly converted student's, bottom to top, with the teacher's attention output ('student') or
+    # the teacher's residual stream ('residual') as the target (sequential.py)
+    forcing: str = "teacher"
 
 
 def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
@@ -354,3 +358,9 @@ register("taylor_fit+gatefit", lambda: TaylorFit(name="taylor_fit+gatefit", gate
                                                  align=replace(OURS_ALIGN)))
 register("taylor_fit-meangate", lambda: TaylorFit(name="taylor_fit-meangate", gate_fit=True, mean_gate=False,
                                                   readout_key=_FITTED_GATE, align=replace(OURS_ALIGN)))
+# ours aligned on the partly converted student's own inputs, bottom to top (sequential.py): the
+# teacher's attention output, or its residual stream, as the target; same closed form and stats as ours
+register("taylor_fit-seq", lambda: TaylorFit(name="taylor_fit-seq", readout_key="taylor_fit",
+                                             align=replace(OURS_ALIGN, forcing="student")))
+register("taylor_fit-seqres", lambda: TaylorFit(name="taylor_fit-seqres", readout_key="taylor_fit",
+                                                align=replace(OURS_ALIGN, forcing="residual")))

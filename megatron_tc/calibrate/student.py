@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_tc.model import HybridLM
 
 from .align import align_layers, collect_layer_io
+from .sequential import align_student_forced
 from .stats import collect_stats
 from .statsfile import TaylorStats
 from .strategies import AlignSettings, LayerContext, Strategy, StrategyError, default_gdn_state, get_strategy
@@ -118,13 +119,19 @@ def calibrate_student(
         if not calib_batches:
             raise StrategyError(f"alignment of {strategy.name!r} needs calibration batches")
         t0 = time.time()
-        data = collect_layer_io(teacher, calib_batches, converted)
-        held = collect_layer_io(teacher, heldout_batches, converted) if heldout_batches else None
-        if settings.best_on == "heldout" and held is None:
+        if settings.best_on == "heldout" and not heldout_batches:
             raise StrategyError(f"{strategy.name} keeps the best step on held-out calibration tokens: pass heldout_batches")
-        mixers = {l: student.layers[l].mixer for l in converted}
-        layer_reports = align_layers(mixers, data, settings, held, dp_group, writer, progress, seed)
+        if settings.forcing == "teacher":
+            data = collect_layer_io(teacher, calib_batches, converted)
+            held = collect_layer_io(teacher, heldout_batches, converted) if heldout_batches else None
+            mixers = {l: student.layers[l].mixer for l in converted}
+            layer_reports = align_layers(mixers, data, settings, held, dp_group, writer, progress, seed)
+        else:
+            layer_reports = align_student_forced(student, teacher, converted, settings, calib_batches, heldout_batches,
+                                                 dp_group, writer, progress, seed)
         report["align"] = {str(l): {k: v for k, v in r.items() if k != "curve"} for l, r in sorted(layer_reports.items())}
         report["align_seconds"] = round(time.time() - t0, 1)
+        report["align_forcing"] = settings.forcing
+        report["align_tokens"] = sum(int(b["input_ids"].numel()) for b in calib_batches)
     report["seconds"] = round(time.time() - started, 1)
     return student.eval(), report

@@ -253,8 +253,8 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         stats = TaylorStats.load(ctx.paths.stats, teacher_sha256=teacher.sha256, converted_layers=converted)
     settings = _align_settings(cfg, strategy)
     # alignment sees every calibration row on every rank (ranks align different layers), so the
-    # result does not depend on the data-parallel size
-    calib = _all_calibration_rows(ctx, cfg.data.calib_tokens) if settings is not None else None
+    # result does not depend on the data-parallel size; it trains on the first align_tokens of them
+    calib = _all_calibration_rows(ctx, cfg.calibrate.align_tokens) if settings is not None else None
     heldout = None
     if settings is not None and settings.best_on == "heldout":
         from megatron_tc.data import DataError

@@ -72,7 +72,8 @@ def test_parts_of_a_kind_and_the_long_budget():
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_seed", "zero_shot"]
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_ours", "stage2_seed",
+                                                                      "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
     sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
@@ -98,6 +99,21 @@ def test_the_seed_part_is_the_stage2_grid_with_another_seed():
     assert {k: v.split()[0] for k, v in sets[0].items() if k != "run.seed"} == \
         {k: v.split()[0] for k, v in sets[1].items()}
     assert sets[0]["run.seed"] != sets[1].get("run.seed", "0")
-    assert sorted(seed.axes["init"]) == sorted(base.axes["init"])
+    assert seed.axes["init"] == ["taylor_calibrate", "OURS"]  # the pair whose gap the spread is read against
     assert sorted(seed.axes["policy"]) == sorted(base.axes["policy"])
     assert Path(seed.out).name == "stage2_seed"
+
+
+def test_the_ours_part_is_the_stage2_recipe_for_ours_alone_in_the_grids_out_dir():
+    """A variant of ours (--ours NAME) trains with exactly the grid's recipe and lands beside the
+    grid's naive and taylor_calibrate cells, so the report compares them as one grid."""
+    from megatron_tc.eval.grid import load_grid
+
+    driver = _driver()
+    files = driver.part_files("smollm2", ["stage2_ours"])
+    ours, base = load_grid(files["stage2_ours"]), load_grid(files["stage2"])
+    assert [o.split("#")[0].split() for o in ours.overrides] == [o.split("#")[0].split() for o in base.overrides]
+    assert ours.axes["init"] == ["OURS"] and sorted(ours.axes["policy"]) == sorted(base.axes["policy"])
+    assert ours.out == base.out
+    narrowed = driver.narrowed(ours, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", Path(base.out), [])
+    assert [c.key for c in narrowed.cells()] == ["smollm2/stats/taylor_fit-seqres"]

@@ -51,6 +51,8 @@ def test_cpu_launcher_runs_the_whole_pipeline_then_resumes_and_skips(tiny_assets
         ("convert", "select", "stats", "init", "stage1"), "complete")
     assert manifest["stage2"]["status"] == "stopped"
     assert (run_dir / "stage2/checkpoints/latest").read_text().strip() == "step_00000002"
+    # alignment trains on calibrate.align_tokens (tiny.yaml: 128 of its 256 calibration tokens)
+    assert json.loads((run_dir / "init/report.json").read_text())["align_tokens"] == 128
 
     second = launch(tiny_assets, run_dir)
     out = second.stdout + second.stderr

@@ -9,11 +9,12 @@
 
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
-stage-2 budget) and stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread).
+stage-2 budget), stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread) and
+stage2_ours (ours alone with the grid's recipe, into the grid's out dir: a variant named by --ours).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
 policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
-finished cells, else those of the --history roots; a stage2_seed cell takes as long as a stage2 one).
+finished cells, else those of the --history roots; stage2_seed and stage2_ours cells take as long as stage2 ones).
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
 the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
 """
@@ -30,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
-PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed")  # grid_<kind>_<part>.yaml; not every kind has every part
-TIMED_LIKE = {"stage2_seed": "stage2"}  # a part whose cells take as long as another part's (for --history)
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours")  # grid_<kind>_<part>.yaml; not every kind has every part
+TIMED_LIKE = {"stage2_seed": "stage2", "stage2_ours": "stage2"}  # a part whose cells take as long as another part's (for --history)
 
 # CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
 QUICK = [

@@ -22,6 +22,9 @@
 #                          selection of the grid's finished cells of each policy)
 #   seed:NAME[:POLICIES]   the same for configs/paper/grid_<kind>_stage2_seed.yaml (SmolLM2 only: the stage-2 cells
 #                          again with run.seed=1, to measure the run-to-run spread)
+#   ours:NAME[:POLICIES][@INIT]  the same for configs/paper/grid_<kind>_stage2_ours.yaml (SmolLM2 only: ours alone
+#                          with the grid's recipe, beside the grid's cells), for INIT (a variant of ours, e.g.
+#                          ours:smollm2:stats@taylor_fit-seq; default $OURS). Any grid step takes @INIT
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
 #                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
@@ -170,9 +173,11 @@ step_smollm2() {
   fi
 }
 
-step_grid() {  # grid:NAME[:POLICIES], long:NAME[:POLICIES] or seed:NAME[:POLICIES]
-  local name=${1#*:} policies="" parts=stage2,zero_shot label=grid
-  case $1 in long:*) parts=naive_long; label=long;; seed:*) parts=stage2_seed; label=seed;; esac
+step_grid() {  # grid:, long:, seed: or ours:NAME[:POLICIES][@INIT]
+  local name=${1#*:} policies="" parts=stage2,zero_shot label=grid ours=$OURS
+  case $name in *@*) ours=${name#*@}; name=${name%@*};; esac
+  case $1 in long:*) parts=naive_long; label=long;; seed:*) parts=stage2_seed; label=seed;;
+    ours:*) parts=stage2_ours; label=ours;; esac
   case $name in *:*) policies=${name#*:}; name=${name%%:*};; esac
   local kind=small path
   [ "$name" = smollm2 ] && kind=smollm2
@@ -180,7 +185,7 @@ step_grid() {  # grid:NAME[:POLICIES], long:NAME[:POLICIES] or seed:NAME[:POLICI
   [ -n "$path" ] || { say "$label $name: no teacher (run pretrain / smollm2 first, or carry .paper_runs/teachers/$name)"; return 1; }
   local t=$(( $(left) - 25 ))
   if [ $t -lt 30 ]; then say "$label $name: not started (${t} s left)"; return 3; fi
-  local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$OURS" --max-seconds "$t" --parts $parts
+  local args=(grid --kind $kind --teacher "$name=$path" --out "$R/runs/grid" --ours "$ours" --max-seconds "$t" --parts $parts
               --set "data.source.paths=[$DATA/text]")
   # committed results of earlier sessions: how long a grid cell takes on a machine that has run none
   # yet. Not for long runs: they span calls by design (cut, then resumed from a checkpoint), so they
@@ -192,7 +197,7 @@ step_grid() {  # grid:NAME[:POLICIES], long:NAME[:POLICIES] or seed:NAME[:POLICI
   [ -n "$policies" ] && args+=(--policies "$policies")
   [ $QUICK = 1 ] && args+=(--quick)
   for kv in ${EXTRA:-}; do args+=(--set "$kv"); done
-  say "$label $name ${policies:+($policies) }with ours=$OURS, teacher $path, budget ${t} s"
+  say "$label $name ${policies:+($policies) }with ours=$ours, teacher $path, budget ${t} s"
   timeout $(( t + 20 )) $PY tools/experiments/paper_grid.py "${args[@]}"
   local rc=$?
   case $rc in 0) say "$label $name: all cells done";; 3) say "$label $name: cells pending (or still running in another lane); run the step again";;
@@ -274,7 +279,7 @@ for step in "$@"; do
     pretrain|pretrain:*) step_pretrain "$step" ;;
     lanes:*) step_lanes "$step" ;;
     smollm2) step_smollm2 ;;
-    grid:*|long:*|seed:*) step_grid "$step" ;;
+    grid:*|long:*|seed:*|ours:*) step_grid "$step" ;;
     pack) step_pack ;;
     kcache) step_kcache ;;
     pack_kcache) step_pack_kcache ;;
