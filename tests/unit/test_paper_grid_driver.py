@@ -104,9 +104,9 @@ def test_the_seed_part_is_the_stage2_grid_with_another_seed():
     assert Path(seed.out).name == "stage2_seed"
 
 
-def test_the_ours_part_is_the_stage2_recipe_for_ours_alone_in_the_grids_out_dir():
-    """A variant of ours (--ours NAME) trains with exactly the grid's recipe and lands beside the
-    grid's naive and taylor_calibrate cells, so the report compares them as one grid."""
+def test_the_ours_part_is_the_stage2_recipe_for_ours_alone(tmp_path):
+    """A variant of ours (--ours NAME) trains with exactly the grid's recipe, so its cells compare
+    with the grid's naive and taylor_calibrate cells."""
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
@@ -114,6 +114,6 @@ def test_the_ours_part_is_the_stage2_recipe_for_ours_alone_in_the_grids_out_dir(
     ours, base = load_grid(files["stage2_ours"]), load_grid(files["stage2"])
     assert [o.split("#")[0].split() for o in ours.overrides] == [o.split("#")[0].split() for o in base.overrides]
     assert ours.axes["init"] == ["OURS"] and sorted(ours.axes["policy"]) == sorted(base.axes["policy"])
-    assert ours.out == base.out
-    narrowed = driver.narrowed(ours, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", Path(base.out), [])
+    narrowed = driver.narrowed(ours, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", tmp_path / "stage2_ours", [])
     assert [c.key for c in narrowed.cells()] == ["smollm2/stats/taylor_fit-seqres"]
+    assert narrowed.cells()[0].run_dir == str(tmp_path / "stage2_ours" / "smollm2" / "stats" / "taylor_fit-seqres")

@@ -10,7 +10,7 @@
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
 stage-2 budget), stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread) and
-stage2_ours (ours alone with the grid's recipe, into the grid's out dir: a variant named by --ours).
+stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
 policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's

@@ -23,7 +23,7 @@
 #   seed:NAME[:POLICIES]   the same for configs/paper/grid_<kind>_stage2_seed.yaml (SmolLM2 only: the stage-2 cells
 #                          again with run.seed=1, to measure the run-to-run spread)
 #   ours:NAME[:POLICIES][@INIT]  the same for configs/paper/grid_<kind>_stage2_ours.yaml (SmolLM2 only: ours alone
-#                          with the grid's recipe, beside the grid's cells), for INIT (a variant of ours, e.g.
+#                          with the grid's recipe, in runs/grid/stage2_ours), for INIT (a variant of ours, e.g.
 #                          ours:smollm2:stats@taylor_fit-seq; default $OURS). Any grid step takes @INIT
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
