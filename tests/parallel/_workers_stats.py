@@ -76,3 +76,28 @@ def tp_full_stats(rank: int, world_size: int, out_path: str) -> None:
     if rank == 0:
         stats.save(out_path)
     dist.barrier()
+
+
+def student_forced_alignment(rank: int, world_size: int, out_path: str) -> None:
+    """taylor_fit-seqres aligned with the layers split over the ranks (owner aligns, broadcast before
+    the stream moves on); rank 0 saves every rank's student state and the per-layer reports."""
+    student, report = student_forced_student(dp_group=dist.group.WORLD)
+    states = [None] * world_size
+    dist.all_gather_object(states, {k: v.clone() for k, v in student.state_dict().items()})
+    if rank == 0:
+        torch.save({"states": states, "align": report["align"]}, out_path)
+    dist.barrier()
+
+
+def student_forced_student(dp_group=None):
+    """The 3-layer teacher's GAG student, taylor_fit-seqres with a short alignment, rows 0-2 to train
+    on and row 3 held out."""
+    from megatron_tc.calibrate.strategies import AlignSettings
+    from megatron_tc.calibrate.student import calibrate_student
+
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    batches = row_batches(ids, doc_ids, range(4))
+    settings = AlignSettings(steps=6, lr_gates=1e-2, lr_proj=1e-3, eval_every=2, best_on="heldout", forcing="residual")
+    return calibrate_student(model, [1], "taylor_fit-seqres", calib_batches=batches[:3], heldout_batches=batches[3:],
+                             stats=stats_of_rows(range(4)), teacher_sha256="t", align=settings, dp_group=dp_group,
+                             progress=False)

@@ -1,4 +1,4 @@
-"""Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data."""
+"""Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data; student-forced alignment split over 2 ranks equals one process."""
 import torch
 
 from megatron_tc.calibrate.statsfile import TaylorStats
@@ -45,3 +45,16 @@ def test_tp2_readout_sums_equal_tp1(tmp_path):
     tp2 = _tp2_stats_match(_workers_stats.tp_full_stats, str(tmp_path / "tp2_full.pt"),
                            _workers_stats.stats_of_rows(range(4)))
     assert any(k.startswith("readout.taylor_fit.") for k in tp2.sums)
+
+
+def test_student_forced_alignment_on_2_ranks_equals_one_process(tmp_path):
+    """Layers 0 and 2 are aligned on ranks 0 and 1; layer 2's inputs go through rank 0's layer 0,
+    so it must be broadcast before the stream moves on: both ranks end with the one-process student."""
+    path = str(tmp_path / "seqres.pt")
+    run_distributed(_workers_stats.student_forced_alignment, 2, path, timeout=240)
+    got = torch.load(path)
+    want, report = _workers_stats.student_forced_student()
+    assert got["align"] == report["align"]
+    for state in got["states"]:
+        for name, value in want.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
