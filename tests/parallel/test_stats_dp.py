@@ -1,4 +1,5 @@
-"""Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data; student-forced alignment split over 2 ranks equals one process."""
+"""Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data; student-forced
+alignment split over 2 ranks equals one process."""
 import torch
 
 from megatron_tc.calibrate.statsfile import TaylorStats
