@@ -119,10 +119,6 @@ def _range_errors(cfg: Config) -> list[str]:
         value = _get(cfg, key)
         if value is not None and value < 1:
             errors.append(f"{key}={value} must be >= 1 (or null)")
-    if cfg.calibrate.align_tokens > cfg.data.calib_tokens:
-        errors.append(f"calibrate.align_tokens={cfg.calibrate.align_tokens} must be <= data.calib_tokens="
-                      f"{cfg.data.calib_tokens}: alignment trains on the first align_tokens calibration tokens, and "
-                      "the tokens after data.calib_tokens are held out to pick ours' alignment step")
     if any(k <= 0 or not math.isfinite(k) for k in cfg.eval.target_ppl_factors):
         errors.append(f"eval.target_ppl_factors={cfg.eval.target_ppl_factors} must all be > 0 (e.g. [1.10, 1.25])")
     if any(n < 1 for n in cfg.distill.eval_steps):

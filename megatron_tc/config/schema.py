@@ -144,8 +144,8 @@ class CalibrateConfig:
 
     init: str = opt("taylor_calibrate", "Initialization strategy: naive, zero_gate, taylor, taylor_calibrate (or a registered one).")
     align_steps: int = opt(300, "AdamW steps of per-layer alignment (strategies that align).")
-    align_tokens: int = opt(4096, "Calibration tokens (the first of data.calib_tokens, at most all of them) whose layer "
-                                  "inputs and targets the alignment trains on.")
+    align_tokens: int = opt(4096, "Calibration tokens the alignment trains on: the first align_tokens of the "
+                                  "data.calib_tokens (all of them when larger).")
     lr_qkv: float = opt(3e-4, "Alignment learning rate of q/k/v/o projections.")
     lr_gates: float = opt(3e-3, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, dt_bias).")
     stats_chunk_size: int = opt(128, "Queries per chunk when attention probabilities are computed for statistics (bounds memory).")

@@ -254,7 +254,9 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
     settings = _align_settings(cfg, strategy)
     # alignment sees every calibration row on every rank (ranks align different layers), so the
     # result does not depend on the data-parallel size; it trains on the first align_tokens of them
-    calib = _all_calibration_rows(ctx, cfg.calibrate.align_tokens) if settings is not None else None
+    # (never past data.calib_tokens: the tokens after those are ours' held-out ones)
+    align_tokens = min(cfg.calibrate.align_tokens, cfg.data.calib_tokens)
+    calib = _all_calibration_rows(ctx, align_tokens) if settings is not None else None
     heldout = None
     if settings is not None and settings.best_on == "heldout":
         from megatron_tc.data import DataError
