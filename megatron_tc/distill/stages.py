@@ -179,6 +179,12 @@ def _all_calibration_rows(ctx: RunContext, num_tokens: int, skip_tokens: int = 0
     return ctx.calibration_batches(num_tokens, skip_tokens, every_rank=True)
 
 
+def alignment_tokens(cfg: Any) -> int:
+    """Calibration tokens the alignment trains on: the first calibrate.align_tokens, never past
+    data.calib_tokens (the tokens after those are the held-out ones)."""
+    return min(cfg.calibrate.align_tokens, cfg.data.calib_tokens)
+
+
 def heldout_calibration_tokens(cfg: Any) -> int:
     """Calibration tokens after the first data.calib_tokens on which ours picks its alignment step."""
     return max(cfg.data.seq_len, cfg.data.calib_tokens // 4)
@@ -253,10 +259,8 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         stats = TaylorStats.load(ctx.paths.stats, teacher_sha256=teacher.sha256, converted_layers=converted)
     settings = _align_settings(cfg, strategy)
     # alignment sees every calibration row on every rank (ranks align different layers), so the
-    # result does not depend on the data-parallel size; it trains on the first align_tokens of them
-    # (never past data.calib_tokens: the tokens after those are ours' held-out ones)
-    align_tokens = min(cfg.calibrate.align_tokens, cfg.data.calib_tokens)
-    calib = _all_calibration_rows(ctx, align_tokens) if settings is not None else None
+    # result does not depend on the data-parallel size
+    calib = _all_calibration_rows(ctx, alignment_tokens(cfg)) if settings is not None else None
     heldout = None
     if settings is not None and settings.best_on == "heldout":
         from megatron_tc.data import DataError
