@@ -164,6 +164,48 @@ def _owner(position: int, world: int) -> int:
     return position % world
 
 
+class LayerWork:
+    """What both alignment orders share: rank and world of `group`, the TensorBoard sink, a progress
+    bar on rank 0, aligning one layer with its per-layer scalars, the owner's broadcast, and gathering
+    every rank's reports."""
+
+    def __init__(self, group: dist.ProcessGroup | None, writer, progress: bool):
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.log = None if writer is None else (writer.scalar if hasattr(writer, "scalar") else writer.add_scalar)
+        self.progress = progress and self.rank == 0
+        self.reports: dict[int, dict] = {}
+
+    def bar(self, layers: list[int], desc: str):
+        if not self.progress:
+            return layers
+        from tqdm.auto import tqdm
+
+        return tqdm(layers, desc=desc, unit="layer", dynamic_ncols=True)
+
+    def align(self, layer: int, mixer: nn.Module, train: LayerData, settings: AlignSettings,
+              heldout: LayerData | None, seed: int) -> None:
+        report = self.reports[layer] = align_layer(mixer, train, settings, heldout, seed + layer, self.log, f"L{layer:02d}")
+        if self.log is not None:
+            self.log("align/best_relative_mse", report["best"], layer)
+            self.log("align/initial_relative_mse", report["initial"], layer)
+
+    def broadcast(self, mixer: nn.Module, position: int) -> None:
+        """The mixer's parameters from the rank owning `position`, to every rank."""
+        src = _owner(position, self.world)
+        src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        for tensor in mixer.state_dict().values():
+            dist.broadcast(tensor, src=src, group=self.group)
+
+    def gathered_reports(self) -> dict[int, dict]:
+        if self.world == 1:
+            return self.reports
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, self.reports, group=self.group)
+        return {k: v for part in gathered for k, v in part.items()}
+
+
 def align_layers(
     mixers: dict[int, nn.Module],
     data: dict[int, LayerData],
@@ -177,31 +219,12 @@ def align_layers(
     """Align every layer of `mixers`; with a process group, rank r aligns layers r, r+W, ... (in
     sorted order) and the aligned parameters are broadcast from their owner, so every rank ends
     with all layers aligned. Returns per-layer reports (on every rank)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    work = LayerWork(group, writer, progress)
     layers = sorted(mixers)
-    mine = [l for i, l in enumerate(layers) if _owner(i, world) == rank]
-    log = None
-    if writer is not None:
-        log = writer.scalar if hasattr(writer, "scalar") else writer.add_scalar
-    iterator = mine
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(mine, desc="align layers", unit="layer", dynamic_ncols=True)
-    reports: dict[int, dict] = {}
-    for layer in iterator:
-        held = heldout.get(layer) if heldout else None
-        reports[layer] = align_layer(mixers[layer], data[layer], settings, held, seed + layer, log, f"L{layer:02d}")
-        if log is not None:
-            log("align/best_relative_mse", reports[layer]["best"], layer)
-            log("align/initial_relative_mse", reports[layer]["initial"], layer)
-    if world > 1:
-        for i, layer in enumerate(layers):
-            src = _owner(i, world)
-            for tensor in mixers[layer].state_dict().values():
-                dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, reports, group=group)
-        reports = {k: v for part in gathered for k, v in part.items()}
-    return reports
+    mine = [l for i, l in enumerate(layers) if _owner(i, work.world) == work.rank]
+    for layer in work.bar(mine, "align layers"):
+        work.align(layer, mixers[layer], data[layer], settings, heldout.get(layer) if heldout else None, seed)
+    if work.world > 1:
+        for position, layer in enumerate(layers):
+            work.broadcast(mixers[layer], position)
+    return work.gathered_reports()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .align import LayerData, _owner, align_layer, collect_layer_io
+from .align import LayerData, LayerWork, _owner, collect_layer_io
 
 FORCINGS = ("teacher", "student", "residual")
 
@@ -94,16 +94,8 @@ def align_student_forced(
     held_targets = collect_layer_io(teacher, heldout_batches, layers, keep_resid=keep_resid) if heldout_batches else None
     stream = ResidualStream(student, calib_batches)
     held_stream = ResidualStream(student, heldout_batches) if heldout_batches else None
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    log = None if writer is None else (writer.scalar if hasattr(writer, "scalar") else writer.add_scalar)
-    order = layers
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        order = tqdm(layers, desc="align layers (student-forced)", unit="layer", dynamic_ncols=True)
-    reports: dict[int, dict] = {}
-    for position, layer in enumerate(order):
+    work = LayerWork(group, writer, progress)
+    for position, layer in enumerate(work.bar(layers, "align layers (student-forced)")):
         stream.advance_to(layer)
         train = stream.layer_data(targets.pop(layer), settings.forcing)
         held = None
@@ -111,19 +103,9 @@ def align_student_forced(
             held_stream.advance_to(layer)
             held = held_stream.layer_data(held_targets.pop(layer), settings.forcing)
         mixer = student.layers[layer].mixer
-        owner = _owner(position, world)
-        if owner == rank:
-            reports[layer] = align_layer(mixer, train, settings, held, seed + layer, log, f"L{layer:02d}")
-            if log is not None:
-                log("align/best_relative_mse", reports[layer]["best"], layer)
-                log("align/initial_relative_mse", reports[layer]["initial"], layer)
+        if _owner(position, work.world) == work.rank:
+            work.align(layer, mixer, train, settings, held, seed)
         del train, held
-        if world > 1:  # the next layer's inputs go through this one: every rank needs it now
-            src = dist.get_global_rank(group, owner) if group is not None else owner
-            for tensor in mixer.state_dict().values():
-                dist.broadcast(tensor, src=src, group=group)
-    if world > 1:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, reports, group=group)
-        reports = {k: v for part in gathered for k, v in part.items()}
-    return reports
+        if work.world > 1:  # the next layer's inputs go through this one: every rank needs it now
+            work.broadcast(mixer, position)
+    return work.gathered_reports()
