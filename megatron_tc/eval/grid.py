@@ -22,6 +22,8 @@ Cells of one (teacher, policy) share their convert and select outputs: before a 
 finished sibling's `teacher/` and `select/` (with their manifest entries) are linked into it, and the
 pipeline's fingerprint check decides whether they apply (they do: neither stage depends on the init),
 so the teacher is converted and the layers selected once per (teacher, policy), not once per init.
+A sibling of the same init (a cell of another grid over the same out root's teachers, e.g. another
+stage-2 recipe) also shares `stats/` and `init/`: the calibrated start is made once per init.
 Several processes may run one grid at once (one per GPU): each cell runs in the process holding its
 lock (`grid_claims.py`), so they split the cells between them. SIGTERM or SIGUSR1 (`timeout`,
 Slurm) stops a grid cleanly: the running cell's stage 2 checkpoints the step it is on and the cell
@@ -270,6 +272,14 @@ def run_cell(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
 
 # ---- outputs shared by the cells of one (teacher, policy) ---------------------------------------
 SHARED_STAGES = {"convert": "teacher", "select": "select"}  # stage -> its directory in a run dir
+SAME_INIT_STAGES = {"stats": "stats", "init": "init"}  # shared only between cells of one init
+
+
+def shared_stages(cell: Cell, sibling: Cell) -> dict[str, str]:
+    """The stages `cell` may take from `sibling` (same teacher and policy): convert and select
+    always, stats and init when both start from the same init (cells of grids that differ in what
+    comes after, such as the stage-2 recipe). The fingerprint check still decides whether they apply."""
+    return {**SHARED_STAGES, **(SAME_INIT_STAGES if sibling.init == cell.init else {})}
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -292,16 +302,17 @@ def _manifest(run_dir: str) -> dict[str, Any]:
 
 
 def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:
-    """Link `sibling`'s complete convert and select outputs into `cell` (of the same teacher and
+    """Link `sibling`'s complete shared outputs (`shared_stages`) into `cell` (of the same teacher and
     policy) with their manifest entries; returns the stages reused. A stage the cell already has is
     never touched; one the sibling has not completed (or whose files did not travel with a packed
-    result, like `teacher/`) is left for the pipeline to run."""
+    result, like `teacher/` or `init/student/`) is left for the pipeline to run."""
     theirs, mine = _manifest(sibling.run_dir), _manifest(cell.run_dir)
     reused = []
-    for stage, sub in SHARED_STAGES.items():
+    for stage, sub in shared_stages(cell, sibling).items():
         entry = theirs["stages"].get(stage, {})
         src, dst = os.path.join(sibling.run_dir, sub), os.path.join(cell.run_dir, sub)
-        if stage in mine["stages"] or entry.get("status") != "complete" or not os.path.isdir(src) or os.path.exists(dst):
+        if (stage in mine["stages"] or not _complete_here(entry) or not os.path.isdir(src)
+                or os.path.exists(dst)):
             continue
         shutil.copytree(src, dst, copy_function=_link_or_copy)
         mine["stages"][stage] = {**entry, "outputs": [o.replace(sibling.run_dir, cell.run_dir, 1)
@@ -313,13 +324,24 @@ def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:
     return reused
 
 
+def _complete_here(entry: dict[str, Any]) -> bool:
+    """A manifest entry marked complete whose recorded outputs are all on this machine."""
+    return entry.get("status") == "complete" and all(os.path.exists(o) for o in entry.get("outputs", []))
+
+
+def _shareable_count(cell: Cell, sibling: Cell) -> int:
+    """How many of the stages `cell` may take from `sibling` the sibling has complete here."""
+    stages = _manifest(sibling.run_dir)["stages"]
+    return sum(_complete_here(stages.get(s, {})) for s in shared_stages(cell, sibling))
+
+
+def _siblings(cells: list[Cell], cell: Cell) -> list[Cell]:
+    return [c for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
+
+
 def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
     """The other cell of the same (teacher, policy) with the most complete shared stages, if any."""
-    def complete(c: Cell) -> int:
-        stages = _manifest(c.run_dir)["stages"]
-        return sum(stages.get(s, {}).get("status") == "complete" for s in SHARED_STAGES)
-
-    scored = [(complete(c), c) for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
+    scored = [(_shareable_count(cell, c), c) for c in _siblings(cells, cell)]
     score, best = max(scored, key=lambda sc: sc[0], default=(0, None))
     return best if score > 0 else None
 
@@ -372,17 +394,31 @@ def _longest_recent(roots: list[str], recent: int) -> float:
 
 # ---- the grid ---------------------------------------------------------------------------------
 def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
-    """Another process is making this cell's shared outputs (a sibling started, none finished them):
-    running it now would convert and select a second time."""
-    if os.path.isfile(os.path.join(cell.run_dir, "run.json")) or sibling_with_shared_outputs(cells, cell):
+    """Another process is making outputs this cell would take and no sibling offers them yet: its
+    (teacher, policy)'s selection (no sibling has anything to share), or the statistics and init of
+    its init (a cell of its init in another grid): running it now would make them a second time."""
+    def started(c: Cell) -> bool:
+        return os.path.isfile(os.path.join(c.run_dir, "run.json"))
+
+    def has_start(c: Cell) -> bool:
+        stages = _manifest(c.run_dir)["stages"]
+        return all(_complete_here(stages.get(s, {})) for s in SAME_INIT_STAGES)
+
+    if started(cell):
         return False
-    return any(os.path.isfile(os.path.join(c.run_dir, "run.json")) and _finished(c.run_dir) is None for c in cells
-               if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell)
+    siblings = _siblings(cells, cell)
+    busy = [c for c in siblings if started(c) and _finished(c.run_dir) is None]
+    if not busy:
+        return False
+    if not any(_shareable_count(cell, c) for c in siblings):
+        return True
+    same_init = [c for c in siblings if c.init == cell.init]
+    return any(c in busy for c in same_init) and not any(has_start(c) for c in same_init)
 
 
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None,
-             history: Sequence[str] = ()) -> list[dict[str, Any]]:
+             history: Sequence[str] = (), donors: Sequence[Cell] = ()) -> list[dict[str, Any]]:
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
@@ -390,7 +426,9 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
     earlier sessions) that count as earlier invocations there. Several processes may run one grid at
     once (grid_claims): a cell another process holds is recorded 'elsewhere', and a cell whose
-    sibling another process is setting up waits until the other cells have been tried."""
+    sibling another process is setting up waits until the other cells have been tried. `donors`:
+    cells of other grids (e.g. another stage-2 recipe) whose shared outputs a cell may take when it
+    starts, as its own grid's siblings' (`reuse_sibling_stages`)."""
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records: dict[int, dict[str, Any]] = {}
@@ -414,7 +452,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            if n not in deferred and queue and _waits_for_sibling(cells, cell):
+            if n not in deferred and queue and _waits_for_sibling([*cells, *donors], cell):
                 log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
                 deferred.add(n)
                 queue.append((n, cell))
@@ -425,8 +463,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                     records[n] = _placeholder(cell, "elsewhere")
                     continue
                 done = None if force else _finished(cell.run_dir)  # another process may have just finished it
-                records[n] = done or _run_one(grid, cells, cell, configs[cell.key], f"[{n}/{len(cells)}]", log,
-                                              fail_fast)
+                records[n] = done or _run_one(grid, [*cells, *donors], cell, configs[cell.key],
+                                              f"[{n}/{len(cells)}]", log, fail_fast)
             if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
                 key = (cell.teacher, cell.init)
                 longest[key] = max(longest.get(key, 0.0), records[n]["seconds"])
@@ -441,14 +479,14 @@ def _placeholder(cell: Cell, status: str) -> dict[str, Any]:
             "status": status, "seconds": 0.0}
 
 
-def _run_one(grid: Grid, cells: list[Cell], cell: Cell, cfg: Any, tag: str, log: Callable[[str], None],
+def _run_one(grid: Grid, siblings: list[Cell], cell: Cell, cfg: Any, tag: str, log: Callable[[str], None],
              fail_fast: bool) -> dict[str, Any]:
     """Run one claimed cell: link a finished sibling's shared outputs in, run it, write cell.json."""
     os.makedirs(cell.run_dir, exist_ok=True)
     atomic_write_text(os.path.join(cell.run_dir, "run.json"), json.dumps(
         {"name": cell.init, "init": cell.init, "policy": cell.policy, "teacher": cell.teacher}) + "\n")
     log(f"{tag} {cell.key}: running ({grid.mode})")
-    sibling = sibling_with_shared_outputs(cells, cell)
+    sibling = sibling_with_shared_outputs(siblings, cell)
     reused = reuse_sibling_stages(cell, sibling) if sibling is not None else []
     if reused:
         log(f"    {', '.join(reused)}: outputs of {sibling.key} linked in (the pipeline checks they apply)")

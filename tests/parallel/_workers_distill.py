@@ -122,6 +122,19 @@ def train_resume_matches_uninterrupted(rank: int, world_size: int, root: str) ->
         assert kept == ["latest", "step_00000004", "step_00000006"], kept  # keep_last=2
 
 
+def gdn_only_leaves_the_rest_of_the_student_as_it_was(rank: int, world_size: int, root: str) -> None:
+    result = run_once(Path(root) / "gdn", 2, distill__stage2__trainable="gdn")
+    if rank == 0:
+        before = teacher_and_student()[1].state_dict()
+        after = result.student_state
+        assert after.keys() == before.keys()
+        gdn = {n for n in before if n.startswith(("layers.1.mixer.", "layers.3.mixer."))}  # pattern AGAG
+        assert gdn and all(not torch.equal(after[n], before[n]) for n in gdn), \
+            [n for n in gdn if torch.equal(after[n], before[n])]
+        frozen = [n for n in before if n not in gdn and not torch.equal(after[n], before[n])]
+        assert not frozen, f"trainable=gdn changed {frozen}"
+
+
 def nan_policies(rank: int, world_size: int, root: str) -> None:
     from megatron_tc.distill.numerics import NonFiniteError
     from tests.parallel._workers_common import assert_no_live_engines

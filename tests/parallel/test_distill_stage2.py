@@ -14,6 +14,12 @@ def test_zero3_stage2_lowers_kl_and_resume_equals_uninterrupted_run(tmp_path):
     run_distributed(_workers_distill.train_resume_matches_uninterrupted, 2, str(tmp_path), timeout=240)
 
 
+def test_gdn_only_stage2_trains_the_gdn_mixers_and_nothing_else(tmp_path):
+    """distill.stage2.trainable=gdn under ZeRO-3 on 2 ranks: after 2 steps every GDN mixer tensor has
+    moved and every other tensor (embedding, norms, MLPs, the kept attention layers) is bit-identical."""
+    run_distributed(_workers_distill.gdn_only_leaves_the_rest_of_the_student_as_it_was, 2, str(tmp_path), timeout=240)
+
+
 def test_nan_loss_and_gradient_are_skipped_and_counted_or_abort(tmp_path):
     """nan_policy=skip: a NaN loss (step 1) and a NaN gradient (step 3) skip their updates and are
     counted; nan_policy=abort: a NaN loss stops the run with a NonFiniteError naming the step."""

@@ -1,6 +1,7 @@
 """Experiment grid: expansion into resolved run configs, resumable cells, failures recorded, tables."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +171,43 @@ def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_pat
     assert sibling_with_shared_outputs([a, c], c) is None
 
 
+def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
+    """Cells of two grids that differ only after the init (stage-2 recipes) make each start once; a
+    sibling of another init shares convert and select only, and an entry whose outputs did not come
+    with it (a packed result: no init/student) is left for the pipeline to run."""
+    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
+
+    def cell(part: str, init: str) -> Cell:
+        return Cell("t", "/t", "stats", init, str(tmp_path / part / init))
+
+    donor = cell("recipe_a", "ours")
+    dirs = {"convert": "teacher", "select": "select", "stats": "stats", "init": "init"}
+    stages = {}
+    for stage, sub in dirs.items():
+        out = Path(donor.run_dir, sub, "out.json")
+        out.parent.mkdir(parents=True)
+        out.write_text(stage)
+        stages[stage] = {"status": "complete", "fingerprint": stage, "outputs": [str(out)]}
+    Path(donor.run_dir, "manifest.json").write_text(json.dumps({"stages": stages}))
+
+    same, other = cell("recipe_b", "ours"), cell("recipe_b", "naive")
+    for c in (same, other):
+        Path(c.run_dir).mkdir(parents=True)
+    assert sibling_with_shared_outputs([donor, other], same) == donor
+    assert reuse_sibling_stages(same, donor) == ["convert", "select", "stats", "init"]
+    assert Path(same.run_dir, "init", "out.json").read_text() == "init"
+    mine = json.loads(Path(same.run_dir, "manifest.json").read_text())["stages"]
+    assert mine["init"]["outputs"] == [str(Path(same.run_dir, "init", "out.json"))]
+    assert reuse_sibling_stages(other, donor) == ["convert", "select"]
+    assert not Path(other.run_dir, "stats").exists()
+
+    packed = cell("recipe_c", "ours")
+    Path(packed.run_dir).mkdir(parents=True)
+    Path(donor.run_dir, "init", "out.json").unlink()  # as in a packed result: the init's checkpoint stays behind
+    assert reuse_sibling_stages(packed, donor) == ["convert", "select", "stats"]
+    assert not Path(packed.run_dir, "init").exists()
+
+
 def test_grid_file_errors(tmp_path):
     with pytest.raises(GridError, match="unknown keys"):
         load_grid(_grid_file(tmp_path, typo=1))
@@ -332,6 +370,33 @@ def test_a_cell_waits_while_a_sibling_is_set_up_elsewhere(tmp_path):
     assert CALLS[-2:] == later and busy.key not in CALLS and len(CALLS) == 11
     assert [r["status"] for r in records] == ["elsewhere"] + ["ok"] * 11  # in grid order
     assert "- t1/uniform/naive (running elsewhere)" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_cell_waits_for_a_same_init_cell_of_another_grid_being_set_up_elsewhere(tmp_path):
+    """With another grid's cells as donors (another stage-2 recipe), a cell whose init another process
+    is making goes last, while the cells of other inits, whose selection a finished donor offers, do
+    not wait."""
+    from megatron_tc.eval.grid_claims import CellClaim
+
+    other = load_grid(_grid_file(tmp_path, out="other"))
+    grid = load_grid(_grid_file(tmp_path, axes={"teacher": {"t1": "x"}, "policy": ["uniform"],
+                                                "init": ["taylor_calibrate", "naive", "zero_gate"]}))
+    by_key = {c.key: c for c in other.cells()}
+    finished, busy = by_key["t1/uniform/naive"], by_key["t1/uniform/taylor_calibrate"]
+    select = Path(finished.run_dir, "select", "selection.json")
+    select.parent.mkdir(parents=True)
+    select.write_text("{}")
+    Path(finished.run_dir, "manifest.json").write_text(json.dumps(
+        {"stages": {"select": {"status": "complete", "fingerprint": "f", "outputs": [str(select)]}}}))
+    Path(finished.run_dir, "cell.json").write_text(json.dumps({"status": "ok", "seconds": 1.0}))
+    Path(busy.run_dir).mkdir(parents=True)
+    Path(busy.run_dir, "run.json").write_text("{}\n")  # started, its init not made yet
+    CALLS.clear()
+    with CellClaim(busy.run_dir) as held:
+        assert held
+        run_grid(grid, log=lambda msg: None, donors=other.cells())
+    assert CALLS == ["t1/uniform/naive", "t1/uniform/zero_gate", "t1/uniform/taylor_calibrate"]
+    assert Path(grid.cells()[1].run_dir, "select", "selection.json").is_file()  # naive took the donor's selection
 
 
 def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):

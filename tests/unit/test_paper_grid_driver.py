@@ -26,6 +26,18 @@ def _grid(tmp_path: Path, part: str, inits: list[str]):
     return load_grid(path)
 
 
+def _share_across(grid, others) -> None:
+    """Run `grid`'s cells with the other parts' cells as donors, as the driver does, through a runner
+    that does nothing: what a cell holds when its pipeline would start."""
+    import dataclasses
+
+    from megatron_tc.eval.grid import register_runner, run_grid
+
+    register_runner("nothing", lambda cfg, grid, cell: {})
+    run_grid(dataclasses.replace(grid, mode="nothing"), force=True, log=lambda msg: None,
+             donors=[c for other in others for c in other.cells()])
+
+
 def _finish_shared_stages(run_dir: str, selection: str) -> None:
     root = Path(run_dir)
     (root / "teacher").mkdir(parents=True)
@@ -38,31 +50,33 @@ def _finish_shared_stages(run_dir: str, selection: str) -> None:
 
 def test_zero_shot_and_stage2_cells_take_each_others_selection(tmp_path):
     driver = _driver()
-    stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "ours"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
+    stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "taylor_fit"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
     s2 = {c.key: c for c in stage2.cells()}
     zs = {c.key: c for c in zero_shot.cells()}
     _finish_shared_stages(s2["t/ar/naive"].run_dir, '{"keep": [1]}')  # stage 2 ran ar's selection
     _finish_shared_stages(zs["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')  # zero-shot ran uniform's
-    driver.reuse_outputs_across(zero_shot, [stage2])
-    driver.reuse_outputs_across(stage2, [zero_shot])
+    _share_across(zero_shot, [stage2])
+    _share_across(stage2, [zero_shot])
     assert Path(zs["t/ar/zero_gate"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
-    for init in ("naive", "ours"):
+    for init in ("naive", "taylor_fit"):
         assert Path(s2[f"t/uniform/{init}"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
-    assert Path(s2["t/ar/ours"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
-    stages = json.loads(Path(s2["t/uniform/ours"].run_dir, "manifest.json").read_text())["stages"]
+    assert Path(s2["t/ar/taylor_fit"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
+    stages = json.loads(Path(s2["t/uniform/taylor_fit"].run_dir, "manifest.json").read_text())["stages"]
     assert sorted(stages) == ["convert", "select"]  # stats depend on the init: never shared
-    assert stages["select"]["reused_from"] == zs["t/uniform/zero_gate"].run_dir
+    assert stages["select"]["reused_from"] == s2["t/uniform/naive"].run_dir  # which took zero_gate's
+    assert json.loads(Path(s2["t/uniform/naive"].run_dir, "manifest.json").read_text()
+                      )["stages"]["select"]["reused_from"] == zs["t/uniform/zero_gate"].run_dir
     # a cell with its own selection keeps it
     assert Path(zs["t/uniform/zero_gate"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
 
 
 def test_the_long_naive_part_takes_the_selection_of_either_other_part(tmp_path):
     driver = _driver()
-    stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "ours"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
+    stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "taylor_fit"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
     long = _grid(tmp_path, "naive_long", ["naive"])
-    _finish_shared_stages({c.key: c for c in stage2.cells()}["t/ar/ours"].run_dir, '{"keep": [1]}')
+    _finish_shared_stages({c.key: c for c in stage2.cells()}["t/ar/taylor_fit"].run_dir, '{"keep": [1]}')
     _finish_shared_stages({c.key: c for c in zero_shot.cells()}["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')
-    driver.reuse_outputs_across(long, [stage2, zero_shot])
+    _share_across(long, [stage2, zero_shot])
     cells = {c.key: c for c in long.cells()}
     assert Path(cells["t/ar/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
     assert Path(cells["t/uniform/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
@@ -72,8 +86,8 @@ def test_parts_of_a_kind_and_the_long_budget():
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_ours", "stage2_seed",
-                                                                      "zero_shot"]
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_ours",
+                                                                      "stage2_seed", "stage2_warmup", "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
     sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
@@ -117,3 +131,21 @@ def test_the_ours_part_is_the_stage2_recipe_for_ours_alone(tmp_path):
     narrowed = driver.narrowed(ours, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", tmp_path / "stage2_ours", [])
     assert [c.key for c in narrowed.cells()] == ["smollm2/stats/taylor_fit-seqres"]
     assert narrowed.cells()[0].run_dir == str(tmp_path / "stage2_ours" / "smollm2" / "stats" / "taylor_fit-seqres")
+
+
+def _settings(grid) -> dict[str, str]:
+    return {k: v.split("#")[0].strip() for k, v in (o.split("=", 1) for o in grid.overrides)}
+
+
+def test_the_recipe_parts_change_one_thing_each_for_every_init():
+    """stage2_warmup is the stage-2 grid with a 2-step warmup; stage2_gdn is that with only the GDN
+    mixers trained. Same inits, policies, budget and data order, so each is read against the other."""
+    from megatron_tc.eval.grid import load_grid
+
+    files = _driver().part_files("smollm2", ["stage2_warmup", "stage2_gdn"])
+    base, warmup, gdn = (load_grid(files[p]) for p in ("stage2", "stage2_warmup", "stage2_gdn"))
+    assert _settings(warmup) == {**_settings(base), "distill.stage2.warmup_steps": "2"}
+    assert _settings(gdn) == {**_settings(warmup), "distill.stage2.trainable": "gdn"}
+    for part in (warmup, gdn):
+        assert part.axes["init"] == base.axes["init"] and sorted(part.axes["policy"]) == sorted(base.axes["policy"])
+    assert (Path(warmup.out).name, Path(gdn.out).name) == ("stage2_warmup", "stage2_gdn")

@@ -10,11 +10,14 @@
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
 stage-2 budget), stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread) and
-stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells).
+stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells),
+and the stage-2 recipes stage2_warmup (a 2-step warmup) and stage2_gdn (that, training the GDN mixers only).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
 policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
-finished cells, else those of the --history roots; stage2_seed and stage2_ours cells take as long as stage2 ones).
+finished cells, else those of the --history roots; the other stage-2 parts' cells take as long as stage2 ones).
+A cell takes the converted teacher and the selection of any part's cell of its (teacher, policy), and the
+statistics and init of one of its init too (another recipe: the calibrated start is made once).
 Every cell's run directory links `data_cache` to one shared directory, so each tokenizer tokenizes
 the corpus once. `--quick`: CPU sizes (fp32, 64-token rows, a few steps) for an end-to-end check.
 """
@@ -31,8 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
-PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours")  # grid_<kind>_<part>.yaml; not every kind has every part
-TIMED_LIKE = {"stage2_seed": "stage2", "stage2_ours": "stage2"}  # a part whose cells take as long as another part's (for --history)
+# grid_<kind>_<part>.yaml; not every kind has every part
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours", "stage2_warmup", "stage2_gdn")
+# a part whose cells take as long as another part's (for --history)
+TIMED_LIKE = {"stage2_seed": "stage2", "stage2_ours": "stage2", "stage2_warmup": "stage2", "stage2_gdn": "stage2"}
 
 # CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
 QUICK = [
@@ -89,22 +94,6 @@ def link_shared_cache(grid, shared: Path) -> None:
                 pass
 
 
-def reuse_outputs_across(grid, others) -> None:
-    """Cells of `grid` take the converted teacher and the layer selection of their (teacher, policy)
-    from the cells of the `others` grids (the other parts): the ar policy's selection costs 40-170 s
-    of device time, and it is the same for every init and budget."""
-    from megatron_tc.eval.grid import reuse_sibling_stages, sibling_with_shared_outputs
-    from megatron_tc.eval.grid_claims import CellClaim
-
-    donors = [cell for other in others for cell in other.cells()]
-    for cell in grid.cells():
-        donor = sibling_with_shared_outputs(donors, cell)
-        if donor is not None:
-            with CellClaim(cell.run_dir) as held:  # a cell another lane runs is left to it
-                if held:
-                    reuse_sibling_stages(cell, donor)
-
-
 def part_files(kind: str, parts: list[str]) -> dict[str, Path]:
     """part -> grid file for every part of `kind` (the requested ones must exist)."""
     files = {p: CONFIGS / f"grid_{kind}_{p}.yaml" for p in PARTS if (CONFIGS / f"grid_{kind}_{p}.yaml").is_file()}
@@ -132,10 +121,13 @@ def run(args: argparse.Namespace) -> int:
         grid = grids[part]
         left = None if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
         link_shared_cache(grid, out / "data_cache")
-        reuse_outputs_across(grid, [g for p, g in grids.items() if p != part])
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
+        # the other parts' cells of a (teacher, policy) share their converted teacher and selection (the
+        # ar policy's costs 40-170 s of device time), and those of one init their statistics and init
+        # (an alignment costs 90-180 s): neither depends on the budget or the stage-2 recipe
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0),
-                           history=[str(h / TIMED_LIKE.get(part, part)) for h in args.history])
+                           history=[str(h / TIMED_LIKE.get(part, part)) for h in args.history],
+                           donors=[c for p, g in grids.items() if p != part for c in g.cells()])
         if any(r["status"] == "failed" for r in records):
             status = 1
         elif any(r["status"] in UNFINISHED for r in records) and status == 0:

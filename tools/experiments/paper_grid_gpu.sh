@@ -25,6 +25,9 @@
 #   ours:NAME[:POLICIES][@INIT]  the same for configs/paper/grid_<kind>_stage2_ours.yaml (SmolLM2 only: ours alone
 #                          with the grid's recipe, in runs/grid/stage2_ours), for INIT (a variant of ours, e.g.
 #                          ours:smollm2:stats@taylor_fit-seq; default $OURS). Any grid step takes @INIT
+#   part:PARTS:NAME[:POLICIES][@INIT]  the grid files configs/paper/grid_<kind>_<part>.yaml for each of PARTS
+#                          (comma-separated, in that order), e.g. part:stage2_warmup,stage2_gdn:smollm2:stats
+#                          (the stage-2 recipes: cells of one init share its statistics and init across parts)
 #   lanes:STEP+STEP[+...]  the STEPs at the same time, lane i on GPU (i mod the GPU count) through
 #                          CUDA_VISIBLE_DEVICES, each within what is left of $BUDGET_S; output lines start with
 #                          [lane i]; e.g. lanes:grid:qwen2+grid:mistral on the 2-GPU kind (half the wall time).
@@ -173,11 +176,11 @@ step_smollm2() {
   fi
 }
 
-step_grid() {  # grid:, long:, seed: or ours:NAME[:POLICIES][@INIT]
+step_grid() {  # grid:, long:, seed:, ours:NAME[:POLICIES][@INIT] or part:PARTS:NAME[:POLICIES][@INIT]
   local name=${1#*:} policies="" parts=stage2,zero_shot label=grid ours=$OURS
   case $name in *@*) ours=${name#*@}; name=${name%@*};; esac
   case $1 in long:*) parts=naive_long; label=long;; seed:*) parts=stage2_seed; label=seed;;
-    ours:*) parts=stage2_ours; label=ours;; esac
+    ours:*) parts=stage2_ours; label=ours;; part:*) parts=${name%%:*}; name=${name#*:}; label=part;; esac
   case $name in *:*) policies=${name#*:}; name=${name%%:*};; esac
   local kind=small path
   [ "$name" = smollm2 ] && kind=smollm2
@@ -279,7 +282,7 @@ for step in "$@"; do
     pretrain|pretrain:*) step_pretrain "$step" ;;
     lanes:*) step_lanes "$step" ;;
     smollm2) step_smollm2 ;;
-    grid:*|long:*|seed:*|ours:*) step_grid "$step" ;;
+    grid:*|long:*|seed:*|ours:*|part:*) step_grid "$step" ;;
     pack) step_pack ;;
     kcache) step_kcache ;;
     pack_kcache) step_pack_kcache ;;
