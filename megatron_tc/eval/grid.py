@@ -358,7 +358,7 @@ def _finished(run_dir: str) -> dict[str, Any] | None:
 
 
 def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str | None = None,
-                        init: str | None = None) -> float:
+                        init: str | None = None, skip: Sequence[str] = ()) -> float:
     """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
     none): what a fresh invocation expects its next cell to take. Recent ones, because the cost of
     a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
@@ -367,7 +367,9 @@ def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str 
     With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
     calibrated init aligns every converted layer before stage 2, which a naive cell does not (on the
     H200, 90-165 s of a 300-370 s SmolLM2 cell). `out` may be several dirs of the same layout (the
-    grid's own, then committed results of earlier sessions): each tier looks in all of them."""
+    grid's own, then committed results of earlier sessions): each tier looks in all of them. `skip`:
+    stages the coming cell takes from a sibling, whose seconds a cell that ran them itself does not
+    count (`cell_seconds_without`)."""
     outs = [out] if isinstance(out, str) else list(out)
     tiers = [outs]  # most specific first
     if teacher is not None:
@@ -376,20 +378,41 @@ def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str 
             tiers.insert(0, [d for o in outs
                              for d in glob.glob(os.path.join(glob.escape(o), glob.escape(teacher), "*", glob.escape(init)))])
     for roots in tiers:
-        seconds = _longest_recent(roots, recent)
+        seconds = _longest_recent(roots, recent, skip)
         if seconds > 0:
             return seconds
     return 0.0
 
 
-def _longest_recent(roots: list[str], recent: int) -> float:
+def cell_seconds_without(run_dir: str, seconds: float, skip: Sequence[str]) -> float:
+    """A cell's `seconds` less those its own runs of the `skip` stages took (by its manifest; a stage
+    it took from a sibling cost it nothing): how long a cell that takes those stages from a sibling
+    can expect to run, judged by this one. A statistics pass and an alignment are 130-270 s of a
+    300-430 s SmolLM2 cell on the H200."""
+    stages = _manifest(run_dir)["stages"]
+    spent = sum(float(stages[s].get("seconds") or 0.0) for s in skip
+                if s in stages and "reused_from" not in stages[s])
+    return max(seconds - spent, 0.0)
+
+
+def _longest_recent(roots: list[str], recent: int, skip: Sequence[str] = ()) -> float:
     finished = []
     for top in roots:
         for root, _dirs, files in os.walk(top):
             rec = _finished(root) if CELL_FILE in files else None
             if rec is not None:
-                finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)), float(rec.get("seconds") or 0.0)))
+                finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)),
+                                 cell_seconds_without(root, float(rec.get("seconds") or 0.0), skip)))
     return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
+
+
+def stages_on_offer(siblings: list[Cell], cell: Cell) -> list[str]:
+    """The stages `cell` will take from its best sibling (complete there), [] when none offers any."""
+    best = sibling_with_shared_outputs(siblings, cell)
+    if best is None:
+        return []
+    stages = _manifest(best.run_dir)["stages"]
+    return [s for s in shared_stages(cell, best) if _complete_here(stages.get(s, {}))]
 
 
 # ---- the grid ---------------------------------------------------------------------------------
@@ -422,7 +445,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     """Run every cell (skipping finished ones), then write <out>/results.json and results.md.
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
-    finished cells of earlier ones (`recent_cell_seconds`); those are recorded as 'pending' and run
+    finished cells of earlier ones (`recent_cell_seconds`), less what those spent on the stages this
+    cell takes from a sibling (`cell_seconds_without`); those are recorded as 'pending' and run
     by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
     earlier sessions) that count as earlier invocations there. Several processes may run one grid at
     once (grid_claims): a cell another process holds is recorded 'elsewhere', and a cell whose
@@ -432,7 +456,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     cells = grid.cells()
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records: dict[int, dict[str, Any]] = {}
-    started, longest = time.perf_counter(), {}
+    started, ran_here = time.perf_counter(), {}  # (teacher, init) -> [(run dir, seconds)] of this invocation
     queue, deferred = deque(enumerate(cells, 1)), set()
     with ExitSignals(EXIT_SIGNALS) as signals:  # after a stop signal: the running cell stops, no new one starts
         while queue:
@@ -446,8 +470,10 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: pending ({signal_name(signals.received)} received)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            expected = longest.get((cell.teacher, cell.init)) or recent_cell_seconds(
-                [grid.out, *history], teacher=cell.teacher, init=cell.init)
+            skip = stages_on_offer([*cells, *donors], cell)
+            expected = max((cell_seconds_without(d, sec, skip) for d, sec in ran_here.get((cell.teacher, cell.init), [])),
+                           default=0.0) or recent_cell_seconds([grid.out, *history], teacher=cell.teacher,
+                                                               init=cell.init, skip=skip)
             if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
                 log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
                 records[n] = _placeholder(cell, "pending")
@@ -466,8 +492,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 records[n] = done or _run_one(grid, [*cells, *donors], cell, configs[cell.key],
                                               f"[{n}/{len(cells)}]", log, fail_fast)
             if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
-                key = (cell.teacher, cell.init)
-                longest[key] = max(longest.get(key, 0.0), records[n]["seconds"])
+                ran_here.setdefault((cell.teacher, cell.init), []).append((cell.run_dir, records[n]["seconds"]))
     ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)

@@ -399,6 +399,43 @@ def test_a_cell_waits_for_a_same_init_cell_of_another_grid_being_set_up_elsewher
     assert Path(grid.cells()[1].run_dir, "select", "selection.json").is_file()  # naive took the donor's selection
 
 
+def test_a_cell_that_takes_its_init_from_a_sibling_is_expected_to_take_that_much_less(tmp_path):
+    """The time check counts what the earlier cells spent on stages this cell will take from a
+    sibling as already spent: a 430 s cell whose statistics and init (266 s) another recipe's cell
+    made fits a 300 s budget; the same cell with nothing on offer stays pending."""
+    from megatron_tc.eval.grid import cell_seconds_without
+
+    def finish(run_dir: Path, seconds: float, stages: dict) -> None:
+        run_dir.mkdir(parents=True)
+        entries = {}
+        for stage, (sec, reused) in stages.items():
+            out = run_dir / stage / "out.json"
+            out.parent.mkdir()
+            out.write_text("{}")
+            entries[stage] = {"status": "complete", "fingerprint": stage, "outputs": [str(out)], "seconds": sec,
+                              **({"reused_from": "elsewhere"} if reused else {})}
+        (run_dir / "manifest.json").write_text(json.dumps({"stages": entries}))
+        (run_dir / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
+
+    history = tmp_path / "history"
+    made = {"convert": (9.0, False), "select": (88.0, True), "stats": (88.0, False), "init": (178.0, False)}
+    finish(history / "t1" / "uniform" / "taylor_calibrate", 430.0, made)
+    assert cell_seconds_without(str(history / "t1/uniform/taylor_calibrate"), 430.0, ["select", "stats", "init"]) == 164.0
+    assert cell_seconds_without(str(history / "t1/uniform/taylor_calibrate"), 430.0, []) == 430.0
+
+    grid = load_grid(_grid_file(tmp_path, axes={"teacher": {"t1": "x"}, "policy": ["uniform"],
+                                                "init": ["taylor_calibrate"]}))
+    CALLS.clear()
+    records = run_grid(grid, log=lambda msg: None, max_seconds=300.0, history=[str(history)])
+    assert [r["status"] for r in records] == ["pending"] and CALLS == []
+    donor_grid = load_grid(_grid_file(tmp_path, out="recipe_a", axes={"teacher": {"t1": "x"}, "policy": ["uniform"],
+                                                                       "init": ["taylor_calibrate"]}))
+    finish(Path(donor_grid.cells()[0].run_dir), 430.0, made)
+    records = run_grid(grid, log=lambda msg: None, max_seconds=300.0, history=[str(history)],
+                       donors=donor_grid.cells())
+    assert [r["status"] for r in records] == ["ok"] and CALLS == ["t1/uniform/taylor_calibrate"]
+
+
 def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):
     """On a fresh machine the grid's out dir is empty; committed results (history) stand in for it,
     tier by tier, and the out dir's own cells come first once it has some."""
