@@ -86,8 +86,9 @@ def test_parts_of_a_kind_and_the_long_budget():
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_ours",
-                                                                      "stage2_seed", "stage2_warmup", "zero_shot"]
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_lr",
+                                                                      "stage2_ours", "stage2_seed", "stage2_warmup",
+                                                                      "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
     sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
@@ -139,13 +140,16 @@ def _settings(grid) -> dict[str, str]:
 
 def test_the_recipe_parts_change_one_thing_each_for_every_init():
     """stage2_warmup is the stage-2 grid with a 2-step warmup; stage2_gdn is that with only the GDN
-    mixers trained. Same inits, policies, budget and data order, so each is read against the other."""
+    mixers trained; stage2_lr is the grid at half the peak (and final) learning rate. Same inits,
+    policies, budget and data order, so each is read against the others."""
     from megatron_tc.eval.grid import load_grid
 
-    files = _driver().part_files("smollm2", ["stage2_warmup", "stage2_gdn"])
-    base, warmup, gdn = (load_grid(files[p]) for p in ("stage2", "stage2_warmup", "stage2_gdn"))
+    files = _driver().part_files("smollm2", ["stage2_warmup", "stage2_gdn", "stage2_lr"])
+    base, warmup, gdn, lr = (load_grid(files[p]) for p in ("stage2", "stage2_warmup", "stage2_gdn", "stage2_lr"))
     assert _settings(warmup) == {**_settings(base), "distill.stage2.warmup_steps": "2"}
     assert _settings(gdn) == {**_settings(warmup), "distill.stage2.trainable": "gdn"}
-    for part in (warmup, gdn):
+    assert _settings(lr) == {**_settings(base), "distill.stage2.lr": "1.5e-4", "distill.stage2.min_lr": "1.5e-5"}
+    assert _driver().TIMED_LIKE["stage2_lr"] == "stage2"
+    for part in (warmup, gdn, lr):
         assert part.axes["init"] == base.axes["init"] and sorted(part.axes["policy"]) == sorted(base.axes["policy"])
     assert (Path(warmup.out).name, Path(gdn.out).name) == ("stage2_warmup", "stage2_gdn")

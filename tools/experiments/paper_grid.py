@@ -11,7 +11,8 @@
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
 stage-2 budget), stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread) and
 stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells),
-and the stage-2 recipes stage2_warmup (a 2-step warmup) and stage2_gdn (that, training the GDN mixers only).
+and the stage-2 recipes stage2_warmup (a 2-step warmup), stage2_gdn (that, training the GDN mixers only)
+and stage2_lr (half the peak learning rate).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
 policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
@@ -35,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
 # grid_<kind>_<part>.yaml; not every kind has every part
-PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours", "stage2_warmup", "stage2_gdn")
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours", "stage2_warmup", "stage2_gdn", "stage2_lr")
 # a part whose cells take as long as another part's (for --history)
-TIMED_LIKE = {"stage2_seed": "stage2", "stage2_ours": "stage2", "stage2_warmup": "stage2", "stage2_gdn": "stage2"}
+TIMED_LIKE = {part: "stage2" for part in PARTS if part.startswith("stage2_")}
 
 # CPU end-to-end check: every stage and every code path of the GPU run, at toy sizes.
 QUICK = [
