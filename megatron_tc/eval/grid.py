@@ -406,13 +406,18 @@ def _longest_recent(roots: list[str], recent: int, skip: Sequence[str] = ()) -> 
     return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
 
 
-def stages_on_offer(siblings: list[Cell], cell: Cell) -> list[str]:
-    """The stages `cell` will take from its best sibling (complete there), [] when none offers any."""
+def stages_not_to_run(siblings: list[Cell], cell: Cell) -> list[str]:
+    """The stages `cell` has complete from an earlier invocation (a cell cut in stage 2 resumes
+    there) or will take from its best sibling (complete there). A sibling of another run.seed offers
+    its statistics and init too, and the pipeline then makes the cell's own (fingerprints): the time
+    check is optimistic for such a cell, whose stage 2 resumes if a limit cuts it."""
+    mine = _manifest(cell.run_dir)["stages"]
+    skip = {s for s, entry in mine.items() if _complete_here(entry)}
     best = sibling_with_shared_outputs(siblings, cell)
-    if best is None:
-        return []
-    stages = _manifest(best.run_dir)["stages"]
-    return [s for s in shared_stages(cell, best) if _complete_here(stages.get(s, {}))]
+    if best is not None:
+        theirs = _manifest(best.run_dir)["stages"]
+        skip |= {s for s in shared_stages(cell, best) if _complete_here(theirs.get(s, {}))}
+    return sorted(skip)
 
 
 # ---- the grid ---------------------------------------------------------------------------------
@@ -446,7 +451,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     `max_seconds`: start no cell that would likely end after this many seconds, judged by the
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`), less what those spent on the stages this
-    cell takes from a sibling (`cell_seconds_without`); those are recorded as 'pending' and run
+    cell has or takes from a sibling (`stages_not_to_run`); those are recorded as 'pending' and run
     by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
     earlier sessions) that count as earlier invocations there. Several processes may run one grid at
     once (grid_claims): a cell another process holds is recorded 'elsewhere', and a cell whose
@@ -470,7 +475,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: pending ({signal_name(signals.received)} received)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            skip = stages_on_offer([*cells, *donors], cell)
+            skip = stages_not_to_run([*cells, *donors], cell)
             expected = max((cell_seconds_without(d, sec, skip) for d, sec in ran_here.get((cell.teacher, cell.init), [])),
                            default=0.0) or recent_cell_seconds([grid.out, *history], teacher=cell.teacher,
                                                                init=cell.init, skip=skip)

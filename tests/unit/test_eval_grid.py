@@ -435,6 +435,16 @@ def test_a_cell_that_takes_its_init_from_a_sibling_is_expected_to_take_that_much
                        donors=donor_grid.cells())
     assert [r["status"] for r in records] == ["ok"] and CALLS == ["t1/uniform/taylor_calibrate"]
 
+    # a cell cut in stage 2 by an earlier invocation has its own statistics and init: no donor needed
+    cut = load_grid(_grid_file(tmp_path, out="cut", axes={"teacher": {"t1": "x"}, "policy": ["uniform"],
+                                                         "init": ["taylor_calibrate"]}))
+    run_dir = Path(cut.cells()[0].run_dir)
+    finish(run_dir, 0.0, made)
+    (run_dir / "cell.json").unlink()
+    CALLS.clear()
+    records = run_grid(cut, log=lambda msg: None, max_seconds=300.0, history=[str(history)])
+    assert [r["status"] for r in records] == ["ok"] and CALLS == ["t1/uniform/taylor_calibrate"]
+
 
 def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):
     """On a fresh machine the grid's out dir is empty; committed results (history) stand in for it,
