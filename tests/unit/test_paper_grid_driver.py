@@ -26,16 +26,16 @@ def _grid(tmp_path: Path, part: str, inits: list[str]):
     return load_grid(path)
 
 
-def _share_across(grid, others) -> None:
-    """Run `grid`'s cells with the other parts' cells as donors, as the driver does, through a runner
-    that does nothing: what a cell holds when its pipeline would start."""
+def _share_across(grids: dict, part: str) -> None:
+    """Run part `part` of `grids` with the driver's donors (the other parts' cells), through a runner
+    that does nothing: what each cell holds when its pipeline would start."""
     import dataclasses
 
     from megatron_tc.eval.grid import register_runner, run_grid
 
     register_runner("nothing", lambda cfg, grid, cell: {})
-    run_grid(dataclasses.replace(grid, mode="nothing"), force=True, log=lambda msg: None,
-             donors=[c for other in others for c in other.cells()])
+    run_grid(dataclasses.replace(grids[part], mode="nothing"), force=True, log=lambda msg: None,
+             donors=_driver().donors_of(grids, part))
 
 
 def _finish_shared_stages(run_dir: str, selection: str) -> None:
@@ -49,20 +49,20 @@ def _finish_shared_stages(run_dir: str, selection: str) -> None:
 
 
 def test_zero_shot_and_stage2_cells_take_each_others_selection(tmp_path):
-    driver = _driver()
     stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "taylor_fit"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
     s2 = {c.key: c for c in stage2.cells()}
     zs = {c.key: c for c in zero_shot.cells()}
     _finish_shared_stages(s2["t/ar/naive"].run_dir, '{"keep": [1]}')  # stage 2 ran ar's selection
     _finish_shared_stages(zs["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')  # zero-shot ran uniform's
-    _share_across(zero_shot, [stage2])
-    _share_across(stage2, [zero_shot])
+    grids = {"stage2": stage2, "zero_shot": zero_shot}
+    _share_across(grids, "zero_shot")
+    _share_across(grids, "stage2")
     assert Path(zs["t/ar/zero_gate"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
     for init in ("naive", "taylor_fit"):
         assert Path(s2[f"t/uniform/{init}"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'
     assert Path(s2["t/ar/taylor_fit"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
     stages = json.loads(Path(s2["t/uniform/taylor_fit"].run_dir, "manifest.json").read_text())["stages"]
-    assert sorted(stages) == ["convert", "select"]  # stats depend on the init: never shared
+    assert sorted(stages) == ["convert", "select"]  # stats depend on the init: not from another init's cell
     assert stages["select"]["reused_from"] == s2["t/uniform/naive"].run_dir  # which took zero_gate's
     assert json.loads(Path(s2["t/uniform/naive"].run_dir, "manifest.json").read_text()
                       )["stages"]["select"]["reused_from"] == zs["t/uniform/zero_gate"].run_dir
@@ -71,12 +71,11 @@ def test_zero_shot_and_stage2_cells_take_each_others_selection(tmp_path):
 
 
 def test_the_long_naive_part_takes_the_selection_of_either_other_part(tmp_path):
-    driver = _driver()
     stage2, zero_shot = _grid(tmp_path, "stage2", ["naive", "taylor_fit"]), _grid(tmp_path, "zero_shot", ["zero_gate"])
     long = _grid(tmp_path, "naive_long", ["naive"])
     _finish_shared_stages({c.key: c for c in stage2.cells()}["t/ar/taylor_fit"].run_dir, '{"keep": [1]}')
     _finish_shared_stages({c.key: c for c in zero_shot.cells()}["t/uniform/zero_gate"].run_dir, '{"keep": [0]}')
-    _share_across(long, [stage2, zero_shot])
+    _share_across({"stage2": stage2, "zero_shot": zero_shot, "naive_long": long}, "naive_long")
     cells = {c.key: c for c in long.cells()}
     assert Path(cells["t/ar/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [1]}'
     assert Path(cells["t/uniform/naive"].run_dir, "select", "selection.json").read_text() == '{"keep": [0]}'

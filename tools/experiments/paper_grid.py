@@ -95,6 +95,14 @@ def link_shared_cache(grid, shared: Path) -> None:
                 pass
 
 
+def donors_of(grids: dict, part: str) -> list:
+    """The cells of every part but `part`: those whose converted teacher and selection (any init) or
+    statistics and init (the same init) `part`'s cells take when they start. The ar policy's selection
+    costs 40-170 s of device time and an alignment 90-180 s; neither depends on the budget or the
+    stage-2 recipe."""
+    return [cell for other, grid in grids.items() if other != part for cell in grid.cells()]
+
+
 def part_files(kind: str, parts: list[str]) -> dict[str, Path]:
     """part -> grid file for every part of `kind` (the requested ones must exist)."""
     files = {p: CONFIGS / f"grid_{kind}_{p}.yaml" for p in PARTS if (CONFIGS / f"grid_{kind}_{p}.yaml").is_file()}
@@ -123,12 +131,9 @@ def run(args: argparse.Namespace) -> int:
         left = None if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
         link_shared_cache(grid, out / "data_cache")
         print(f"== {part}: {len(grid.cells())} cells, {'no' if left is None else f'{left:.0f} s'} time budget", flush=True)
-        # the other parts' cells of a (teacher, policy) share their converted teacher and selection (the
-        # ar policy's costs 40-170 s of device time), and those of one init their statistics and init
-        # (an alignment costs 90-180 s): neither depends on the budget or the stage-2 recipe
         records = run_grid(grid, max_seconds=left if left is None else max(left, 0.0),
                            history=[str(h / TIMED_LIKE.get(part, part)) for h in args.history],
-                           donors=[c for p, g in grids.items() if p != part for c in g.cells()])
+                           donors=donors_of(grids, part))
         if any(r["status"] == "failed" for r in records):
             status = 1
         elif any(r["status"] in UNFINISHED for r in records) and status == 0:
