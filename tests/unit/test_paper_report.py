@@ -165,3 +165,24 @@ def test_committed_gpu_results_give_the_committed_report(tmp_path, monkeypatch):
                          "--policies", "stats"]) == 0
     assert (tmp_path / "README.md").read_text() == committed.read_text()
     assert "| smollm2 | stats | naive final (ppl ≤ 48.27) | 3.15M | 280k | 193k | 16.34x | 1.46x |" in committed.read_text()
+
+
+def test_another_stage2_recipe_beside_the_grid_recipe_of_the_same_init(tmp_path):
+    """stage2_warmup cells sit beside the grid's cell of their init: tokens to each target with the
+    speed-up over the grid's recipe, and ours against taylor_calibrate within the recipe."""
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
+    # teacher 20: targets 22 / 23 / 25. taylor_calibrate reaches 25 at 2,000 tokens, ours at 500, and they stay
+    _cell(runs, "stage2_warmup", "taylor_calibrate", [(0, 80.0), (2000, 25.0), (8000, 23.0), (16000, 22.0), (100000, 21.0)], {})
+    _cell(runs, "stage2_warmup", "ours", [(0, 60.0), (500, 25.0), (4000, 23.0), (8000, 22.0), (100000, 20.5)], {})
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other stage-2 recipes")[1].split("##")[0]
+    rows = {r[3]: r for r in (line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |"))}
+    assert sorted(rows) == ["ours", "taylor_calibrate"] and rows["ours"][2] == "2-step warmup"
+    assert rows["ours"][5:7] == ["20.5", "0.2050"]
+    # 1.10x (22): 8,000 tokens here; the grid's ours gets there on its last segment (30 at 1k -> 21 at 100k)
+    grid_22 = math.exp(math.log(1e3) + (math.log(30 / 22) / math.log(30 / 21)) * math.log(100))
+    assert rows["ours"][7] == f"8k ({grid_22 / 8000:.2f}x)", rows["ours"][7]
+    assert rows["ours"][9].startswith("500 (") and rows["taylor_calibrate"][9].startswith("2k (")
+    within = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform, 2-step warmup"))
+    assert within.endswith(": 2.00x / 2.00x / 4.00x"), within

@@ -12,8 +12,8 @@ restrict the report (and its list of cells not finished) to part of the grid. Re
 runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2
 cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes
 OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
-issue checked cell by cell; runs/grid/naive_long and runs/grid/stage2_seed cells in sections of their
-own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
+issue checked cell by cell; runs/grid/naive_long, runs/grid/stage2_seed and the other stage-2 recipes'
+cells, runs/grid/stage2_{warmup,gdn,lr}, in sections of their own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
 (megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are
 missing or failed are listed, never guessed.
 """
@@ -347,6 +347,54 @@ def _seed_columns(res: dict, inits: tuple[str, str]) -> list[str]:
     return cols
 
 
+# grid parts that change the stage-2 recipe for every init (configs/paper/grid_smollm2_<part>.yaml)
+RECIPES = {"stage2_warmup": "2-step warmup", "stage2_gdn": "2-step warmup, GDN mixers only",
+           "stage2_lr": "half the peak learning rate"}
+
+
+def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLICIES, ours: str = "taylor_fit") -> str:
+    """Cells of the other stage-2 recipes (RECIPES), each beside the grid's cell of the same teacher,
+    policy and init: zero-shot, final ppl / KL and tokens to each target (reached and stayed) with the
+    recipe's speed-up over the grid's recipe for that init (tokens(grid) / tokens(recipe)); then ours
+    against taylor_calibrate within each recipe."""
+    from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
+
+    rows, within = [], []
+    for part, what in RECIPES.items():
+        runs = cells(roots, part, teachers, policies)
+        for (teacher, policy, init), cell in sorted(runs.items()):
+            curve = load_run(str(cell["dir"]))
+            curve.name = f"{init}@{part}"
+            base = s2.get((teacher, policy, init))
+            curves = [curve]
+            if base is not None:
+                curves.append(load_run(str(base["dir"])))
+                curves[-1].name = init
+            res = tokens_to_target(curves, ks=KS, naive="", baselines=(init,) if base else (), stay=True)
+            r = {x["name"]: x for x in res["runs"]}[curve.name]
+            cols = [teacher, policy, what, init, fmt_num(r["zero_shot_ppl"], 4), fmt_num(r["final_ppl"], 4),
+                    f"{r['final_kl']:.4f}"]
+            for lab in KS_LABELS:
+                speedup = res["ratios"][f"vs_{init}"][curve.name][lab] if base else None
+                cols.append(fmt_tokens(r["tokens"][lab]) + (f" ({fmt_ratio(speedup)})" if base else ""))
+            rows.append(cols)
+        for teacher in teachers:
+            for policy in policies:
+                pair = [runs.get((teacher, policy, i)) for i in ("taylor_calibrate", ours)]
+                if None in pair:
+                    continue
+                tc, us = (load_run(str(c["dir"])) for c in pair)
+                tc.name, us.name = "taylor_calibrate", ours
+                res = tokens_to_target([tc, us], ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
+                got = " / ".join(fmt_ratio(res["ratios"]["vs_taylor_calibrate"][ours][lab]) for lab in KS_LABELS)
+                within.append(f"- {teacher} / {policy}, {what}: ours vs taylor_calibrate at {' / '.join(KS_LABELS)}: {got}")
+    if not rows:
+        return "No cell of another stage-2 recipe in these results."
+    header = ["teacher", "policy", "recipe", "init", "zero-shot ppl", "final ppl", "final KL",
+              *(f"tokens to {lab} (x fewer than the grid's recipe)" for lab in KS_LABELS)]
+    return md_table(header, rows) + ("\n\nWithin each recipe:\n\n" + "\n".join(within) if within else "")
+
+
 def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     names = tuple(n for n in text.split(",") if n)
     bad = [n for n in names if n not in known]
@@ -403,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         "grid_smollm2_stage2_seed.yaml: the inits' random parts and the data order drawn anew; the same text, "
         "budget and evaluation), so the gap between taylor_calibrate and ours can be read against the spread "
         "of either from seed to seed.\n\n" + seed_section(s2, seeds, args.ours),
+        "## Supplementary: other stage-2 recipes\n\n"
+        "The grid's cells again with another stage-2 recipe for every init, naive included (same budget, data "
+        "order and evaluation; configs/paper/grid_smollm2_<part>.yaml), read against the grid's recipe for "
+        "the same init.\n\n" + recipe_section(roots, s2, teachers, policies, args.ours),
         "## Goals of the issue, cell by cell\n\n" + ("\n".join(f"- {m}" for m in zero_miss + tok_miss)
                                                     or "- every finished cell meets both goals"),
         "## Cells not finished\n\n" + ("\n".join(f"- {'/'.join(c)}" for c in missing) or "- none"),
