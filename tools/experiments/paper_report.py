@@ -357,7 +357,7 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
     policy and init: zero-shot, final ppl / KL and tokens to each target (reached and stayed) with the
     recipe's speed-up over the grid's recipe for that init (tokens(grid) / tokens(recipe)); then ours
     against taylor_calibrate within each recipe."""
-    from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
 
     rows, within = [], []
     for part, what in RECIPES.items():
