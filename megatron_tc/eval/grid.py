@@ -459,6 +459,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     cells of other grids (e.g. another stage-2 recipe) whose shared outputs a cell may take when it
     starts, as its own grid's siblings' (`reuse_sibling_stages`)."""
     cells = grid.cells()
+    siblings = [*cells, *donors]  # the cells whose shared outputs a cell may take
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records: dict[int, dict[str, Any]] = {}
     started, ran_here = time.perf_counter(), {}  # (teacher, init) -> [(run dir, seconds)] of this invocation
@@ -475,15 +476,12 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: pending ({signal_name(signals.received)} received)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            skip = stages_not_to_run([*cells, *donors], cell)
-            expected = max((cell_seconds_without(d, sec, skip) for d, sec in ran_here.get((cell.teacher, cell.init), [])),
-                           default=0.0) or recent_cell_seconds([grid.out, *history], teacher=cell.teacher,
-                                                               init=cell.init, skip=skip)
-            if max_seconds is not None and time.perf_counter() - started + expected > max_seconds:
+            if max_seconds is not None and time.perf_counter() - started + _expected_seconds(
+                    cell, siblings, ran_here, [grid.out, *history]) > max_seconds:
                 log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            if n not in deferred and queue and _waits_for_sibling([*cells, *donors], cell):
+            if n not in deferred and queue and _waits_for_sibling(siblings, cell):
                 log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
                 deferred.add(n)
                 queue.append((n, cell))
@@ -494,14 +492,22 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                     records[n] = _placeholder(cell, "elsewhere")
                     continue
                 done = None if force else _finished(cell.run_dir)  # another process may have just finished it
-                records[n] = done or _run_one(grid, [*cells, *donors], cell, configs[cell.key],
-                                              f"[{n}/{len(cells)}]", log, fail_fast)
+                records[n] = done or _run_one(grid, siblings, cell, configs[cell.key], f"[{n}/{len(cells)}]", log,
+                                              fail_fast)
             if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
                 ran_here.setdefault((cell.teacher, cell.init), []).append((cell.run_dir, records[n]["seconds"]))
     ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)
     return ordered
+
+
+def _expected_seconds(cell: Cell, siblings: list[Cell], ran_here: dict, roots: list[str]) -> float:
+    """How long `cell` will likely take: the longest cell of its teacher and init in this invocation
+    (`ran_here`), else the recent ones under `roots`, less the stages it will not run."""
+    skip = stages_not_to_run(siblings, cell)
+    here = [cell_seconds_without(d, sec, skip) for d, sec in ran_here.get((cell.teacher, cell.init), [])]
+    return max(here, default=0.0) or recent_cell_seconds(roots, teacher=cell.teacher, init=cell.init, skip=skip)
 
 
 def _placeholder(cell: Cell, status: str) -> dict[str, Any]:
