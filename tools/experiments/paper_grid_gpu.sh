@@ -5,7 +5,9 @@
 #   bash tools/experiments/paper_grid_gpu.sh [--quick] STEP [STEP ...]
 #
 # Steps (in the order a session runs them):
-#   install_a, install_b   the project's wheel sets (carried .gpuwheels/a, .gpuwheels/b; ../shared/GPU.md)
+#   install_SET            the carried wheel set .gpuwheels/SET (a and b from ../shared/GPU.md; any other folder of
+#                          wheels too, e.g. .gpuwheels/t with tilelang moved out of a when a no longer fits a carry
+#                          beside the working tree: docs/BENCHMARKS.md, lesson 22)
 #   data                   the carried .paper_data.tgz (or .paper_data/: text + tokenizer, made by
 #                          tools/experiments/paper_data.py) -> $R/data
 #   restore                small results of earlier calls (carried .paper_runs/runs) -> $R/runs, so finished
@@ -111,8 +113,23 @@ teacher_path() {  # the teacher NAME as the grid reads it: made here, or carried
   fi
 }
 
-step_install() {
-  bash ".gpuwheels/$1/install.sh" .gpuwheels
+step_install() {  # install_SET
+  local set=.gpuwheels/$1 sd
+  [ -d "$set" ] || { say "install: $set is not here (carry it in this call)"; return 1; }
+  ls "$set"/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site "$set"/*.whl
+  for sd in "$set"/deepspeed-*.tar.gz; do  # built here without its ops (they compile when first used)
+    [ -f "$sd" ] && DS_BUILD_OPS=0 $PY -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-cache-dir --target /tmp/site "$sd" 2>&1 | tail -2
+  done
+  $PY - <<'PY'
+import importlib
+for m in ("fla", "deepspeed", "megatron.core", "datasets", "tilelang"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "ok"))
+    except Exception as e:
+        print(m, "not importable yet:", type(e).__name__, str(e)[:120])
+PY
 }
 
 step_data() {
@@ -275,8 +292,7 @@ step_report() {
 status=0
 for step in "$@"; do
   case $step in
-    install_a) step_install a ;;
-    install_b) step_install b ;;
+    install_*) step_install "${step#install_}" ;;
     data) step_data ;;
     restore) step_restore ;;
     pretrain|pretrain:*) step_pretrain "$step" ;;
