@@ -358,7 +358,7 @@ def _finished(run_dir: str) -> dict[str, Any] | None:
 
 
 def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str | None = None,
-                        init: str | None = None, skip: Sequence[str] = ()) -> float:
+                        init: str | None = None, skip: Sequence[str] = (), kernels_cached: bool = False) -> float:
     """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
     none): what a fresh invocation expects its next cell to take. Recent ones, because the cost of
     a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
@@ -369,7 +369,9 @@ def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str 
     H200, 90-165 s of a 300-370 s SmolLM2 cell). `out` may be several dirs of the same layout (the
     grid's own, then committed results of earlier sessions): each tier looks in all of them. `skip`:
     stages the coming cell takes from a sibling, whose seconds a cell that ran them itself does not
-    count (`cell_seconds_without`)."""
+    count (`cell_seconds_without`). `kernels_cached`: this machine has compiled the kernels already, so
+    cells that started with an empty kernel cache (`kernels_cached_here`) count only when a tier has no
+    other (they paid the compilation a coming cell will not)."""
     outs = [out] if isinstance(out, str) else list(out)
     tiers = [outs]  # most specific first
     if teacher is not None:
@@ -378,7 +380,7 @@ def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str 
             tiers.insert(0, [d for o in outs
                              for d in glob.glob(os.path.join(glob.escape(o), glob.escape(teacher), "*", glob.escape(init)))])
     for roots in tiers:
-        seconds = _longest_recent(roots, recent, skip)
+        seconds = _longest_recent(roots, recent, skip, kernels_cached)
         if seconds > 0:
             return seconds
     return 0.0
@@ -395,15 +397,37 @@ def cell_seconds_without(run_dir: str, seconds: float, skip: Sequence[str]) -> f
     return max(seconds - spent, 0.0)
 
 
-def _longest_recent(roots: list[str], recent: int, skip: Sequence[str] = ()) -> float:
-    finished = []
+def _longest_recent(roots: list[str], recent: int, skip: Sequence[str] = (), kernels_cached: bool = False) -> float:
+    finished = []  # (finishing time, seconds, started with an empty kernel cache)
     for top in roots:
         for root, _dirs, files in os.walk(top):
             rec = _finished(root) if CELL_FILE in files else None
             if rec is not None:
                 finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)),
-                                 cell_seconds_without(root, float(rec.get("seconds") or 0.0), skip)))
-    return max((seconds for _, seconds in sorted(finished, reverse=True)[:recent]), default=0.0)
+                                 cell_seconds_without(root, float(rec.get("seconds") or 0.0), skip),
+                                 rec.get("kernels_cached") is False))
+    finished = _without_cold_starts(finished, kernels_cached)
+    return max((seconds for _, seconds, _ in sorted(finished, reverse=True)[:recent]), default=0.0)
+
+
+def _without_cold_starts(finished: list[tuple], kernels_cached: bool) -> list[tuple]:
+    """`finished` (tuples whose last item says the cell started with an empty kernel cache) less the
+    cold starts, when the kernels are cached here now and some cell was not a cold start."""
+    warm = [f for f in finished if not f[-1]]
+    return warm if kernels_cached and warm else finished
+
+
+def kernels_cached_here() -> bool:
+    """Whether this machine's Triton cache (TRITON_CACHE_DIR, else Triton's default) holds anything.
+    A cell started without it compiles the fla kernels as it goes: the first SmolLM2 cell of a fresh
+    H200 took 397-411 s against 151-181 s for the same cell once they were cached (docs/BENCHMARKS.md,
+    lessons 21-22), and a time check judging by that cell leaves warm cells that fit pending."""
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        with os.scandir(path) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
 
 
 def stages_not_to_run(siblings: list[Cell], cell: Cell) -> list[str]:
@@ -462,7 +486,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     siblings = [*cells, *donors]  # the cells whose shared outputs a cell may take
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
     records: dict[int, dict[str, Any]] = {}
-    started, ran_here = time.perf_counter(), {}  # (teacher, init) -> [(run dir, seconds)] of this invocation
+    started, ran_here = time.perf_counter(), {}  # (teacher, init) -> [(run dir, seconds, cold start)] here
     queue, deferred = deque(enumerate(cells, 1)), set()
     with ExitSignals(EXIT_SIGNALS) as signals:  # after a stop signal: the running cell stops, no new one starts
         while queue:
@@ -495,7 +519,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 records[n] = done or _run_one(grid, siblings, cell, configs[cell.key], f"[{n}/{len(cells)}]", log,
                                               fail_fast)
             if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
-                ran_here.setdefault((cell.teacher, cell.init), []).append((cell.run_dir, records[n]["seconds"]))
+                ran_here.setdefault((cell.teacher, cell.init), []).append(
+                    (cell.run_dir, records[n]["seconds"], records[n].get("kernels_cached") is False))
     ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)
@@ -504,10 +529,12 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
 
 def _expected_seconds(cell: Cell, siblings: list[Cell], ran_here: dict, roots: list[str]) -> float:
     """How long `cell` will likely take: the longest cell of its teacher and init in this invocation
-    (`ran_here`), else the recent ones under `roots`, less the stages it will not run."""
-    skip = stages_not_to_run(siblings, cell)
-    here = [cell_seconds_without(d, sec, skip) for d, sec in ran_here.get((cell.teacher, cell.init), [])]
-    return max(here, default=0.0) or recent_cell_seconds(roots, teacher=cell.teacher, init=cell.init, skip=skip)
+    (`ran_here`), else the recent ones under `roots`, less the stages it will not run; once the kernels
+    are cached here, not counting cells that compiled them (when others are known)."""
+    skip, cached = stages_not_to_run(siblings, cell), kernels_cached_here()
+    here = [(cell_seconds_without(d, sec, skip), cold) for d, sec, cold in ran_here.get((cell.teacher, cell.init), [])]
+    return (max((sec for sec, _ in _without_cold_starts(here, cached)), default=0.0)
+            or recent_cell_seconds(roots, teacher=cell.teacher, init=cell.init, skip=skip, kernels_cached=cached))
 
 
 def _placeholder(cell: Cell, status: str) -> dict[str, Any]:
@@ -527,7 +554,8 @@ def _run_one(grid: Grid, siblings: list[Cell], cell: Cell, cfg: Any, tag: str, l
     if reused:
         log(f"    {', '.join(reused)}: outputs of {sibling.key} linked in (the pipeline checks they apply)")
     start = time.perf_counter()
-    rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir}
+    rec = {"teacher": cell.teacher, "policy": cell.policy, "init": cell.init, "run_dir": cell.run_dir,
+           "kernels_cached": kernels_cached_here()}
     try:
         rec.update(status="ok", metrics=run_cell(cfg, grid, cell))
     except CellStopped as stop:  # no cell.json: the next invocation runs (resumes) it

@@ -463,6 +463,60 @@ def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_pa
     assert recent_cell_seconds([str(out), str(history)], teacher="smollm2", init="taylor_calibrate") == 402.0
 
 
+def test_cells_that_compiled_the_kernels_do_not_set_the_time_once_they_are_cached(tmp_path):
+    """The first cell of a fresh GPU machine compiles the fla kernels (SmolLM2: 397 s against 151 s
+    once cached); after that, the cells that started with a cached kernel set the expected time, and
+    the cold ones only when nothing else is known."""
+    from megatron_tc.eval.grid import recent_cell_seconds
+
+    def finished(policy, init, seconds, cached, when):
+        cell = tmp_path / "smollm2" / policy / init
+        cell.mkdir(parents=True)
+        rec = {"status": "ok", "seconds": seconds, **({} if cached is None else {"kernels_cached": cached})}
+        (cell / "cell.json").write_text(json.dumps(rec))
+        os.utime(cell / "cell.json", (when, when))
+
+    finished("stats", "naive", 397.0, False, 1000.0)
+    finished("uniform", "naive", 151.0, True, 1001.0)
+    finished("stats", "ours", 430.0, False, 1002.0)
+    finished("ar", "ours", 300.0, None, 1003.0)  # an older record, without the flag: counts as warm
+    root = str(tmp_path)
+    assert recent_cell_seconds(root, teacher="smollm2", init="naive") == 397.0  # a cold machine: every cell
+    assert recent_cell_seconds(root, teacher="smollm2", init="naive", kernels_cached=True) == 151.0
+    assert recent_cell_seconds(root, teacher="smollm2", init="ours", kernels_cached=True) == 300.0
+    finished("uniform", "taylor_calibrate", 428.0, False, 1004.0)
+    assert recent_cell_seconds(root, teacher="smollm2", init="taylor_calibrate", kernels_cached=True) == 428.0
+
+
+def test_a_cell_records_whether_the_kernels_were_cached_and_the_time_check_reads_it(tmp_path, monkeypatch):
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    grid = load_grid(_grid_file(tmp_path))
+    run_grid(grid, log=lambda msg: None)
+    assert {json.loads(Path(c.run_dir, "cell.json").read_text())["kernels_cached"] for c in grid.cells()} == {False}
+    (cache / "kernel.json").write_text("{}")
+    grid = load_grid(_grid_file(tmp_path, out="out_warm"))
+    run_grid(grid, log=lambda msg: None)
+    assert {json.loads(Path(c.run_dir, "cell.json").read_text())["kernels_cached"] for c in grid.cells()} == {True}
+
+    first = grid.cells()[0]  # history: one cell that compiled (400 s) after one that did not (120 s)
+    for policy, seconds, cached, when in [("ga", 120.0, True, 1000.0), (first.policy, 400.0, False, 1001.0)]:
+        old = tmp_path / "committed" / first.teacher / policy / first.init
+        old.mkdir(parents=True)
+        (old / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds, "kernels_cached": cached}))
+        os.utime(old / "cell.json", (when, when))
+    history = [str(tmp_path / "committed")]
+    CALLS.clear()
+    run_grid(load_grid(_grid_file(tmp_path, out="out_a")), log=lambda msg: None, max_seconds=300.0, history=history)
+    assert len(CALLS) == 12  # kernels cached here: the 120 s cell sets the time
+    cache.joinpath("kernel.json").unlink()
+    CALLS.clear()
+    records = run_grid(load_grid(_grid_file(tmp_path, out="out_b")), log=lambda msg: None, max_seconds=300.0,
+                       history=history)
+    assert CALLS == [] and {r["status"] for r in records} == {"pending"}  # a cold machine: the 400 s one
+
+
 def test_a_fresh_grid_with_history_leaves_a_cell_that_would_not_fit_pending(tmp_path):
     grid = load_grid(_grid_file(tmp_path))
     first = grid.cells()[0]
