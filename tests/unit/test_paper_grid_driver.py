@@ -86,8 +86,8 @@ def test_parts_of_a_kind_and_the_long_budget():
 
     driver = _driver()
     assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_lr",
-                                                                      "stage2_ours", "stage2_seed", "stage2_warmup",
-                                                                      "zero_shot"]
+                                                                      "stage2_ours", "stage2_seed", "stage2_seed2",
+                                                                      "stage2_warmup", "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
     sets = {p: dict(o.split("=", 1) for o in load_grid(f).overrides if "=" in o)
@@ -101,21 +101,25 @@ def test_parts_of_a_kind_and_the_long_budget():
     assert load_grid(driver.part_files("smollm2", [])["naive_long"]).axes["init"] == ["naive"]
 
 
-def test_the_seed_part_is_the_stage2_grid_with_another_seed():
-    """Only run.seed differs (init randomness and data order), so the two parts' cells measure the
-    run-to-run spread of one recipe."""
+@pytest.mark.parametrize("part", ["stage2_seed", "stage2_seed2"])
+def test_the_seed_parts_are_the_stage2_grid_with_other_seeds(part):
+    """Only run.seed differs (init randomness and data order), so the parts' cells measure the
+    run-to-run spread of one recipe; each part has a seed of its own."""
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    files = driver.part_files("smollm2", ["stage2_seed"])
-    seed, base = load_grid(files["stage2_seed"]), load_grid(files["stage2"])
+    files = driver.part_files("smollm2", list(driver.PARTS))
+    seed, base = load_grid(files[part]), load_grid(files["stage2"])
     sets = [dict(o.split("=", 1) for o in g.overrides) for g in (seed, base)]
     assert {k: v.split()[0] for k, v in sets[0].items() if k != "run.seed"} == \
         {k: v.split()[0] for k, v in sets[1].items()}
-    assert sets[0]["run.seed"] != sets[1].get("run.seed", "0")
+    seeds = {p: dict(o.split("=", 1) for o in load_grid(files[p]).overrides).get("run.seed", "0").split()[0]
+             for p in ("stage2", "stage2_seed", "stage2_seed2")}
+    assert len(set(seeds.values())) == 3, seeds
     assert seed.axes["init"] == ["taylor_calibrate", "OURS"]  # the pair whose gap the spread is read against
     assert sorted(seed.axes["policy"]) == sorted(base.axes["policy"])
-    assert Path(seed.out).name == "stage2_seed"
+    assert Path(seed.out).name == part
+    assert driver.TIMED_LIKE[part] == "stage2"
 
 
 def test_the_ours_part_is_the_stage2_recipe_for_ours_alone(tmp_path):

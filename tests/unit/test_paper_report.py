@@ -65,7 +65,7 @@ def test_tables_ratios_and_goals(tmp_path):
     assert kl_line.endswith("| 1.00x |"), kl_line
     assert "- smollm2/uniform/naive" in md and "- qwen2/uniform/naive" not in md.split("Cells not finished")[1]
     assert "No long naive run yet." in md
-    assert "No cell run with a second seed in these results." in md
+    assert "No cell run with another seed in these results." in md
 
 
 def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
@@ -101,7 +101,7 @@ def test_a_second_seed_beside_the_grid_run(tmp_path):
     for init in ("taylor_calibrate", "ours"):
         (runs / "grid" / "stage2_seed" / "qwen2" / "uniform" / init / "config.yaml").write_text("run:\n  seed: 1\n")
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
-    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: a second seed")[1].split("##")[0]
+    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other seeds")[1].split("##")[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
     # the grid's cells have no config.yaml here: labelled by their part
     assert [r[2] for r in rows] == ["stage2", "1"]
@@ -113,6 +113,28 @@ def test_a_second_seed_beside_the_grid_run(tmp_path):
     assert spread.startswith("- qwen2 / uniform: tokens with seed 1 over seed stage2 at 1.10x teacher / "
                              "1.15x teacher / 1.25x teacher: taylor_calibrate "), spread
     assert spread.split("; ours ")[1].split(" / ")[1] == f"{2000 / ours_grid:.2f}x", spread
+
+
+def test_a_third_seed_is_set_against_the_first(tmp_path):
+    """stage2_seed2 cells add a row each and a spread line against the grid's seed, like stage2_seed's."""
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
+    _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
+    _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 20.5)], {})
+    _cell(runs, "stage2_seed2", "taylor_calibrate", [(0, 72.0), (8000, 23.0), (100000, 21.2)], {})
+    _cell(runs, "stage2_seed2", "ours", [(0, 58.0), (4000, 23.0), (100000, 20.8)], {})
+    for part, seed in (("stage2_seed", 1), ("stage2_seed2", 2)):
+        for init in ("taylor_calibrate", "ours"):
+            (runs / "grid" / part / "qwen2" / "uniform" / init / "config.yaml").write_text(f"run:\n  seed: {seed}\n")
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other seeds")[1].split("##")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
+    assert [r[2] for r in rows] == ["stage2", "1", "2"]
+    assert rows[2][3:6] == ["72 / 58", "21.2 / 20.8", "0.2120 / 0.2080"]
+    assert rows[2][7] == "8k / 4k (2.00x)"
+    spread = [line for line in section.splitlines() if line.startswith("- qwen2 / uniform")]
+    assert [line.split(" at ")[0] for line in spread] == ["- qwen2 / uniform: tokens with seed 1 over seed stage2",
+                                                          "- qwen2 / uniform: tokens with seed 2 over seed stage2"]
 
 
 @pytest.mark.parametrize("ratio, goal, verdict", [

@@ -9,7 +9,7 @@
 
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
-stage-2 budget), stage2_seed (SmolLM2's stage-2 grid with another run.seed: the run-to-run spread) and
+stage-2 budget), stage2_seed and stage2_seed2 (SmolLM2's stage-2 grid with run.seed 1 and 2: the run-to-run spread) and
 stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells),
 and the stage-2 recipes stage2_warmup (a 2-step warmup), stage2_gdn (that, training the GDN mixers only)
 and stage2_lr (half the peak learning rate).
@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
 # grid_<kind>_<part>.yaml; not every kind has every part
-PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_ours", "stage2_warmup", "stage2_gdn", "stage2_lr")
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_seed2", "stage2_ours", "stage2_warmup", "stage2_gdn",
+         "stage2_lr")
 # a part whose cells take as long as another part's (for --history)
 TIMED_LIKE = {part: "stage2" for part in PARTS if part.startswith("stage2_")}
 

@@ -12,7 +12,7 @@ restrict the report (and its list of cells not finished) to part of the grid. Re
 runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2
 cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes
 OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
-issue checked cell by cell; runs/grid/naive_long, runs/grid/stage2_seed and the other stage-2 recipes'
+issue checked cell by cell; runs/grid/naive_long, runs/grid/stage2_seed{,2} and the other stage-2 recipes'
 cells, runs/grid/stage2_{warmup,gdn,lr}, in sections of their own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
 (megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are
 missing or failed are listed, never guessed.
@@ -294,19 +294,22 @@ def _run_seed(cell_dir: Path, part: str) -> str:
     return part if seed is None else str(seed)
 
 
-def seed_section(s2: dict, seeds: dict, ours: str) -> str:
-    """taylor_calibrate and ours in the cells run with a second seed (the stage2_seed part: another
-    run.seed, so other random init parts and data order), beside the grid's run of the same cell: a
-    gap between the two inits reads against how far one init moves from seed to seed. Tokens are
-    reached-and-stayed."""
+# grid parts that repeat the stage-2 grid with another run.seed (configs/paper/grid_smollm2_<part>.yaml)
+SEED_PARTS = ("stage2_seed", "stage2_seed2")
+
+
+def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
+    """taylor_calibrate and ours in the cells run with other seeds (the SEED_PARTS: another run.seed,
+    so other random init parts and data order), beside the grid's run of the same cell (`by_part`:
+    (part, cells) with the grid's first): a gap between the two inits reads against how far one init
+    moves from seed to seed. Tokens are reached-and-stayed; each later seed is set against the first."""
     from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
 
     inits = ("taylor_calibrate", ours)
     rows, spread = [], []
     for teacher in TEACHERS:
         for policy in POLICIES:
-            runs = [(part, grid) for part, grid in (("stage2", s2), ("stage2_seed", seeds))
-                    if all((teacher, policy, i) in grid for i in inits)]
+            runs = [(part, grid) for part, grid in by_part if all((teacher, policy, i) in grid for i in inits)]
             if len(runs) < 2:
                 continue
             per_seed = []
@@ -318,14 +321,15 @@ def seed_section(s2: dict, seeds: dict, ours: str) -> str:
                 seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
                 rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
                 per_seed.append((seed, dict(zip(inits, curves)), {r["name"]: r["tokens"] for r in res["runs"]}))
-            (a, ca, ta), (b, cb, tb) = per_seed
-            # tokens(seed b) / tokens(seed a): tokens_to_target's ratio with seed a as the "run"
-            ratios = "; ".join(f"{i} " + " / ".join(fmt_ratio(ratio(ca[i], ta[i][lab], cb[i], tb[i][lab]))
-                                                    for lab in KS_LABELS) for i in inits)
-            spread.append(f"- {teacher} / {policy}: tokens with seed {b} over seed {a} at "
-                          f"{' / '.join(KS_LABELS)}: {ratios}")
+            a, ca, ta = per_seed[0]
+            for b, cb, tb in per_seed[1:]:
+                # tokens(seed b) / tokens(seed a): tokens_to_target's ratio with seed a as the "run"
+                ratios = "; ".join(f"{i} " + " / ".join(fmt_ratio(ratio(ca[i], ta[i][lab], cb[i], tb[i][lab]))
+                                                        for lab in KS_LABELS) for i in inits)
+                spread.append(f"- {teacher} / {policy}: tokens with seed {b} over seed {a} at "
+                              f"{' / '.join(KS_LABELS)}: {ratios}")
     if not rows:
-        return "No cell run with a second seed in these results."
+        return "No cell run with another seed in these results."
     header = ["teacher", "policy", "run.seed", f"zero-shot ppl: taylor_calibrate / {ours}",
               f"final ppl: taylor_calibrate / {ours}", f"final KL: taylor_calibrate / {ours}",
               *(f"tokens to {k:.2f}x teacher: taylor_calibrate / {ours} ({ours} vs taylor_calibrate)" for k in KS)]
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)
     long_res = long_naive_results(s2, cells(roots, "naive_long", teachers, policies), args.ours)
     tok_table, tok_miss = tokens_section(s2, args.out, args.ours, long_res)
-    seeds = cells(roots, "stage2_seed", teachers, policies)
+    seeds = [("stage2", s2), *((part, cells(roots, part, teachers, policies)) for part in SEED_PARTS)]
     expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
     missing = sorted(expected - set(s2)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
     scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
@@ -446,11 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         "bound. This naive run has the same recipe and data order with a longer budget (its cosine schedule "
         "stretched to it; configs/paper/grid_smollm2_naive_long.yaml); ours is the grid's run.\n\n"
         + long_naive_section(long_res, args.ours),
-        "## Supplementary: a second seed\n\n"
-        "Each grid cell is one run. These cells ran again with another run.seed (configs/paper/"
-        "grid_smollm2_stage2_seed.yaml: the inits' random parts and the data order drawn anew; the same text, "
-        "budget and evaluation), so the gap between taylor_calibrate and ours can be read against the spread "
-        "of either from seed to seed.\n\n" + seed_section(s2, seeds, args.ours),
+        "## Supplementary: other seeds\n\n"
+        "Each grid cell is one run. These cells ran again with other run.seeds (configs/paper/"
+        "grid_smollm2_stage2_seed.yaml and _seed2.yaml: the inits' random parts and the data order drawn anew; the "
+        "same text, budget and evaluation), so the gap between taylor_calibrate and ours can be read against the "
+        "spread of either from seed to seed.\n\n" + seed_section(seeds, args.ours),
         "## Supplementary: other stage-2 recipes\n\n"
         "The grid's cells again with another stage-2 recipe for every init, naive included (same budget, data "
         "order and evaluation; configs/paper/grid_smollm2_<part>.yaml), read against the grid's recipe for "
