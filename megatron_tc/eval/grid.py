@@ -421,7 +421,7 @@ def kernels_cached_here() -> bool:
     """Whether this machine's Triton cache (TRITON_CACHE_DIR, else Triton's default) holds anything.
     A cell started without it compiles the fla kernels as it goes: the first SmolLM2 cell of a fresh
     H200 took 397-411 s against 151-181 s for the same cell once they were cached (docs/BENCHMARKS.md,
-    lessons 21-22), and a time check judging by that cell leaves warm cells that fit pending."""
+    lessons 21 and 23), and a time check judging by that cell leaves warm cells that fit pending."""
     path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     try:
         with os.scandir(path) as entries:
