@@ -137,6 +137,35 @@ def test_a_third_seed_is_set_against_the_first(tmp_path):
                                                           "- qwen2 / uniform: tokens with seed 2 over seed stage2"]
 
 
+def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
+    """--grid-eval-logs: grid cells that survive as <teacher>_<policy>_<init>_eval_log.jsonl stand in
+    for the grid's cells in the seed section (and nowhere else: the goals need the full cells)."""
+    runs, logs = tmp_path / "runs", tmp_path / "logs"
+    _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
+    _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 20.5)], {})
+    logs.mkdir()
+    for init, curve in (("taylor_calibrate", [(0, 80.0), (8000, 23.0), (100000, 21.0)]),
+                        ("ours", [(0, 60.0), (4000, 23.0), (100000, 21.0)])):
+        (logs / f"qwen2_uniform_{init}_eval_log.jsonl").write_text("".join(
+            json.dumps({"step": i, "tokens": t, "ppl": p, "kl": p / 100, "teacher_ppl": 20.0}) + "\n"
+            for i, (t, p) in enumerate(curve)))
+    (logs / "notes_eval_log.jsonl").write_text("")  # not a cell's name: ignored
+    args = ["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]
+    assert _load().main(args) == 0
+    assert "No cell run with another seed" in (tmp_path / "out" / "README.md").read_text()
+    assert _load().main(args + ["--grid-eval-logs", str(logs)]) == 0
+    md = (tmp_path / "out" / "README.md").read_text()
+    section = md.split("## Supplementary: other seeds")[1].split("##")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
+    assert [r[2] for r in rows] == ["stage2", "stage2_seed"]  # no config.yaml here: labelled by their part
+    assert rows[0][3:5] == ["80 / 60", "21 / 21"]
+    assert rows[0][7] == "8k / 4k (2.00x)"
+    assert "- qwen2/uniform/ours" in md.split("## Cells not finished")[1]  # still not a finished grid cell
+    assert f"--grid-eval-logs {logs}" in md.splitlines()[2]
+    with pytest.raises(SystemExit, match="no such directory"):
+        _load().main(args + ["--grid-eval-logs", str(tmp_path / "none")])
+
+
 @pytest.mark.parametrize("ratio, goal, verdict", [
     ({"value": None, "bound": "zero-shot"}, 10.0, None),
     ({"value": 12.0, "bound": "="}, 10.0, None),
