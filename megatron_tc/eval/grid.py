@@ -329,10 +329,10 @@ def _complete_here(entry: dict[str, Any]) -> bool:
     return entry.get("status") == "complete" and all(os.path.exists(o) for o in entry.get("outputs", []))
 
 
-def _shareable_count(cell: Cell, sibling: Cell) -> int:
-    """How many of the stages `cell` may take from `sibling` the sibling has complete here."""
+def _shareable(cell: Cell, sibling: Cell) -> list[str]:
+    """The stages `cell` may take from `sibling` that the sibling has complete here."""
     stages = _manifest(sibling.run_dir)["stages"]
-    return sum(_complete_here(stages.get(s, {})) for s in shared_stages(cell, sibling))
+    return [s for s in shared_stages(cell, sibling) if _complete_here(stages.get(s, {}))]
 
 
 def _siblings(cells: list[Cell], cell: Cell) -> list[Cell]:
@@ -341,7 +341,7 @@ def _siblings(cells: list[Cell], cell: Cell) -> list[Cell]:
 
 def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
     """The other cell of the same (teacher, policy) with the most complete shared stages, if any."""
-    scored = [(_shareable_count(cell, c), c) for c in _siblings(cells, cell)]
+    scored = [(len(_shareable(cell, c)), c) for c in _siblings(cells, cell)]
     score, best = max(scored, key=lambda sc: sc[0], default=(0, None))
     return best if score > 0 else None
 
@@ -439,8 +439,7 @@ def stages_not_to_run(siblings: list[Cell], cell: Cell) -> list[str]:
     skip = {s for s, entry in mine.items() if _complete_here(entry)}
     best = sibling_with_shared_outputs(siblings, cell)
     if best is not None:
-        theirs = _manifest(best.run_dir)["stages"]
-        skip |= {s for s in shared_stages(cell, best) if _complete_here(theirs.get(s, {}))}
+        skip |= set(_shareable(cell, best))
     return sorted(skip)
 
 
@@ -462,7 +461,7 @@ def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
     busy = [c for c in siblings if started(c) and _finished(c.run_dir) is None]
     if not busy:
         return False
-    if not any(_shareable_count(cell, c) for c in siblings):
+    if not any(_shareable(cell, c) for c in siblings):
         return True
     same_init = [c for c in siblings if c.init == cell.init]
     return any(c in busy for c in same_init) and not any(has_start(c) for c in same_init)
