@@ -103,14 +103,14 @@ def test_a_second_seed_beside_the_grid_run(tmp_path):
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
     section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other seeds")[1].split("##")[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
-    # the grid's cells have no config.yaml here: labelled by their part
-    assert [r[2] for r in rows] == ["stage2", "1"]
+    # the grid's cells have no config.yaml here: the grid runs with configs/paper/base.yaml's run.seed
+    assert [r[2] for r in rows] == ["0", "1"]
     assert rows[1][3:6] == ["70 / 55", "21 / 20.5", "0.2100 / 0.2050"]
     assert rows[1][7] == "4k / 2k (2.00x)"
     # the grid's ours reaches 23 on its last segment (30 at 1k -> 21 at 100k; log-log interpolation)
     ours_grid = math.exp(math.log(1e3) + (math.log(30 / 23) / math.log(30 / 21)) * math.log(100))
-    spread = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform"))
-    assert spread.startswith("- qwen2 / uniform: tokens with seed 1 over seed stage2 at 1.10x teacher / "
+    spread = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform: tokens"))
+    assert spread.startswith("- qwen2 / uniform: tokens with seed 1 over seed 0 at 1.10x teacher / "
                              "1.15x teacher / 1.25x teacher: taylor_calibrate "), spread
     assert spread.split("; ours ")[1].split(" / ")[1] == f"{2000 / ours_grid:.2f}x", spread
 
@@ -129,12 +129,19 @@ def test_a_third_seed_is_set_against_the_first(tmp_path):
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
     section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other seeds")[1].split("##")[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
-    assert [r[2] for r in rows] == ["stage2", "1", "2"]
+    assert [r[2] for r in rows] == ["0", "1", "2"]
     assert rows[2][3:6] == ["72 / 58", "21.2 / 20.8", "0.2120 / 0.2080"]
     assert rows[2][7] == "8k / 4k (2.00x)"
-    spread = [line for line in section.splitlines() if line.startswith("- qwen2 / uniform")]
-    assert [line.split(" at ")[0] for line in spread] == ["- qwen2 / uniform: tokens with seed 1 over seed stage2",
-                                                          "- qwen2 / uniform: tokens with seed 2 over seed stage2"]
+    spread = [line for line in section.splitlines() if line.startswith("- qwen2 / uniform: tokens")]
+    assert [line.split(" at ")[0] for line in spread] == ["- qwen2 / uniform: tokens with seed 1 over seed 0",
+                                                          "- qwen2 / uniform: tokens with seed 2 over seed 0"]
+    # the mean over the three seeds: at 1.15x the teacher (23) both grid cells stay below it from the same
+    # point of their last segment (30 at 1k -> 21 at 100k), then 4k / 2k and 8k / 4k
+    grid = math.exp(math.log(1e3) + (math.log(30 / 23) / math.log(30 / 21)) * math.log(100))
+    mean = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform, 3 seeds: "))
+    at_115 = next(p for p in mean.split("; ") if "1.15x teacher" in p)
+    base, run = (grid + 4000 + 8000) / 3, (grid + 2000 + 4000) / 3
+    assert at_115.endswith(f"({base / run:.2f}x, per seed 1.00-2.00x)"), mean
 
 
 def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
@@ -157,7 +164,8 @@ def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
     md = (tmp_path / "out" / "README.md").read_text()
     section = md.split("## Supplementary: other seeds")[1].split("##")[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| qwen2 |")]
-    assert [r[2] for r in rows] == ["stage2", "stage2_seed"]  # no config.yaml here: labelled by their part
+    # no config.yaml here: the grid's run.seed is configs/paper/base.yaml's, another part is labelled by its name
+    assert [r[2] for r in rows] == ["0", "stage2_seed"]
     assert rows[0][3:5] == ["80 / 60", "21 / 21"]
     assert rows[0][7] == "8k / 4k (2.00x)"
     assert "- qwen2/uniform/ours" in md.split("## Cells not finished")[1]  # still not a finished grid cell

@@ -300,12 +300,21 @@ def kl_section(s2: dict, ours: str) -> str:
     return md_table(header, rows) if rows else "No cell with all three inits' KL curves yet."
 
 
+# every grid part runs on this config; a grid cell kept without its config.yaml ran with its run.seed
+PAPER_BASE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "paper" / "base.yaml"
+
+
 def _run_seed(cell_dir: Path, part: str) -> str:
-    """The cell's run.seed as its config.yaml records it (the part's name when it does not)."""
+    """The cell's run.seed as its config.yaml records it; without one, the grid's (`stage2`) is
+    PAPER_BASE_CONFIG's and another part is labelled by its name."""
     import yaml
 
-    path = cell_dir / "config.yaml"
-    seed = (yaml.safe_load(path.read_text()) or {}).get("run", {}).get("seed") if path.is_file() else None
+    def seed_in(path: Path):
+        return (yaml.safe_load(path.read_text()) or {}).get("run", {}).get("seed") if path.is_file() else None
+
+    seed = seed_in(cell_dir / "config.yaml")
+    if seed is None and part == "stage2":
+        seed = seed_in(PAPER_BASE_CONFIG)
     return part if seed is None else str(seed)
 
 
@@ -317,11 +326,12 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
     """taylor_calibrate and ours in the cells run with other seeds (the SEED_PARTS: another run.seed,
     so other random init parts and data order), beside the grid's run of the same cell (`by_part`:
     (part, cells) with the grid's first): a gap between the two inits reads against how far one init
-    moves from seed to seed. Tokens are reached-and-stayed; each later seed is set against the first."""
+    moves from seed to seed. Tokens are reached-and-stayed; then the mean over the seeds per init, and each
+    later seed set against the first."""
     from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
 
     inits = ("taylor_calibrate", ours)
-    rows, spread = [], []
+    rows, spread, means = [], [], []
     for teacher in TEACHERS:
         for policy in POLICIES:
             runs = [(part, grid) for part, grid in by_part if all((teacher, policy, i) in grid for i in inits)]
@@ -336,6 +346,7 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
                 seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
                 rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
                 per_seed.append((seed, dict(zip(inits, curves)), {r["name"]: r["tokens"] for r in res["runs"]}))
+            means.append(_seed_mean_line(f"{teacher} / {policy}", [tokens for _, _, tokens in per_seed], inits))
             a, ca, ta = per_seed[0]
             for b, cb, tb in per_seed[1:]:
                 # tokens(seed b) / tokens(seed a): tokens_to_target's ratio with seed a as the "run"
@@ -348,7 +359,25 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
     header = ["teacher", "policy", "run.seed", f"zero-shot ppl: taylor_calibrate / {ours}",
               f"final ppl: taylor_calibrate / {ours}", f"final KL: taylor_calibrate / {ours}",
               *(f"tokens to {k:.2f}x teacher: taylor_calibrate / {ours} ({ours} vs taylor_calibrate)" for k in KS)]
-    return md_table(header, rows) + "\n\nThe same init from seed to seed:\n\n" + "\n".join(spread)
+    return (md_table(header, rows) + f"\n\nOver all seeds: mean tokens, taylor_calibrate / {ours} (the ratio of the "
+            f"means; the lowest and highest ratio of one seed):\n\n" + "\n".join(means)
+            + "\n\nThe same init from seed to seed:\n\n" + "\n".join(spread))
+
+
+def _seed_mean_line(cell: str, tokens_per_seed: list[dict[str, dict]], inits: tuple[str, str]) -> str:
+    """'- cell, N seeds: <target> A / B (ratio, per seed lo-hi); ...' from each seed's tokens per init
+    and target (reached and stayed); a target some seed's run never reached has no mean."""
+    parts = []
+    for label in KS_LABELS:
+        per = [[tokens[i][label] for i in inits] for tokens in tokens_per_seed]
+        if any(t is None or t == 0 for pair in per for t in pair):
+            parts.append(f"{label} not reached by both inits in every seed")
+            continue
+        mean_base, mean_ours = (sum(pair[j] for pair in per) / len(per) for j in (0, 1))
+        seed_ratios = [base / run for base, run in per]
+        parts.append(f"{label} {fmt_tokens(mean_base)} / {fmt_tokens(mean_ours)} ({mean_base / mean_ours:.2f}x, "
+                     f"per seed {min(seed_ratios):.2f}-{max(seed_ratios):.2f}x)")
+    return f"- {cell}, {len(tokens_per_seed)} seeds: " + "; ".join(parts)
 
 
 def _seed_columns(res: dict, inits: tuple[str, str]) -> list[str]:
