@@ -174,7 +174,8 @@ def run_cell_pipeline(grid: Grid, cell: Cell, extra: list[str]) -> None:
     """`run_pipeline` on the cell's config (+ extra overrides): in a child `python tools/distill.py`
     (grid `process: subprocess`, the default: every cell gets a fresh process group, DeepSpeed state
     and memory) or in this process (`process: inline`, a world of one; no import cost per cell).
-    The child's output goes to <cell>/pipeline.log; a failing child raises with the log's tail."""
+    The child's output is appended to <cell>/pipeline.log under a line per invocation (a cell stopped
+    and resumed keeps the log of every part); a failing child raises with the log's tail."""
     overrides = [*grid.overrides, *cell.overrides(), *extra]
     if grid.process == "inline":
         from megatron_tc.config.loader import load_config
@@ -186,7 +187,10 @@ def run_cell_pipeline(grid: Grid, cell: Cell, extra: list[str]) -> None:
             raise CellStopped(str(stop)) from None
         return
     log_path = os.path.join(cell.run_dir, "pipeline.log")
-    with open(log_path, "wb") as log_file:
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')}: tools/distill.py {grid.base} "
+                       f"{' '.join(overrides)}\n".encode())
+        log_file.flush()
         child = subprocess.Popen([sys.executable, DISTILL, grid.base, *overrides], env=_child_env(), stdout=log_file,
                                  stderr=subprocess.STDOUT)
         rc = _wait_forwarding_signal(child)

@@ -116,4 +116,13 @@ def test_a_grid_passes_the_signal_to_its_running_cell_and_starts_no_other(templa
     assert 3 <= stopped_at < STEPS_GRID and "[2/2] t/uniform/zero_gate: pending (SIGTERM received)" in out, out[-3000:]
     assert not list((tmp_path / "grid").rglob("cell.json")) and not (cells["zero_gate"] / "stage2").exists()
     assert (cells["naive"] / "stage2" / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
-    # resuming such a stopped run: test_sigterm_checkpoints_the_current_step_and_resume_equals_uninterrupted_run
+    # the next invocation (here only the stopped cell's init) resumes it; its pipeline.log keeps both parts
+    (tmp_path / "grid_naive.yaml").write_text(json.dumps({**grid, "axes": {**grid["axes"], "init": ["naive"]}}))
+    again = subprocess.run([*cmd[:-1], str(tmp_path / "grid_naive.yaml")], cwd=ROOT, env=child_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    pipeline_log = (cells["naive"] / "pipeline.log").read_text()
+    assert pipeline_log.count("==== ") == 2 and pipeline_log.startswith("==== "), pipeline_log[:500]
+    assert f"stage2: SIGTERM received: checkpoint at step {stopped_at}, then stop" in pipeline_log
+    assert f"stage2: resumed at step {stopped_at} " in pipeline_log.split("==== ")[2], pipeline_log[-3000:]
+    # that a resumed run equals an uninterrupted one: test_sigterm_checkpoints_the_current_step_and_resume_equals_uninterrupted_run
