@@ -178,6 +178,14 @@ def known_teacher_arch(cfg: Any):
     return None
 
 
+def config_fingerprints(cfg: Any) -> dict[str, str]:
+    """Stage -> the fingerprint its manifest entry must carry to count as complete for `cfg`."""
+    from megatron_tc.config import config_to_dict
+
+    # the pretrain stage joins the fingerprint chain only when it runs (runs without it keep theirs)
+    return stage_fingerprints(config_to_dict(cfg), [s for s in STAGES if s != "pretrain" or s in cfg.run.stages])
+
+
 def _setup(cfg: Any) -> RunContext:
     from megatron_tc.config import resolve_config, save_config
     from megatron_tc.monitor import setup_logging
@@ -214,10 +222,7 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
         raise ValueError(f"--force {unknown}: not a stage; stages are {', '.join(STAGES)} (or 'all')")
     ctx = _setup(cfg)
     cfg = ctx.cfg
-    from megatron_tc.config import config_to_dict
-
-    # the pretrain stage joins the fingerprint chain only when it runs (runs without it keep theirs)
-    fingerprints = stage_fingerprints(config_to_dict(cfg), [s for s in STAGES if s != "pretrain" or s in cfg.run.stages])
+    fingerprints = config_fingerprints(cfg)
     manifest = RunManifest(ctx.paths.root) if ctx.rank0 else None
     if ctx.rank0:
         manifest.data["run"] = run_info() | {"stages": list(cfg.run.stages)}

@@ -19,11 +19,12 @@ them) and records a failing cell's error without stopping the others (unless `fa
 cell the pipeline's own bookkeeping applies: complete stages are skipped, stage 2 resumes.
 
 Cells of one (teacher, policy) share their convert and select outputs: before a cell runs, a
-finished sibling's `teacher/` and `select/` (with their manifest entries) are linked into it, and the
-pipeline's fingerprint check decides whether they apply (they do: neither stage depends on the init),
-so the teacher is converted and the layers selected once per (teacher, policy), not once per init.
-A sibling of the same init (a cell of another grid over the same out root's teachers, e.g. another
-stage-2 recipe) also shares `stats/` and `init/`: the calibrated start is made once per init.
+finished sibling's `teacher/` and `select/` (with their manifest entries) are linked into it when
+their fingerprints are the ones the cell's pipeline will require (neither stage depends on the init;
+select depends on run.seed), so the teacher is converted and the layers selected once per (teacher,
+policy), not once per init. A sibling of the same init (a cell of another grid over the same out
+root's teachers, e.g. another stage-2 recipe) also shares `stats/` and `init/`: the calibrated start
+is made once per init and seed.
 Several processes may run one grid at once (one per GPU): each cell runs in the process holding its
 lock (`grid_claims.py`), so they split the cells between them. SIGTERM or SIGUSR1 (`timeout`,
 Slurm) stops a grid cleanly: the running cell's stage 2 checkpoints the step it is on and the cell
@@ -86,6 +87,11 @@ class Cell:
     policy: str
     init: str
     run_dir: str
+    # stage -> the fingerprint the pipeline will require (runner.config_fingerprints of the cell's
+    # config), set by run_grid for the pipeline's runners: a stage output of another config (a sibling
+    # with another run.seed, or a cell's own from before a config change) is then neither linked in
+    # nor counted as done. None: every complete output is taken as applying.
+    fingerprints: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:
@@ -157,6 +163,7 @@ def cell_config(grid: Grid, cell: Cell) -> Any:
 
 # ---- runners ------------------------------------------------------------------------------------
 ZERO_SHOT_STAGES = ("convert", "select", "stats", "init", "eval")
+PIPELINE_MODES = ("zero_shot", "pipeline")  # the runners that go through the pipeline and its manifest
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DISTILL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "tools", "distill.py")
@@ -315,7 +322,7 @@ def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:
     for stage, sub in shared_stages(cell, sibling).items():
         entry = theirs["stages"].get(stage, {})
         src, dst = os.path.join(sibling.run_dir, sub), os.path.join(cell.run_dir, sub)
-        if (stage in mine["stages"] or not _complete_here(entry) or not os.path.isdir(src)
+        if (stage in mine["stages"] or not _applies(cell, stage, entry) or not os.path.isdir(src)
                 or os.path.exists(dst)):
             continue
         shutil.copytree(src, dst, copy_function=_link_or_copy)
@@ -333,10 +340,15 @@ def _complete_here(entry: dict[str, Any]) -> bool:
     return entry.get("status") == "complete" and all(os.path.exists(o) for o in entry.get("outputs", []))
 
 
+def _applies(cell: Cell, stage: str, entry: dict[str, Any]) -> bool:
+    """A complete entry here whose fingerprint is the one `cell`'s pipeline will require (when known)."""
+    return _complete_here(entry) and (cell.fingerprints is None or entry.get("fingerprint") == cell.fingerprints.get(stage))
+
+
 def _shareable(cell: Cell, sibling: Cell) -> list[str]:
-    """The stages `cell` may take from `sibling` that the sibling has complete here."""
+    """The stages `cell` may take from `sibling` that the sibling has complete here, for `cell`'s config."""
     stages = _manifest(sibling.run_dir)["stages"]
-    return [s for s in shared_stages(cell, sibling) if _complete_here(stages.get(s, {}))]
+    return [s for s in shared_stages(cell, sibling) if _applies(cell, s, stages.get(s, {}))]
 
 
 def _siblings(cells: list[Cell], cell: Cell) -> list[Cell]:
@@ -436,11 +448,10 @@ def kernels_cached_here() -> bool:
 
 def stages_not_to_run(siblings: list[Cell], cell: Cell) -> list[str]:
     """The stages `cell` has complete from an earlier invocation (a cell cut in stage 2 resumes
-    there) or will take from its best sibling (complete there). A sibling of another run.seed offers
-    its statistics and init too, and the pipeline then makes the cell's own (fingerprints): the time
-    check is optimistic for such a cell, whose stage 2 resumes if a limit cuts it."""
+    there) or will take from its best sibling (complete there), for its config when its fingerprints
+    are known (a sibling of another run.seed offers its converted teacher only)."""
     mine = _manifest(cell.run_dir)["stages"]
-    skip = {s for s, entry in mine.items() if _complete_here(entry)}
+    skip = {s for s, entry in mine.items() if _applies(cell, s, entry)}
     best = sibling_with_shared_outputs(siblings, cell)
     if best is not None:
         skip |= set(_shareable(cell, best))
@@ -488,6 +499,11 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     cells = grid.cells()
     siblings = [*cells, *donors]  # the cells whose shared outputs a cell may take
     configs = {c.key: cell_config(grid, c) for c in cells}  # every config is checked before any work
+    if grid.mode in PIPELINE_MODES:
+        from megatron_tc.distill.runner import config_fingerprints
+
+        for c in cells:
+            c.fingerprints = config_fingerprints(configs[c.key])
     records: dict[int, dict[str, Any]] = {}
     started, ran_here = time.perf_counter(), {}  # (teacher, init) -> [(run dir, seconds, cold start)] here
     queue, deferred = deque(enumerate(cells, 1)), set()

@@ -208,6 +208,37 @@ def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
     assert not Path(packed.run_dir, "init").exists()
 
 
+def test_outputs_of_another_run_seed_are_neither_linked_nor_counted_as_done(tmp_path):
+    """With the fingerprints its pipeline will require (set by run_grid for the pipeline's runners), a
+    cell takes from a sibling of the same init but another run.seed only the converted teacher (select,
+    stats and init depend on the seed), and its own outputs from another config do not count as done."""
+    from megatron_tc.config.loader import load_config
+    from megatron_tc.distill.runner import config_fingerprints
+    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, stages_not_to_run
+
+    base = os.path.join(REPO, "configs", "tiny.yaml")
+    seed1, seed2 = (config_fingerprints(load_config(base, [f"run.seed={n}"])) for n in (1, 2))
+    assert seed1["convert"] == seed2["convert"] and all(seed1[s] != seed2[s] for s in ("select", "stats", "init"))
+
+    donor = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed1" / "ours"))  # a finished cell of run.seed 1
+    stages = {}
+    for stage, sub in {"convert": "teacher", "select": "select", "stats": "stats", "init": "init"}.items():
+        out = Path(donor.run_dir, sub, "out.json")
+        out.parent.mkdir(parents=True)
+        out.write_text(stage)
+        stages[stage] = {"status": "complete", "fingerprint": seed1[stage], "outputs": [str(out)]}
+    Path(donor.run_dir, "manifest.json").write_text(json.dumps({"stages": stages}))
+
+    other_seed = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed2" / "ours"), fingerprints=seed2)
+    assert stages_not_to_run([donor], other_seed) == ["convert"]
+    assert reuse_sibling_stages(other_seed, donor) == ["convert"]
+    assert not Path(other_seed.run_dir, "select").exists()
+    same_seed = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed1b" / "ours"), fingerprints=seed1)
+    assert stages_not_to_run([donor], same_seed) == ["convert", "init", "select", "stats"]
+    # the donor itself, looked at with seed 2's fingerprints (its config changed): nothing of its own counts
+    assert stages_not_to_run([], Cell("t", "/t", "stats", "ours", donor.run_dir, fingerprints=seed2)) == ["convert"]
+
+
 def test_grid_file_errors(tmp_path):
     with pytest.raises(GridError, match="unknown keys"):
         load_grid(_grid_file(tmp_path, typo=1))
@@ -258,6 +289,14 @@ def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
     path.write_text(json.dumps(data))
     records = run_grid(load_grid(path), log=lambda msg: None)
     assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    from megatron_tc.distill.runner import config_fingerprints
+    from megatron_tc.eval.grid import cell_config
+
+    grid = load_grid(path)
+    for cell in grid.cells():  # what the grid expects of a cell's stages is what its pipeline wrote
+        expected = config_fingerprints(cell_config(grid, cell))
+        written = json.loads(Path(cell.run_dir, "manifest.json").read_text())["stages"]
+        assert {s: e["fingerprint"] for s, e in written.items()} == {s: expected[s] for s in written}
     for rec in records:
         rows = {r["model"]: r for r in json.loads((tmp_path / "out/tiny/uniform" / rec["init"] / "eval/results.json")
                                                   .read_text())["rows"]}
