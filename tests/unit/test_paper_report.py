@@ -144,6 +144,18 @@ def test_a_third_seed_is_set_against_the_first(tmp_path):
     assert at_115.endswith(f"({base / run:.2f}x, per seed 1.00-2.00x)"), mean
 
 
+def test_a_target_one_seed_never_reaches_has_no_mean(tmp_path):
+    runs = tmp_path / "runs"
+    _grid_cells(runs)
+    _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
+    _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 22.5)], {})  # never at 22 (1.10x)
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--ours", "ours"]) == 0
+    section = (tmp_path / "out" / "README.md").read_text().split("## Supplementary: other seeds")[1].split("##")[0]
+    mean = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform, 2 seeds: ")).split("; ")
+    assert mean[0].endswith("1.10x teacher no mean (a run did not reach it, or met it before training)"), mean
+    assert mean[1].startswith("1.15x teacher ") and "x, per seed " in mean[1], mean
+
+
 def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
     """--grid-eval-logs: grid cells that survive as <teacher>_<policy>_<init>_eval_log.jsonl stand in
     for the grid's cells in the seed section (and nowhere else: the goals need the full cells)."""

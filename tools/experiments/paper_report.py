@@ -366,12 +366,13 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
 
 def _seed_mean_line(cell: str, tokens_per_seed: list[dict[str, dict]], inits: tuple[str, str]) -> str:
     """'- cell, N seeds: <target> A / B (ratio, per seed lo-hi); ...' from each seed's tokens per init
-    and target (reached and stayed); a target some seed's run never reached has no mean."""
+    and target (reached and stayed); a target that a seed's run never reached, or met before training,
+    has no mean."""
     parts = []
     for label in KS_LABELS:
         per = [[tokens[i][label] for i in inits] for tokens in tokens_per_seed]
         if any(t is None or t == 0 for pair in per for t in pair):
-            parts.append(f"{label} not reached by both inits in every seed")
+            parts.append(f"{label} no mean (a run did not reach it, or met it before training)")
             continue
         mean_base, mean_ours = (sum(pair[j] for pair in per) / len(per) for j in (0, 1))
         seed_ratios = [base / run for base, run in per]
