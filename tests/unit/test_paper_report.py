@@ -156,9 +156,10 @@ def test_a_target_one_seed_never_reaches_has_no_mean(tmp_path):
     assert mean[1].startswith("1.15x teacher ") and "x, per seed " in mean[1], mean
 
 
-def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
+def test_grid_cells_kept_only_as_curves_count_everywhere_but_the_zero_shot_table(tmp_path):
     """--grid-eval-logs: grid cells that survive as <teacher>_<policy>_<init>_eval_log.jsonl stand in
-    for the grid's cells in the seed section (and nowhere else: the goals need the full cells)."""
+    for the grid's cells in the seed section and the tokens-to-target tables and goals, and are listed
+    apart from the cells not finished; the zero-shot table needs a cell's eval/results.json."""
     runs, logs = tmp_path / "runs", tmp_path / "logs"
     _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
     _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 20.5)], {})
@@ -180,7 +181,15 @@ def test_grid_cells_kept_only_as_curves_are_the_seed_baseline(tmp_path):
     assert [r[2] for r in rows] == ["0", "stage2_seed"]
     assert rows[0][3:5] == ["80 / 60", "21 / 21"]
     assert rows[0][7] == "8k / 4k (2.00x)"
-    assert "- qwen2/uniform/ours" in md.split("## Cells not finished")[1]  # still not a finished grid cell
+    not_finished, kept = md.split("## Cells not finished")[1].split("Kept only as stage-2 curves")
+    assert "- qwen2/uniform/naive" in not_finished and "- qwen2/uniform/ours" not in not_finished
+    assert kept.split("\n\n", 1)[1].strip().splitlines() == ["- qwen2/uniform/ours", "- qwen2/uniform/taylor_calibrate"]
+    # the curves count in the tokens-to-target table (1.15x the teacher: 23, reached at 8k and 4k) ...
+    line = next(l for l in md.split("Reached and stayed:")[1].splitlines() if l.startswith("| qwen2 | uniform | 1.15x"))
+    assert line.endswith("| — | 8k | 4k | — | 2.00x |"), line
+    # ... but not in the zero-shot table, which needs each cell's eval/results.json
+    zero_shot = md.split("## Zero-shot perplexity")[1].split("##")[0]
+    assert "| qwen2 |" not in zero_shot
     assert f"--grid-eval-logs {logs}" in md.splitlines()[2]
     with pytest.raises(SystemExit, match="no such directory"):
         _load().main(args + ["--grid-eval-logs", str(tmp_path / "none")])

@@ -54,7 +54,8 @@ def cells(roots: list[Path], part: str, teachers=TEACHERS, policies=POLICIES) ->
 def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, init) -> {"dir": the file} for grid cells that survive only as their stage-2
     curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (session 11's SmolLM2 uniform and ar cells,
-    docs/bench/2026-11-30-h200-s11): a baseline for the seed and recipe sections, nothing else."""
+    docs/bench/2026-11-30-h200-s11): read by every section but the zero-shot table, which needs a cell's
+    eval/results.json."""
     suffix, out = "_eval_log.jsonl", {}
     for d in dirs:
         if not d.is_dir():
@@ -64,6 +65,15 @@ def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dic
             if teacher in teachers and policy in policies and init:
                 out[(teacher, policy, init)] = {"dir": path}
     return out
+
+
+def cell_curve(cells_: dict, key: tuple[str, str, str], name: str | None = None):
+    """The stage-2 curve of a cell (its directory, or its eval log alone), named by its init."""
+    from megatron_tc.eval.tokens_to_target import load_run
+
+    curve = load_run(str(cells_[key]["dir"]))
+    curve.name = name or key[2]
+    return curve
 
 
 def eval_rows(cell_dir: Path) -> dict[str, dict]:
@@ -185,7 +195,7 @@ def long_naive_results(s2: dict, long_cells: dict, ours: str) -> dict[tuple[str,
             continue
         long_curve = load_run(str(cell["dir"]))
         long_curve.name = "naive_long"
-        ours_curve = load_run(str(s2[(teacher, policy, ours)]["dir"]))
+        ours_curve = cell_curve(s2, (teacher, policy, ours))
         for how, stay in HOWS:
             # the grid's targets: its teacher perplexity (the long run's own evaluation of the teacher may
             # differ in the last bits), and no naive-final target (naive= names no run)
@@ -238,19 +248,20 @@ def tokens_section(s2: dict, out: Path, ours: str, long_res: dict | None = None)
     """Tokens to target per cell, twice: first reach, and reached-and-stayed (a calibrated student
     can rise above a target in its first steps; first reach then credits its zero-shot point)."""
     from megatron_tc.eval.report import write_report
-    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import tokens_to_target
 
     rows = {"first reach": [], "reached and stayed": []}
     misses, links = [], []
     for teacher in TEACHERS:
         for policy in POLICIES:
-            dirs = [s2[(teacher, policy, i)]["dir"] for i in ("naive", "taylor_calibrate", ours) if (teacher, policy, i) in s2]
-            if not dirs:
+            keys = [(teacher, policy, i) for i in ("naive", "taylor_calibrate", ours) if (teacher, policy, i) in s2]
+            if not keys:
                 continue
             sub = out / f"{teacher}_{policy}"
-            write_report([str(d) for d in dirs], str(sub), ks=KS, title=f"{teacher} / {policy}: stage-2 eval perplexity")
+            write_report([f"{k[2]}={s2[k]['dir']}" for k in keys], str(sub), ks=KS,
+                         title=f"{teacher} / {policy}: stage-2 eval perplexity")
             links.append(f"[{teacher} / {policy}]({sub.name}/report.md)")
-            curves = [load_run(str(d)) for d in dirs]
+            curves = [cell_curve(s2, k) for k in keys]
             for how, stay in HOWS:
                 res = tokens_to_target(curves, ks=KS, stay=stay)
                 got_rows, got_misses = _tokens_rows(teacher, policy, res, ours, how,
@@ -275,7 +286,7 @@ def kl_section(s2: dict, ours: str) -> str:
     """Final KL per cell, and the tokens each init needs to reach naive's final KL (reached and
     stayed): the distillation objective itself, where the perplexity target at naive's final value
     ties. Supplementary: the issue's targets are perplexities."""
-    from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_reach
+    from megatron_tc.eval.tokens_to_target import ratio, tokens_to_reach
 
     inits = ("naive", "taylor_calibrate", ours)
     rows = []
@@ -283,7 +294,7 @@ def kl_section(s2: dict, ours: str) -> str:
         for policy in POLICIES:
             if not all((teacher, policy, i) in s2 for i in inits):
                 continue
-            kl = {i: _kl_curve(load_run(str(s2[(teacher, policy, i)]["dir"]))) for i in inits}
+            kl = {i: _kl_curve(cell_curve(s2, (teacher, policy, i))) for i in inits}
             if not all(c.tokens for c in kl.values()):
                 continue
             target = kl["naive"].final_ppl
@@ -328,7 +339,7 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
     (part, cells) with the grid's first): a gap between the two inits reads against how far one init
     moves from seed to seed. Tokens are reached-and-stayed; then the mean over the seeds per init, and each
     later seed set against the first."""
-    from megatron_tc.eval.tokens_to_target import load_run, ratio, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import ratio, tokens_to_target
 
     inits = ("taylor_calibrate", ours)
     rows, spread, means = [], [], []
@@ -339,9 +350,7 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
                 continue
             per_seed = []
             for part, grid in runs:
-                curves = [load_run(str(grid[(teacher, policy, i)]["dir"])) for i in inits]
-                for curve, init in zip(curves, inits):
-                    curve.name = init
+                curves = [cell_curve(grid, (teacher, policy, i)) for i in inits]
                 res = tokens_to_target(curves, ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
                 seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
                 rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
@@ -417,8 +426,7 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
             base = s2.get((teacher, policy, init))
             curves = [curve]
             if base is not None:
-                curves.append(load_run(str(base["dir"])))
-                curves[-1].name = init
+                curves.append(cell_curve(s2, (teacher, policy, init)))
             res = tokens_to_target(curves, ks=KS, naive="", baselines=(init,) if base else (), stay=True)
             r = {x["name"]: x for x in res["runs"]}[curve.name]
             cols = [teacher, policy, what, init, fmt_num(r["zero_shot_ppl"], 4), fmt_num(r["final_ppl"], 4),
@@ -432,8 +440,7 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
                 pair = [runs.get((teacher, policy, i)) for i in ("taylor_calibrate", ours)]
                 if None in pair:
                     continue
-                tc, us = (load_run(str(c["dir"])) for c in pair)
-                tc.name, us.name = "taylor_calibrate", ours
+                tc, us = (cell_curve(runs, (teacher, policy, i)) for i in ("taylor_calibrate", ours))
                 res = tokens_to_target([tc, us], ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
                 got = " / ".join(fmt_ratio(res["ratios"]["vs_taylor_calibrate"][ours][lab]) for lab in KS_LABELS)
                 within.append(f"- {teacher} / {policy}, {what}: ours vs taylor_calibrate at {' / '.join(KS_LABELS)}: {got}")
@@ -462,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
     ap.add_argument("--grid-eval-logs", type=Path, action="append", default=[],
-                    help="a dir of <teacher>_<policy>_<init>_eval_log.jsonl: grid cells kept only as curves, the "
-                         "baseline of the seed and recipe sections where no cell of the grid is in --runs (repeatable)")
+                    help="a dir of <teacher>_<policy>_<init>_eval_log.jsonl: grid cells kept only as curves, read "
+                         "where no cell of the grid is in --runs by every section but the zero-shot one (repeatable)")
     args = ap.parse_args(argv)
     roots = args.runs or [Path(".paper_runs/runs")]
     teachers, policies = _names(args.teachers, TEACHERS, "teachers"), _names(args.policies, POLICIES, "policies")
@@ -473,13 +480,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     args.out.mkdir(parents=True, exist_ok=True)
     s2, zs = cells(roots, "stage2", teachers, policies), cells(roots, "zero_shot", teachers, policies)
-    zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)
-    long_res = long_naive_results(s2, cells(roots, "naive_long", teachers, policies), args.ours)
-    tok_table, tok_miss = tokens_section(s2, args.out, args.ours, long_res)
-    base = {**logged_curves(args.grid_eval_logs, teachers, policies), **s2}  # a grid cell's curve, kept either way
+    logged = {k: v for k, v in logged_curves(args.grid_eval_logs, teachers, policies).items() if k not in s2}
+    base = {**logged, **s2}  # every grid cell's stage-2 curve: its directory, or its eval log alone
+    zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)  # needs the cells' eval/results.json
+    long_res = long_naive_results(base, cells(roots, "naive_long", teachers, policies), args.ours)
+    tok_table, tok_miss = tokens_section(base, args.out, args.ours, long_res)
     seeds = [("stage2", base), *((part, cells(roots, part, teachers, policies)) for part in SEED_PARTS)]
     expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
-    missing = sorted(expected - set(s2)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
+    missing = sorted(expected - set(base)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
+    curves_only = ("\n\nKept only as stage-2 curves (`--grid-eval-logs`; in the tables above except the zero-shot "
+                   "one, which needs the cell's evaluation file):\n\n"
+                   + "\n".join(f"- {'/'.join(c)}" for c in sorted(logged))) if logged else ""
     scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
         f" --teachers {','.join(teachers)} --policies {','.join(policies)}"
     parts = [
@@ -494,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "## Tokens to target (stage 2, same budget and data order for every init)\n\n" + tok_table,
         "## Supplementary: final KL(teacher || student) and tokens to naive's final KL\n\n"
         "Not the issue's targets (those are perplexities, above). KL to the teacher on the evaluation documents is "
-        "the quantity stage 2 minimizes; reached and stayed, as above.\n\n" + kl_section(s2, args.ours),
+        "the quantity stage 2 minimizes; reached and stayed, as above.\n\n" + kl_section(base, args.ours),
         "## Supplementary: naive given a longer stage-2 budget\n\n"
         "Where naive does not reach a target within the grid's budget, the tokens ratio above is only a lower "
         "bound. This naive run has the same recipe and data order with a longer budget (its cosine schedule "
@@ -511,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "the same init.\n\n" + recipe_section(roots, base, teachers, policies, args.ours),
         "## Goals of the issue, cell by cell\n\n" + ("\n".join(f"- {m}" for m in zero_miss + tok_miss)
                                                     or "- every finished cell meets both goals"),
-        "## Cells not finished\n\n" + ("\n".join(f"- {'/'.join(c)}" for c in missing) or "- none"),
+        "## Cells not finished\n\n" + ("\n".join(f"- {'/'.join(c)}" for c in missing) or "- none") + curves_only,
     ]
     atomic_write_text(str(args.out / "README.md"), "\n\n".join(parts) + "\n")
     print(args.out / "README.md")
