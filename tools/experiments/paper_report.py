@@ -187,14 +187,14 @@ def _tokens_rows(teacher: str, policy: str, res: dict, ours: str, how: str,
 def long_naive_results(s2: dict, long_cells: dict, ours: str) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, how) -> tokens_to_target of ours (the grid's budget) against naive given a
     longer budget (configs/paper/grid_*_naive_long.yaml), at the teacher-relative targets."""
-    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import tokens_to_target
 
     out = {}
-    for (teacher, policy, _init), cell in sorted(long_cells.items()):
+    for key in sorted(long_cells):
+        teacher, policy, _init = key
         if (teacher, policy, ours) not in s2:
             continue
-        long_curve = load_run(str(cell["dir"]))
-        long_curve.name = "naive_long"
+        long_curve = cell_curve(long_cells, key, "naive_long")
         ours_curve = cell_curve(s2, (teacher, policy, ours))
         for how, stay in HOWS:
             # the grid's targets: its teacher perplexity (the long run's own evaluation of the teacher may
@@ -415,14 +415,13 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
     policy and init: zero-shot, final ppl / KL and tokens to each target (reached and stayed) with the
     recipe's speed-up over the grid's recipe for that init (tokens(grid) / tokens(recipe)); then ours
     against taylor_calibrate within each recipe."""
-    from megatron_tc.eval.tokens_to_target import load_run, tokens_to_target
+    from megatron_tc.eval.tokens_to_target import tokens_to_target
 
     rows, within = [], []
     for part, what in RECIPES.items():
         runs = cells(roots, part, teachers, policies)
-        for (teacher, policy, init), cell in sorted(runs.items()):
-            curve = load_run(str(cell["dir"]))
-            curve.name = f"{init}@{part}"
+        for teacher, policy, init in sorted(runs):
+            curve = cell_curve(runs, (teacher, policy, init), f"{init}@{part}")
             base = s2.get((teacher, policy, init))
             curves = [curve]
             if base is not None:
