@@ -22,7 +22,12 @@ mkdir -p "$W/t"
 mv -n "$W"/a/tilelang-*.whl "$W/t/" 2>/dev/null || true
 mv -n "$W"/b/apache_tvm_ffi-*.whl "$W"/b/torch_c_dlpack_ext-*.whl "$W/a/" 2>/dev/null || true
 rm -rf .paper_runs/runs && mkdir -p .paper_runs/runs
-for d in docs/bench/*/paper_results/runs; do cp -rn "$d/." .paper_runs/runs/; done
+for d in docs/bench/*/paper_results/runs; do  # sessions in date order: a later cell replaces an earlier one whole
+  for cell in "$d"/grid/*/*/*/*/; do  # (file by file, an earlier session's manifest.json would stay beside it)
+    [ -d "$cell" ] && rm -rf ".paper_runs/runs/${cell#"$d"/}"
+  done
+  cp -r "$d/." .paper_runs/runs/
+done
 
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 status=0
