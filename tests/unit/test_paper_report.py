@@ -156,10 +156,10 @@ def test_a_target_one_seed_never_reaches_has_no_mean(tmp_path):
     assert mean[1].startswith("1.15x teacher ") and "x, per seed " in mean[1], mean
 
 
-def test_grid_cells_kept_only_as_curves_count_everywhere_but_the_zero_shot_table(tmp_path):
+def test_grid_cells_kept_only_as_curves_count_in_every_section(tmp_path):
     """--grid-eval-logs: grid cells that survive as <teacher>_<policy>_<init>_eval_log.jsonl stand in
     for the grid's cells in the seed section and the tokens-to-target tables and goals, and are listed
-    apart from the cells not finished; the zero-shot table needs a cell's eval/results.json."""
+    apart from the cells not finished; the zero-shot table takes their step-0 evaluation, marked."""
     runs, logs = tmp_path / "runs", tmp_path / "logs"
     _cell(runs, "stage2_seed", "taylor_calibrate", [(0, 70.0), (1000, 27.5), (4000, 23.0), (100000, 21.0)], {})
     _cell(runs, "stage2_seed", "ours", [(0, 55.0), (2000, 23.0), (100000, 20.5)], {})
@@ -187,9 +187,21 @@ def test_grid_cells_kept_only_as_curves_count_everywhere_but_the_zero_shot_table
     # the curves count in the tokens-to-target table (1.15x the teacher: 23, reached at 8k and 4k) ...
     line = next(l for l in md.split("Reached and stayed:")[1].splitlines() if l.startswith("| qwen2 | uniform | 1.15x"))
     assert line.endswith("| — | 8k | 4k | — | 2.00x |"), line
-    # ... but not in the zero-shot table, which needs each cell's eval/results.json
+    # ... and in the zero-shot table with their step-0 evaluation (the curve's first point), marked;
+    # a zero_gate cell in --runs fills its column from its own evaluation
     zero_shot = md.split("## Zero-shot perplexity")[1].split("##")[0]
-    assert "| qwen2 |" not in zero_shot
+    assert "| qwen2 | uniform | 20 | — | — | 80 / 0.8† | 60 / 0.6† |" in zero_shot, zero_shot
+    assert "† a grid cell kept only as its stage-2 curve" in zero_shot
+    assert "not finished: zero-shot qwen2/uniform: incomplete (['ours', 'taylor_calibrate'])" in md
+    _cell(runs, "zero_shot", "zero_gate", [(0, 900.0)], {})
+    (logs / "qwen2_uniform_naive_eval_log.jsonl").write_text("".join(
+        json.dumps({"step": i, "tokens": t, "ppl": p, "kl": p / 100, "teacher_ppl": 20.0}) + "\n"
+        for i, (t, p) in enumerate([(0, 4000.0), (100000, 24.0)])))
+    assert _load().main(args + ["--grid-eval-logs", str(logs)]) == 0
+    md = (tmp_path / "out" / "README.md").read_text()
+    assert ("| qwen2 | uniform | 20 | 4000 / 40† | 900 / 0.5 (4.4x) | 80 / 0.8† (50.0x) | 60 / 0.6† (66.7x) |"
+            in md.split("## Zero-shot perplexity")[1].split("##")[0])
+    assert "zero-shot qwen2/uniform" not in md  # complete, ours the best: neither missed nor unfinished
     assert f"--grid-eval-logs {logs}" in md.splitlines()[2]
     with pytest.raises(SystemExit, match="no such directory"):
         _load().main(args + ["--grid-eval-logs", str(tmp_path / "none")])

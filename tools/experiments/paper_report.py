@@ -54,8 +54,8 @@ def cells(roots: list[Path], part: str, teachers=TEACHERS, policies=POLICIES) ->
 def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, init) -> {"dir": the file} for grid cells that survive only as their stage-2
     curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (session 11's SmolLM2 uniform and ar cells,
-    docs/bench/2026-11-30-h200-s11): read by every section but the zero-shot table, which needs a cell's
-    eval/results.json."""
+    docs/bench/2026-11-30-h200-s11): read by every section; the zero-shot table takes their step-0
+    evaluation in place of the eval stage's (marked)."""
     suffix, out = "_eval_log.jsonl", {}
     for d in dirs:
         if not d.is_dir():
@@ -115,10 +115,20 @@ def pretrain_section(roots: list[Path], out: Path, teachers=TEACHERS) -> str:
     return table + ("\n\n![pretraining curves](pretrain_curves.png)" if curves else "")
 
 
-def zero_shot_section(s2: dict, zs: dict, ours: str) -> tuple[str, list[str]]:
-    """Rows per (teacher, policy): teacher ppl, each init's zero-shot ppl and KL, x lower than naive."""
+def step0_evaluation(eval_log: Path) -> dict | None:
+    """The step-0 record of a stage-2 eval log (ppl, kl, teacher_ppl before any training), or None."""
+    for line in eval_log.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("step") == 0:
+            return rec
+    return None
+
+
+def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None) -> tuple[str, list[str]]:
+    """Rows per (teacher, policy): teacher ppl, each init's zero-shot ppl and KL, x lower than naive.
+    A cell kept only as its curve (`logged`) gives its step-0 evaluation inside stage 2, marked †."""
     inits = ["naive", "zero_gate", "taylor_calibrate", ours]
-    rows, misses = [], []
+    rows, misses, from_log = [], [], False
     for teacher in TEACHERS:
         for policy in POLICIES:
             got: dict[str, dict] = {}
@@ -131,6 +141,12 @@ def zero_shot_section(s2: dict, zs: dict, ours: str) -> tuple[str, list[str]]:
                     label = "naive zero-shot" if init == "naive" else f"{init} zero-shot"
                     if label in r:
                         got[init] = r[label]
+                elif (teacher, policy, init) in (logged or {}):
+                    rec = step0_evaluation(logged[(teacher, policy, init)]["dir"])
+                    if rec:
+                        got[init] = {**rec, "mark": "†"}
+                        teacher_ppl = teacher_ppl or rec.get("teacher_ppl")
+                        from_log = True
             c = zs.get((teacher, policy, "zero_gate"))
             if c:
                 got["zero_gate"] = {"ppl": c["cell"]["metrics"]["ppl"], "kl": c["cell"]["metrics"]["kl"]}
@@ -140,7 +156,7 @@ def zero_shot_section(s2: dict, zs: dict, ours: str) -> tuple[str, list[str]]:
             cellrow = [teacher, policy, fmt_num(teacher_ppl)]
             for init in inits:
                 g = got.get(init)
-                cellrow.append("—" if g is None else f"{fmt_num(g['ppl'])} / {fmt_num(g['kl'], 3)}"
+                cellrow.append("—" if g is None else f"{fmt_num(g['ppl'])} / {fmt_num(g['kl'], 3)}{g.get('mark', '')}"
                                + (f" ({naive / g['ppl']:.1f}x)" if naive and init != "naive" else ""))
             rows.append(cellrow)
             present = {i: g["ppl"] for i, g in got.items()}
@@ -152,7 +168,10 @@ def zero_shot_section(s2: dict, zs: dict, ours: str) -> tuple[str, list[str]]:
             else:
                 misses.append(f"not finished: zero-shot {teacher}/{policy}: incomplete ({sorted(present)})")
     header = ["teacher", "policy", "teacher ppl", *(f"{i}: ppl / KL (x lower than naive)" for i in inits)]
-    return md_table(header, rows), misses
+    note = ("\n\n† a grid cell kept only as its stage-2 curve (`--grid-eval-logs`): the run's own evaluation at "
+            "step 0, before any training, in place of the eval stage's (the in-run evaluation may use another "
+            "precision, so the two differ slightly)") if from_log else ""
+    return md_table(header, rows) + note, misses
 
 
 def _tokens_rows(teacher: str, policy: str, res: dict, ours: str, how: str,
@@ -469,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
     ap.add_argument("--grid-eval-logs", type=Path, action="append", default=[],
                     help="a dir of <teacher>_<policy>_<init>_eval_log.jsonl: grid cells kept only as curves, read "
-                         "where no cell of the grid is in --runs by every section but the zero-shot one (repeatable)")
+                         "where no cell of the grid is in --runs by every section, the zero-shot table with their step-0 evaluation (repeatable)")
     args = ap.parse_args(argv)
     roots = args.runs or [Path(".paper_runs/runs")]
     teachers, policies = _names(args.teachers, TEACHERS, "teachers"), _names(args.policies, POLICIES, "policies")
@@ -481,14 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     s2, zs = cells(roots, "stage2", teachers, policies), cells(roots, "zero_shot", teachers, policies)
     logged = {k: v for k, v in logged_curves(args.grid_eval_logs, teachers, policies).items() if k not in s2}
     base = {**logged, **s2}  # every grid cell's stage-2 curve: its directory, or its eval log alone
-    zero_table, zero_miss = zero_shot_section(s2, zs, args.ours)  # needs the cells' eval/results.json
+    zero_table, zero_miss = zero_shot_section(s2, zs, args.ours, logged)
     long_res = long_naive_results(base, cells(roots, "naive_long", teachers, policies), args.ours)
     tok_table, tok_miss = tokens_section(base, args.out, args.ours, long_res)
     seeds = [("stage2", base), *((part, cells(roots, part, teachers, policies)) for part in SEED_PARTS)]
     expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
     missing = sorted(expected - set(base)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
-    curves_only = ("\n\nKept only as stage-2 curves (`--grid-eval-logs`; in the tables above except the zero-shot "
-                   "one, which needs the cell's evaluation file):\n\n"
+    curves_only = ("\n\nKept only as stage-2 curves (`--grid-eval-logs`; in the tables above, the zero-shot one "
+                   "with their step-0 evaluation):\n\n"
                    + "\n".join(f"- {'/'.join(c)}" for c in sorted(logged))) if logged else ""
     scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
         f" --teachers {','.join(teachers)} --policies {','.join(policies)}"
