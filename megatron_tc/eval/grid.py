@@ -24,7 +24,8 @@ their fingerprints are the ones the cell's pipeline will require (neither stage 
 select depends on run.seed), so the teacher is converted and the layers selected once per (teacher,
 policy), not once per init. A sibling of the same init (a cell of another grid over the same out
 root's teachers, e.g. another stage-2 recipe) also shares `stats/` and `init/`: the calibrated start
-is made once per init and seed.
+is made once per init and seed (grid_reuse.py). With a time budget, a cell starts only when it is
+likely to end within it (grid_timing.py); the tables are written by grid_results.py.
 Several processes may run one grid at once (one per GPU): each cell runs in the process holding its
 lock (`grid_claims.py`), so they split the cells between them. SIGTERM or SIGUSR1 (`timeout`,
 Slurm) stops a grid cleanly: the running cell's stage 2 checkpoints the step it is on and the cell
@@ -41,11 +42,9 @@ Other runners can be registered with `register_runner(mode, fn)`.
 """
 from __future__ import annotations
 
-import glob
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -58,13 +57,15 @@ import yaml
 
 from megatron_tc.distill.signals import ExitSignals, active, signal_name
 from megatron_tc.eval.grid_claims import CellClaim
-from megatron_tc.eval.report import atomic_write_text, fmt_num, fmt_ratio, fmt_tokens, md_table
+from megatron_tc.eval.grid_results import UNFINISHED, write_results
+from megatron_tc.eval.grid_reuse import (CELL_FILE, finished_record, reuse_sibling_stages, sibling_with_shared_outputs,
+                                         waits_for_sibling)
+from megatron_tc.eval.grid_timing import expected_seconds, kernels_cached_here
+from megatron_tc.eval.report import atomic_write_text
 
 GRID_KEYS = {"base", "out", "mode", "process", "overrides", "axes"}
 PROCESS = ("subprocess", "inline")
 AXES = ("teacher", "policy", "init")
-CELL_FILE = "cell.json"
-UNFINISHED = ("pending", "elsewhere")  # not run by this process (time budget / another process holds it)
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1")  # stop the grid after the running cell (megatron_tc.distill.signals)
 
 
@@ -281,207 +282,7 @@ def run_cell(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
     return RUNNERS[grid.mode](cfg, grid, cell)
 
 
-# ---- outputs shared by the cells of one (teacher, policy) ---------------------------------------
-SHARED_STAGES = {"convert": "teacher", "select": "select"}  # stage -> its directory in a run dir
-SAME_INIT_STAGES = {"stats": "stats", "init": "init"}  # shared only between cells of one init
-
-
-def shared_stages(cell: Cell, sibling: Cell) -> dict[str, str]:
-    """The stages `cell` may take from `sibling` (same teacher and policy): convert and select
-    always, stats and init when both start from the same init (cells of grids that differ in what
-    comes after, such as the stage-2 recipe). The fingerprint check still decides whether they apply."""
-    return {**SHARED_STAGES, **(SAME_INIT_STAGES if sibling.init == cell.init else {})}
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard link (stage outputs are written once, by rename, never modified in place), else copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _manifest(run_dir: str) -> dict[str, Any]:
-    """A run dir's manifest.json; none, or one that does not parse, shares nothing (the pipeline
-    reports a broken manifest when that cell itself runs)."""
-    try:
-        with open(os.path.join(run_dir, "manifest.json"), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return {"stages": {}}
-    return data if isinstance(data, dict) and isinstance(data.get("stages"), dict) else {"stages": {}}
-
-
-def reuse_sibling_stages(cell: Cell, sibling: Cell) -> list[str]:
-    """Link `sibling`'s complete shared outputs (`shared_stages`) into `cell` (of the same teacher and
-    policy) with their manifest entries; returns the stages reused. A stage the cell already has is
-    never touched; one the sibling has not completed (or whose files did not travel with a packed
-    result, like `teacher/` or `init/student/`) is left for the pipeline to run."""
-    theirs, mine = _manifest(sibling.run_dir), _manifest(cell.run_dir)
-    reused = []
-    for stage, sub in shared_stages(cell, sibling).items():
-        entry = theirs["stages"].get(stage, {})
-        src, dst = os.path.join(sibling.run_dir, sub), os.path.join(cell.run_dir, sub)
-        if (stage in mine["stages"] or not _applies(cell, stage, entry) or not os.path.isdir(src)
-                or os.path.exists(dst)):
-            continue
-        shutil.copytree(src, dst, copy_function=_link_or_copy)
-        mine["stages"][stage] = {**entry, "outputs": [o.replace(sibling.run_dir, cell.run_dir, 1)
-                                                      for o in entry.get("outputs", [])],
-                                 "reused_from": sibling.run_dir}
-        reused.append(stage)
-    if reused:
-        atomic_write_text(os.path.join(cell.run_dir, "manifest.json"), json.dumps(mine, indent=2, sort_keys=True) + "\n")
-    return reused
-
-
-def _complete_here(entry: dict[str, Any]) -> bool:
-    """A manifest entry marked complete whose recorded outputs are all on this machine."""
-    return entry.get("status") == "complete" and all(os.path.exists(o) for o in entry.get("outputs", []))
-
-
-def _applies(cell: Cell, stage: str, entry: dict[str, Any]) -> bool:
-    """A complete entry here whose fingerprint is the one `cell`'s pipeline will require (when known)."""
-    return _complete_here(entry) and (cell.fingerprints is None or entry.get("fingerprint") == cell.fingerprints.get(stage))
-
-
-def _shareable(cell: Cell, sibling: Cell) -> list[str]:
-    """The stages `cell` may take from `sibling` that the sibling has complete here, for `cell`'s config."""
-    stages = _manifest(sibling.run_dir)["stages"]
-    return [s for s in shared_stages(cell, sibling) if _applies(cell, s, stages.get(s, {}))]
-
-
-def _siblings(cells: list[Cell], cell: Cell) -> list[Cell]:
-    return [c for c in cells if (c.teacher, c.policy) == (cell.teacher, cell.policy) and c is not cell]
-
-
-def sibling_with_shared_outputs(cells: list[Cell], cell: Cell) -> Cell | None:
-    """The other cell of the same (teacher, policy) with the most complete shared stages, if any."""
-    scored = [(len(_shareable(cell, c)), c) for c in _siblings(cells, cell)]
-    score, best = max(scored, key=lambda sc: sc[0], default=(0, None))
-    return best if score > 0 else None
-
-
-def _finished(run_dir: str) -> dict[str, Any] | None:
-    """The cell's record when it finished ok (<cell>/cell.json), else None."""
-    path = os.path.join(run_dir, CELL_FILE)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            rec = json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return rec if rec.get("status") == "ok" else None
-
-
-def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str | None = None,
-                        init: str | None = None, skip: Sequence[str] = (), kernels_cached: bool = False) -> float:
-    """The longest of the `recent` most recently finished cells under a grid's out dir (0 when
-    none): what a fresh invocation expects its next cell to take. Recent ones, because the cost of
-    a cell changes with the code (and unpacked results keep their finishing times). With `teacher`,
-    that teacher's cells (<out>/<teacher>/...) when it has any: a cell of a 30-layer teacher takes
-    several times one of a 12-layer teacher, so the other teachers' cells are only the fallback.
-    With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
-    calibrated init aligns every converted layer before stage 2, which a naive cell does not (on the
-    H200, 90-165 s of a 300-370 s SmolLM2 cell). `out` may be several dirs of the same layout (the
-    grid's own, then committed results of earlier sessions): each tier looks in all of them. `skip`:
-    stages the coming cell takes from a sibling, whose seconds a cell that ran them itself does not
-    count (`cell_seconds_without`). `kernels_cached`: this machine has compiled the kernels already, so
-    cells that started with an empty kernel cache (`kernels_cached_here`) count only when a tier has no
-    other (they paid the compilation a coming cell will not)."""
-    outs = [out] if isinstance(out, str) else list(out)
-    tiers = [outs]  # most specific first
-    if teacher is not None:
-        tiers.insert(0, [os.path.join(o, teacher) for o in outs])
-        if init is not None:
-            tiers.insert(0, [d for o in outs
-                             for d in glob.glob(os.path.join(glob.escape(o), glob.escape(teacher), "*", glob.escape(init)))])
-    for roots in tiers:
-        seconds = _longest_recent(roots, recent, skip, kernels_cached)
-        if seconds > 0:
-            return seconds
-    return 0.0
-
-
-def cell_seconds_without(run_dir: str, seconds: float, skip: Sequence[str]) -> float:
-    """A cell's `seconds` less those its own runs of the `skip` stages took (by its manifest; a stage
-    it took from a sibling cost it nothing): how long a cell that takes those stages from a sibling
-    can expect to run, judged by this one. A statistics pass and an alignment are 130-270 s of a
-    300-430 s SmolLM2 cell on the H200."""
-    stages = _manifest(run_dir)["stages"]
-    spent = sum(float(stages[s].get("seconds") or 0.0) for s in skip
-                if s in stages and "reused_from" not in stages[s])
-    return max(seconds - spent, 0.0)
-
-
-def _longest_recent(roots: list[str], recent: int, skip: Sequence[str] = (), kernels_cached: bool = False) -> float:
-    finished = []  # (finishing time, seconds, started with an empty kernel cache)
-    for top in roots:
-        for root, _dirs, files in os.walk(top):
-            rec = _finished(root) if CELL_FILE in files else None
-            if rec is not None:
-                finished.append((os.path.getmtime(os.path.join(root, CELL_FILE)),
-                                 cell_seconds_without(root, float(rec.get("seconds") or 0.0), skip),
-                                 rec.get("kernels_cached") is False))
-    finished = _without_cold_starts(finished, kernels_cached)
-    return max((seconds for _, seconds, _ in sorted(finished, reverse=True)[:recent]), default=0.0)
-
-
-def _without_cold_starts(finished: list[tuple], kernels_cached: bool) -> list[tuple]:
-    """`finished` (tuples whose last item says the cell started with an empty kernel cache) less the
-    cold starts, when the kernels are cached here now and some cell was not a cold start."""
-    warm = [f for f in finished if not f[-1]]
-    return warm if kernels_cached and warm else finished
-
-
-def kernels_cached_here() -> bool:
-    """Whether this machine's Triton cache (TRITON_CACHE_DIR, else Triton's default) holds anything.
-    A cell started without it compiles the fla kernels as it goes: the first SmolLM2 cell of a fresh
-    H200 took 397-411 s against 151-181 s for the same cell once they were cached (docs/BENCHMARKS.md,
-    lessons 21 and 23), and a time check judging by that cell leaves warm cells that fit pending."""
-    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    try:
-        with os.scandir(path) as entries:
-            return any(True for _ in entries)
-    except OSError:
-        return False
-
-
-def stages_not_to_run(siblings: list[Cell], cell: Cell) -> list[str]:
-    """The stages `cell` has complete from an earlier invocation (a cell cut in stage 2 resumes
-    there) or will take from its best sibling (complete there), for its config when its fingerprints
-    are known (a sibling of another run.seed offers its converted teacher only)."""
-    mine = _manifest(cell.run_dir)["stages"]
-    skip = {s for s, entry in mine.items() if _applies(cell, s, entry)}
-    best = sibling_with_shared_outputs(siblings, cell)
-    if best is not None:
-        skip |= set(_shareable(cell, best))
-    return sorted(skip)
-
-
 # ---- the grid ---------------------------------------------------------------------------------
-def _waits_for_sibling(cells: list[Cell], cell: Cell) -> bool:
-    """Another process is making outputs this cell would take and no sibling offers them yet: its
-    (teacher, policy)'s selection (no sibling has anything to share), or the statistics and init of
-    its init (a cell of its init in another grid): running it now would make them a second time."""
-    def started(c: Cell) -> bool:
-        return os.path.isfile(os.path.join(c.run_dir, "run.json"))
-
-    def has_start(c: Cell) -> bool:
-        stages = _manifest(c.run_dir)["stages"]
-        return all(_complete_here(stages.get(s, {})) for s in SAME_INIT_STAGES)
-
-    if started(cell):
-        return False
-    siblings = _siblings(cells, cell)
-    busy = [c for c in siblings if started(c) and _finished(c.run_dir) is None]
-    if not busy:
-        return False
-    if not any(_shareable(cell, c) for c in siblings):
-        return True
-    same_init = [c for c in siblings if c.init == cell.init]
-    return any(c in busy for c in same_init) and not any(has_start(c) for c in same_init)
-
-
 def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
              log: Callable[[str], None] = print, max_seconds: float | None = None,
              history: Sequence[str] = (), donors: Sequence[Cell] = ()) -> list[dict[str, Any]]:
@@ -510,7 +311,7 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     with ExitSignals(EXIT_SIGNALS) as signals:  # after a stop signal: the running cell stops, no new one starts
         while queue:
             n, cell = queue.popleft()
-            done = None if force else _finished(cell.run_dir)
+            done = None if force else finished_record(cell.run_dir)
             if done is not None:
                 log(f"[{n}/{len(cells)}] {cell.key}: done before, skipped")
                 records[n] = done
@@ -519,12 +320,12 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                 log(f"[{n}/{len(cells)}] {cell.key}: pending ({signal_name(signals.received)} received)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            if max_seconds is not None and time.perf_counter() - started + _expected_seconds(
+            if max_seconds is not None and time.perf_counter() - started + expected_seconds(
                     cell, siblings, ran_here, [grid.out, *history]) > max_seconds:
                 log(f"[{n}/{len(cells)}] {cell.key}: pending (time budget of {max_seconds:.0f} s)")
                 records[n] = _placeholder(cell, "pending")
                 continue
-            if n not in deferred and queue and _waits_for_sibling(siblings, cell):
+            if n not in deferred and queue and waits_for_sibling(siblings, cell):
                 log(f"[{n}/{len(cells)}] {cell.key}: a sibling is being set up elsewhere; later")
                 deferred.add(n)
                 queue.append((n, cell))
@@ -534,26 +335,16 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
                     log(f"[{n}/{len(cells)}] {cell.key}: running in another process, skipped")
                     records[n] = _placeholder(cell, "elsewhere")
                     continue
-                done = None if force else _finished(cell.run_dir)  # another process may have just finished it
+                done = None if force else finished_record(cell.run_dir)  # another process may have just finished it
                 records[n] = done or _run_one(grid, siblings, cell, configs[cell.key], f"[{n}/{len(cells)}]", log,
                                               fail_fast)
             if done is None and records[n]["status"] != "pending":  # a stopped cell's time is not a cell's
                 ran_here.setdefault((cell.teacher, cell.init), []).append(
                     (cell.run_dir, records[n]["seconds"], records[n].get("kernels_cached") is False))
-    ordered = [records[n] if records[n]["status"] != "elsewhere" else _finished(records[n]["run_dir"]) or records[n]
+    ordered = [records[n] if records[n]["status"] != "elsewhere" else finished_record(records[n]["run_dir"]) or records[n]
                for n in sorted(records)]  # cells other processes finished meanwhile count as finished
     write_results(grid, ordered)
     return ordered
-
-
-def _expected_seconds(cell: Cell, siblings: list[Cell], ran_here: dict, roots: list[str]) -> float:
-    """How long `cell` will likely take: the longest cell of its teacher and init in this invocation
-    (`ran_here`), else the recent ones under `roots`, less the stages it will not run; once the kernels
-    are cached here, not counting cells that compiled them (when others are known)."""
-    skip, cached = stages_not_to_run(siblings, cell), kernels_cached_here()
-    here = [(cell_seconds_without(d, sec, skip), cold) for d, sec, cold in ran_here.get((cell.teacher, cell.init), [])]
-    return (max((sec for sec, _ in _without_cold_starts(here, cached)), default=0.0)
-            or recent_cell_seconds(roots, teacher=cell.teacher, init=cell.init, skip=skip, kernels_cached=cached))
 
 
 def _placeholder(cell: Cell, status: str) -> dict[str, Any]:
@@ -588,103 +379,6 @@ def _run_one(grid: Grid, siblings: list[Cell], cell: Cell, cfg: Any, tag: str, l
     rec["seconds"] = round(time.perf_counter() - start, 2)
     atomic_write_text(os.path.join(cell.run_dir, CELL_FILE), json.dumps(rec, indent=1, default=str) + "\n")
     return rec
-
-
-def _ratio_vs_naive(records: list[dict[str, Any]], rec: dict[str, Any]) -> str:
-    base = next((r for r in records if r["teacher"] == rec["teacher"] and r["policy"] == rec["policy"]
-                 and r["init"] == "naive" and r["status"] == "ok"), None)
-    if base is None or rec["status"] != "ok" or not rec["metrics"].get("ppl"):
-        return "—"
-    return f"{base['metrics']['ppl'] / rec['metrics']['ppl']:.2f}x"
-
-
-def _tokens_to_target_table(res: dict[str, Any]) -> str:
-    labels = [t["label"] for t in res["targets"]]
-    rows = [[r["name"]] + [fmt_tokens(r["tokens"][lab]) for lab in labels] for r in res["runs"]]
-    for base, table in res["ratios"].items():
-        rows += [[f"{name}: x fewer tokens than {base.removeprefix('vs_')}"] + [fmt_ratio(cells[lab]) for lab in labels]
-                 for name, cells in table.items()]
-    return md_table(["run"] + labels, rows)
-
-
-def _tokens_to_target_sections(grid: Grid, records: list[dict[str, Any]]) -> list[str]:
-    """pipeline mode: tokens-to-target across inits for each (teacher, policy), first reach and
-    reached-and-stayed (a calibrated start can rise above a target in its first steps)."""
-    from megatron_tc.eval.tokens_to_target import EvalLogError, load_run, tokens_to_target
-
-    out = []
-    groups = sorted({(r["teacher"], r["policy"]) for r in records})
-    for teacher, policy in groups:
-        dirs = [r["run_dir"] for r in records if (r["teacher"], r["policy"]) == (teacher, policy) and r["status"] == "ok"]
-        try:
-            curves = [load_run(d) for d in dirs]
-            first, stayed = (tokens_to_target(curves, stay=stay) for stay in (False, True))
-        except EvalLogError as exc:
-            out.append(f"### {teacher} / {policy}\n\ntokens-to-target not available: {exc}")
-            continue
-        out.append(f"### {teacher} / {policy}\n\nFirst reach:\n\n{_tokens_to_target_table(first)}\n\n"
-                   f"Reached and stayed at or below the target for the rest of the run:\n\n"
-                   f"{_tokens_to_target_table(stayed)}")
-    return out
-
-
-def _shown_path(path: str) -> str:
-    """Relative to the working directory when below it, so a results.md can be copied into docs."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
-def relative_ppl(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """{teacher: {policy: {init: ppl / teacher_ppl}}} over the finished cells that report both."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for r in records:
-        m = r.get("metrics") or {}
-        if r["status"] == "ok" and m.get("ppl") and m.get("teacher_ppl"):
-            out.setdefault(r["teacher"], {}).setdefault(r["policy"], {})[r["init"]] = m["ppl"] / m["teacher_ppl"]
-    return out
-
-
-def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
-    """<out>/results.json (every record), <out>/results.md (tables) and <out>/results.png (the plot)."""
-    os.makedirs(grid.out, exist_ok=True)
-    json_path, md_path = os.path.join(grid.out, "results.json"), os.path.join(grid.out, "results.md")
-    atomic_write_text(json_path, json.dumps({"mode": grid.mode, "base": grid.base, "cells": records},
-                                            indent=1, default=str) + "\n")
-    trained = grid.mode != "zero_shot"  # pipeline-like modes train, so they have eval logs
-    keys = ["ppl", "kl", "top1_agree", "teacher_ppl"] + (["zero_shot_ppl", "train_tokens"] if trained else [])
-    rows = [[r["teacher"], r["policy"], r["init"], r["status"]]
-            + [fmt_num((r.get("metrics") or {}).get(k)) for k in keys] + [_ratio_vs_naive(records, r), r["seconds"]]
-            for r in records]
-    parts = [f"# Grid results ({grid.mode})",
-             f"Base config: `{_shown_path(grid.base)}`; cells under `{_shown_path(grid.out)}`.",
-             md_table(["teacher", "policy", "init", "status", *keys, "naive ppl / ppl", "seconds"], rows)]
-    for teacher in grid.axes["teacher"]:
-        pivot = [[init] + [fmt_num(next(((r.get("metrics") or {}).get("ppl") for r in records
-                                         if (r["teacher"], r["policy"], r["init"]) == (teacher, p, init)), None))
-                           for p in grid.axes["policy"]] for init in grid.axes["init"]]
-        parts.append(f"## {teacher}: perplexity (rows: init, columns: policy)\n\n"
-                     + md_table(["init", *grid.axes["policy"]], pivot))
-    panels = relative_ppl(records)
-    if panels:
-        from megatron_tc.eval.plots import plot_grouped_bars
-
-        what = "after stage 2" if trained else "zero-shot"
-        plot_grouped_bars(panels, os.path.join(grid.out, "results.png"), ylabel="perplexity / teacher's",
-                          title=f"Eval perplexity {what}, relative to the teacher (black line)")
-        parts.append(f"![perplexity {what} / teacher, per cell](results.png)")
-    if trained:
-        parts.append("## Tokens to target\n\n" + "\n\n".join(_tokens_to_target_sections(grid, records)))
-    pending = [r for r in records if r["status"] in UNFINISHED]
-    if pending:
-        parts.append("## Pending cells (not run yet, or still running in another process: rerun the grid)\n\n"
-                     + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}"
-                                  + (" (running elsewhere)" if r["status"] == "elsewhere" else "") for r in pending))
-    failed = [r for r in records if r["status"] not in ("ok", *UNFINISHED)]
-    if failed:
-        parts.append("## Failed cells\n\n" + "\n".join(f"- {r['teacher']}/{r['policy']}/{r['init']}: {r['error']}"
-                                                        for r in failed))
-    atomic_write_text(md_path, "\n\n".join(parts) + "\n")
-    return json_path, md_path
 
 
 def grid_main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tc.eval.grid import GridError, load_grid, register_runner, relative_ppl, run_grid
+from megatron_tc.eval.grid import GridError, load_grid, register_runner, run_grid
+from megatron_tc.eval.grid_results import relative_ppl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS = []
@@ -102,7 +103,7 @@ def test_time_budget_counts_cells_finished_by_earlier_runs(tmp_path):
 
 
 def test_only_recently_finished_cells_set_the_expected_cell_time(tmp_path):
-    from megatron_tc.eval.grid import recent_cell_seconds
+    from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     for n, seconds in enumerate([900.0, 120.0, 100.0, 130.0]):  # the 900 s cell finished first
         cell = tmp_path / f"c{n}"
@@ -117,7 +118,7 @@ def test_only_recently_finished_cells_set_the_expected_cell_time(tmp_path):
 
 
 def test_a_teachers_own_finished_cells_set_its_expected_cell_time(tmp_path):
-    from megatron_tc.eval.grid import recent_cell_seconds
+    from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     for n, (teacher, seconds) in enumerate([("big", 400.0), ("small", 120.0), ("small", 110.0), ("small", 100.0)]):
         cell = tmp_path / teacher / "uniform" / f"init{n}"
@@ -131,7 +132,7 @@ def test_a_teachers_own_finished_cells_set_its_expected_cell_time(tmp_path):
 
 
 def test_a_teachers_cells_of_the_same_init_set_its_expected_cell_time(tmp_path):
-    from megatron_tc.eval.grid import recent_cell_seconds
+    from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     done = [("uniform", "naive", 290.0), ("uniform", "ours", 367.0), ("ar", "naive", 349.0), ("ar", "ours", 315.0)]
     for n, (policy, init, seconds) in enumerate(done):
@@ -146,7 +147,8 @@ def test_a_teachers_cells_of_the_same_init_set_its_expected_cell_time(tmp_path):
 
 
 def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_path):
-    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
+    from megatron_tc.eval.grid import Cell
+    from megatron_tc.eval.grid_reuse import reuse_sibling_stages, sibling_with_shared_outputs
 
     a, b = (Cell("t", "/t", "uniform", init, str(tmp_path / init)) for init in ("naive", "ours"))
     for d in ("teacher", "select"):
@@ -175,7 +177,8 @@ def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
     """Cells of two grids that differ only after the init (stage-2 recipes) make each start once; a
     sibling of another init shares convert and select only, and an entry whose outputs did not come
     with it (a packed result: no init/student) is left for the pipeline to run."""
-    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, sibling_with_shared_outputs
+    from megatron_tc.eval.grid import Cell
+    from megatron_tc.eval.grid_reuse import reuse_sibling_stages, sibling_with_shared_outputs
 
     def cell(part: str, init: str) -> Cell:
         return Cell("t", "/t", "stats", init, str(tmp_path / part / init))
@@ -214,7 +217,8 @@ def test_outputs_of_another_run_seed_are_neither_linked_nor_counted_as_done(tmp_
     stats and init depend on the seed), and its own outputs from another config do not count as done."""
     from megatron_tc.config.loader import load_config
     from megatron_tc.distill.runner import config_fingerprints
-    from megatron_tc.eval.grid import Cell, reuse_sibling_stages, stages_not_to_run
+    from megatron_tc.eval.grid import Cell
+    from megatron_tc.eval.grid_reuse import reuse_sibling_stages, stages_not_to_run
 
     base = os.path.join(REPO, "configs", "tiny.yaml")
     seed1, seed2 = (config_fingerprints(load_config(base, [f"run.seed={n}"])) for n in (1, 2))
@@ -442,7 +446,7 @@ def test_a_cell_that_takes_its_init_from_a_sibling_is_expected_to_take_that_much
     """The time check counts what the earlier cells spent on stages this cell will take from a
     sibling as already spent: a 430 s cell whose statistics and init (266 s) another recipe's cell
     made fits a 300 s budget; the same cell with nothing on offer stays pending."""
-    from megatron_tc.eval.grid import cell_seconds_without
+    from megatron_tc.eval.grid_timing import cell_seconds_without
 
     def finish(run_dir: Path, seconds: float, stages: dict) -> None:
         run_dir.mkdir(parents=True)
@@ -488,7 +492,7 @@ def test_a_cell_that_takes_its_init_from_a_sibling_is_expected_to_take_that_much
 def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):
     """On a fresh machine the grid's out dir is empty; committed results (history) stand in for it,
     tier by tier, and the out dir's own cells come first once it has some."""
-    from megatron_tc.eval.grid import recent_cell_seconds
+    from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     history, out = tmp_path / "committed", tmp_path / "out"
     for root, policy, init, seconds in [(history, "stats", "naive", 402.0), (history, "stats", "ours", 323.0),
@@ -506,7 +510,7 @@ def test_cells_that_compiled_the_kernels_do_not_set_the_time_once_they_are_cache
     """The first cell of a fresh GPU machine compiles the fla kernels (SmolLM2: 397 s against 151 s
     once cached); after that, the cells that started with a cached kernel set the expected time, and
     the cold ones only when nothing else is known."""
-    from megatron_tc.eval.grid import recent_cell_seconds
+    from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     def finished(policy, init, seconds, cached, when):
         cell = tmp_path / "smollm2" / policy / init
