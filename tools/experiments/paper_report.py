@@ -115,15 +115,6 @@ def pretrain_section(roots: list[Path], out: Path, teachers=TEACHERS) -> str:
     return table + ("\n\n![pretraining curves](pretrain_curves.png)" if curves else "")
 
 
-def step0_evaluation(eval_log: Path) -> dict | None:
-    """The step-0 record of a stage-2 eval log (ppl, kl, teacher_ppl before any training), or None."""
-    for line in eval_log.read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if rec.get("step") == 0:
-            return rec
-    return None
-
-
 def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None) -> tuple[str, list[str]]:
     """Rows per (teacher, policy): teacher ppl, each init's zero-shot ppl and KL, x lower than naive.
     A cell kept only as its curve (`logged`) gives its step-0 evaluation inside stage 2, marked †."""
@@ -142,10 +133,10 @@ def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None)
                     if label in r:
                         got[init] = r[label]
                 elif (teacher, policy, init) in (logged or {}):
-                    rec = step0_evaluation(logged[(teacher, policy, init)]["dir"])
-                    if rec:
-                        got[init] = {**rec, "mark": "†"}
-                        teacher_ppl = teacher_ppl or rec.get("teacher_ppl")
+                    curve = cell_curve(logged, (teacher, policy, init))
+                    if curve.zero_shot_ppl is not None:  # its evaluation before the first step
+                        got[init] = {"ppl": curve.zero_shot_ppl, "kl": curve.kl[0], "mark": "†"}
+                        teacher_ppl = teacher_ppl or curve.teacher_ppl
                         from_log = True
             c = zs.get((teacher, policy, "zero_gate"))
             if c:
