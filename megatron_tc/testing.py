@@ -68,7 +68,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         report = traceback.format_exc()
-        # also at once on stderr: a run cut by a time limit (device calls) never gets to the parent's report
+        # also at once on stderr: a run cut by a time limit never gets to the parent's report
         print(f"--- rank {rank} raised:\n{report}", file=sys.stderr, flush=True)
         errors.put((rank, report))
         raise SystemExit(1)

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative_path: str) -> ModuleType:
-    """`load_script("tools/experiments/paper_grid.py")`: the file executed as a fresh module."""
+    """`load_script("tools/paper/grid.py")`: the file executed as a fresh module."""
     path = ROOT / relative_path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

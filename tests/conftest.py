@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Under pytest-xdist (`pytest -n N tests/gpu` on the device machine) worker gwK runs on GPU
+# Under pytest-xdist (`pytest -n N tests/gpu` on a GPU machine) worker gwK runs on GPU
 # K modulo the visible GPUs ("cuda" means the current device): fla compiles about a minute per kernel
 # shape, mostly on the host, so N workers finish the GPU tests in about 1/N of the time.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -19,7 +19,7 @@ if _worker.startswith("gw") and torch.cuda.is_available() and torch.cuda.device_
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA (run on the device machine, see ../shared/GPU.md)")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA and fla (see docs/development.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -178,8 +178,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def default_out(name: str) -> Path:
-    """$OUT/bench_<name>.json on the device machine, else runs/bench/<name>.json."""
-    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("runs") / "bench"
+    """runs/bench/bench_<name>.json, or under $MEGATRON_TC_BENCH_DIR when that is set."""
+    base = Path(os.environ.get("MEGATRON_TC_BENCH_DIR") or Path("runs") / "bench")
     return base / f"bench_{name}.json"
 
 

@@ -36,7 +36,7 @@ def llama_1b() -> ArchConfig:
     KV bytes per token of Llama-3.2-1B's 8 x 64), intermediate 8192, vocab 32000, untied.
 
     head_dim 128 with 16 heads is chosen so the GDN kernels share their compiled and autotuned
-    shape (H=16, D=128) with tools/bench_gdn.py: fla compiles for a minute per new shape."""
+    shape (H=16, D=128) with tools/bench/gdn.py: fla compiles for a minute per new shape."""
     return ArchConfig(family="llama", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
                       num_kv_heads=4, head_dim=128, intermediate_size=8192, rope_theta=500000.0,
                       norm_eps=1e-5, max_position_embeddings=131072)

@@ -1,7 +1,7 @@
 """Headline numbers of a benchmark run: `python -m megatron_tc.bench.summary DIR`.
 
-Reads the result files in DIR (JSON with a 'benchmark' key) (written by tools/bench_*.py) and prints, compactly, the rows that
-docs/BENCHMARKS.md needs: GDN timings against GPU.md's anchors, student/teacher ratios, MFU,
+Reads the result files in DIR (JSON with a 'benchmark' key) (written by tools/bench/*.py) and prints, compactly, the rows that
+docs/benchmarks.md needs: GDN timings against the SDPA anchors, student/teacher ratios, MFU,
 statistics-pass ratio and calibration wall time, and every recorded error.
 """
 from __future__ import annotations

@@ -241,7 +241,7 @@ class TaylorFit(Taylor):
     from the same closed form but with the paper's damped output gate; each flag is one component
     for the ablations.
 
-    Why the aligned form drops the fitted gate (2026-11-30, docs/RESULTS.md): the fitted gate is the
+    Why the aligned form drops the fitted gate (docs/method.md): the fitted gate is the
     better closed form, but its best candidates are large (γ = 16 near-constant gates, weight norm
     ~90 per head) with o_proj scaled down ~1000x to match, and AdamW's per-element steps then move
     the tiny o_proj by far more than its size and the large gate by almost nothing: held-out

@@ -72,11 +72,11 @@ def prompt_set(vocab_size: int, tokenizer: Any = None, num_random: int = 4, seq_
 
 
 @torch.no_grad()
-def compare_models(hf_model: torch.nn.Module, ours: torch.nn.Module, prompts: list[torch.Tensor]) -> VerifyResult:
+def compare_models(hf_model: torch.nn.Module, converted: torch.nn.Module, prompts: list[torch.Tensor]) -> VerifyResult:
     max_diff, agree, total = 0.0, 0, 0
     for ids in prompts:
         want = hf_model(input_ids=ids, use_cache=False).logits.float()
-        got = ours(ids).float()
+        got = converted(ids).float()
         if got.shape != want.shape:
             raise ValueError(f"logit shapes differ: HF {list(want.shape)}, megatron_tc {list(got.shape)}")
         max_diff = max(max_diff, (got - want).abs().max().item())
@@ -90,9 +90,9 @@ def verify_conversion(hf: str | os.PathLike, ckpt: str | os.PathLike, num_random
     """Build the HF model from `hf` and HybridLM from checkpoint `ckpt`; compare logits in fp32."""
     from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
 
-    ours = load_hybrid_lm(ckpt, dtype=torch.float32)
+    converted = load_hybrid_lm(ckpt, dtype=torch.float32)
     hf_model, tokenizer = load_hf_model(hf)
     if tokenizer is None and (Path(ckpt) / "tokenizer").is_dir():
         tokenizer = try_tokenizer(Path(ckpt) / "tokenizer")
-    prompts = prompt_set(ours.arch.vocab_size, tokenizer, num_random, seq_len, seed)
-    return compare_models(hf_model, ours, prompts)
+    prompts = prompt_set(converted.arch.vocab_size, tokenizer, num_random, seq_len, seed)
+    return compare_models(hf_model, converted, prompts)

@@ -1,4 +1,4 @@
-"""Resumable training checkpoints: DeepSpeed engine state plus ours, written atomically.
+"""Resumable training checkpoints: DeepSpeed engine state plus the pipeline's own, written atomically.
 
 Layout under a stage's checkpoint root (e.g. ``<run_dir>/stage2/checkpoints``)::
 

@@ -367,7 +367,7 @@ def gather_full_state(engine: Any, ctx: Any = None) -> dict[str, torch.Tensor] |
 
 def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None,
                             trainable: torch.nn.Module | None = None) -> dict:
-    """The student's DeepSpeed config: the template (ours or parallel.deepspeed_config) with its
+    """The student's DeepSpeed config: the template (the built-in one or parallel.deepspeed_config) with its
     "auto" values filled from our config (ZeRO's bucket sizes from the `trainable` module's
     parameters with requires_grad), plus DeepSpeed's own TensorBoard monitor."""
     from megatron_tc.config import deepspeed_template_path
@@ -386,7 +386,7 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})
     if ds["zero_optimization"].get("stage") == 3 and ctx.dp_size == 1 and ctx.rank == 0:
         log.warning("ZeRO-3 over one data-parallel rank shards nothing, yet gathers and releases every layer's "
-                    "parameters each step (host time: docs/BENCHMARKS.md, section 3); parallel.zero_stage=1 "
+                    "parameters each step (host time: docs/benchmarks.md); parallel.zero_stage=1 "
                     "trains the same way without them")
     if tensorboard_dir is not None:
         ds["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": "deepspeed"}

@@ -28,7 +28,7 @@ POLICY_NAMES = {"stats": "readout_gap"}
 
 
 class _TBAdapter:
-    """calibrate's loggers call writer.add_scalar(tag, value, step); ours is TBWriter.scalar."""
+    """calibrate's loggers call writer.add_scalar(tag, value, step); the run's writer is TBWriter.scalar."""
 
     def __init__(self, tb):
         self.tb = tb
@@ -186,7 +186,7 @@ def alignment_tokens(cfg: Any) -> int:
 
 
 def heldout_calibration_tokens(cfg: Any) -> int:
-    """Calibration tokens after the first data.calib_tokens on which ours picks its alignment step."""
+    """Calibration tokens after the first data.calib_tokens on which taylor_fit picks its alignment step."""
     return max(cfg.data.seq_len, cfg.data.calib_tokens // 4)
 
 

@@ -291,8 +291,8 @@ def run_grid(grid: Grid, force: bool = False, fail_fast: bool = False,
     longest cell of its teacher and init in this invocation, or before one has finished by the recently
     finished cells of earlier ones (`recent_cell_seconds`), less what those spent on the stages this
     cell has or takes from a sibling (`stages_not_to_run`); those are recorded as 'pending' and run
-    by the next invocation; `history`: more dirs laid out like the grid's out (committed results of
-    earlier sessions) that count as earlier invocations there. Several processes may run one grid at
+    by the next invocation; `history`: more dirs laid out like the grid's out (e.g. results copied from
+    another machine) that count as earlier invocations there. Several processes may run one grid at
     once (grid_claims): a cell another process holds is recorded 'elsewhere', and a cell whose
     sibling another process is setting up waits until the other cells have been tried. `donors`:
     cells of other grids (e.g. another stage-2 recipe) whose shared outputs a cell may take when it

@@ -1,9 +1,9 @@
 """How long a grid cell will likely take: the time check behind `run_grid(max_seconds=...)`.
 
 A cell is judged by cells that finished before it (in this invocation, else recently under the
-grid's out dir and the committed results of earlier sessions), less the stages it will not run
-itself, and, once this machine has compiled the kernels, not by the cells that paid for compiling
-them (docs/BENCHMARKS.md, lessons 10, 21 and 23).
+grid's out dir and the result roots the user names with --history), less the stages it will not
+run itself, and, once this machine has compiled the kernels, not by the cells that paid for
+compiling them (a cold fla compile adds minutes to a cell).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def recent_cell_seconds(out: str | Sequence[str], recent: int = 3, teacher: str 
     With `init` too, that teacher's cells of the same init (<out>/<teacher>/*/<init>) come first: a
     calibrated init aligns every converted layer before stage 2, which a naive cell does not (on the
     H200, 90-165 s of a 300-370 s SmolLM2 cell). `out` may be several dirs of the same layout (the
-    grid's own, then committed results of earlier sessions): each tier looks in all of them. `skip`:
+    grid's own, then earlier result roots named by the user): each tier looks in all of them. `skip`:
     stages the coming cell takes from a sibling, whose seconds a cell that ran them itself does not
     count (`cell_seconds_without`). `kernels_cached`: this machine has compiled the kernels already, so
     cells that started with an empty kernel cache (`kernels_cached_here`) count only when a tier has no
@@ -80,8 +80,7 @@ def _without_cold_starts(finished: list[tuple], kernels_cached: bool) -> list[tu
 def kernels_cached_here() -> bool:
     """Whether this machine's Triton cache (TRITON_CACHE_DIR, else Triton's default) holds anything.
     A cell started without it compiles the fla kernels as it goes: the first SmolLM2 cell of a fresh
-    H200 took 397-411 s against 151-181 s for the same cell once they were cached (docs/BENCHMARKS.md,
-    lessons 21 and 23), and a time check judging by that cell leaves warm cells that fit pending."""
+    H200 took 397-411 s against 151-181 s for the same cell once they were cached, and a time check judging by that cell leaves warm cells that fit pending."""
     path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     try:
         with os.scandir(path) as entries:

@@ -1,6 +1,6 @@
 """Small element-wise blocks of the model, fused by torch.compile while training on CUDA.
 
-Why: the stage-2 profile (docs/BENCHMARKS.md, section 3) spends most of the GPU time outside the
+Why: the stage-2 profile (docs/benchmarks.md) spends most of the GPU time outside the
 matmuls, in chains of element-wise kernels (RMSNorm's fp32 passes, the GDN gates, the output
 gate), each a full read and write of its tensor. Each function below is the eager formula of its
 block, op for op; `fused(name, fn)` returns torch.compile(fn) (one forward and one backward

@@ -1,7 +1,7 @@
 """KL(teacher || student) and cross-entropy over the vocabulary, computed a chunk of tokens at a time.
 
 Same values and gradients as `losses.vocab_parallel_kl` / `vocab_parallel_cross_entropy` (the
-reference formulas, kept for parity tests and `tools/bench_train.py --loss-impl reference`), but:
+reference formulas, kept for parity tests and `tools/bench/train.py --loss-impl reference`), but:
 - no [tokens, vocab] fp32 tensor of the whole batch is ever made: the bf16 logits are read a chunk
   of rows at a time (CHUNK_ELEMENTS logits) and upcast inside the chunk only;
 - only per-token statistics are saved for backward ([tokens] fp32: the student's and teacher's
@@ -9,7 +9,7 @@ reference formulas, kept for parity tests and `tools/bench_train.py --loss-impl 
   gradient straight into one tensor of the student's dtype;
 - the per-chunk arithmetic is a few functions that torch.compile fuses into one reduction and one
   elementwise kernel on CUDA (the reference runs ~20 separate full-size fp32 passes; the profile in
-  docs/BENCHMARKS.md measured them at ~20% of a SmolLM2 training step).
+  docs/benchmarks.md measured them at ~20% of a SmolLM2 training step).
 
 With p = softmax(z / T) and, per token, m = max(z / T) (all-reduced over the TP group), the sums
 S = sum_v exp(z/T - m) and C = sum_v exp(zt/T - m_t) (zt - zs) / T, also all-reduced:

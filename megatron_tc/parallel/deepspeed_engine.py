@@ -74,7 +74,7 @@ def build_deepspeed_config(
     gradient_accumulation_steps = global_batch_size / (micro_batch_size * dp_size) must be a whole
     number. bf16 on GPUs; fp32 (bf16=False) on CPU. The optimizer is AdamW from torch
     (`torch_adam`: DeepSpeed's fused CPU Adam would compile a C++ op first). `base` is the user's
-    JSON (dict or path): its concrete values win, its "auto" values are filled from ours.
+    JSON (dict or path): its concrete values win, its "auto" values are filled from the run config.
     trainable_numel: elements this rank trains; sizes ZeRO's buckets (`zero_bucket_elements`).
     """
     if pipeline and zero_stage > 1:
@@ -115,7 +115,7 @@ def build_deepspeed_config(
 
 
 # Bucket sizes (elements) of ZeRO's gradient reduce-scatter and ZeRO-3's parameter prefetch for
-# "auto" in the JSON. Measured on H200s with the 1.1B benchmark model (docs/BENCHMARKS.md, issue 12):
+# "auto" in the JSON. Measured on H200s with the 1.1B benchmark model (docs/parallelism.md):
 # 5e8-element buckets run the ZeRO-3 step 13-15% faster than 5e7 (483.6 vs 557.2 ms on one GPU,
 # 495.8 vs 580.6 ms on two) for 0.8 GiB more memory. DeepSpeed allocates a full reduce bucket up
 # front, so a model smaller than the bucket gets one of its own size instead.

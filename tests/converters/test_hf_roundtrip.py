@@ -55,11 +55,11 @@ def test_hf_to_megatron_to_hf_is_bitwise_for_every_layout(family, hf_dirs, tmp_p
 def test_shards_reproduce_hf_logits_and_export_loads_in_transformers(family, hf_dirs, tmp_path):
     src, model = hf_dirs[family]
     ck = convert_hf_to_megatron(src, tmp_path / "ck", 2, 2)
-    ours = load_hybrid_lm(ck)
+    converted = load_hybrid_lm(ck)
     ids = torch.randint(0, 300, (2, 13))  # longer than the sliding windows
     with torch.no_grad():
         want = model(input_ids=ids).logits
-        assert (ours(ids) - want).abs().max().item() <= 1e-4
+        assert (converted(ids) - want).abs().max().item() <= 1e-4
         exported = tf.AutoModelForCausalLM.from_pretrained(export_to_hf(ck, tmp_path / "hf"), dtype=torch.float32)
         assert type(exported) is type(model)
         assert torch.equal(exported.eval()(input_ids=ids).logits, want)

@@ -1,4 +1,4 @@
-"""Hybrid students: megatron_tc -> HF -> megatron_tc bitwise, HF logits and generate() equal ours."""
+"""Hybrid students: megatron_tc -> HF -> megatron_tc bitwise, HF logits and generate() equal the in-package model's."""
 from __future__ import annotations
 
 import pytest
@@ -48,14 +48,14 @@ def test_round_trip_megatron_hf_megatron_is_bitwise(student, tmp_path):
 
 def test_exported_model_loads_with_auto_classes_and_matches_our_logits(student):
     ck, hf = student
-    ours = load_hybrid_lm(ck)
+    converted = load_hybrid_lm(ck)
     model = tf.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     assert isinstance(model, MegatronTCForCausalLM)
     assert model.config.vocab_size == 300 and model.config.bos_token_id == 1
     assert model.model.embed_tokens.weight.shape[0] == 300  # vocabulary padding removed on export
     ids = torch.randint(0, 300, (2, 70))  # longer than one GDN chunk (64)
     with torch.no_grad():
-        assert (model(input_ids=ids).logits - ours(ids)).abs().max().item() <= 1e-6
+        assert (model(input_ids=ids).logits - converted(ids)).abs().max().item() <= 1e-6
 
 
 def test_generate_equals_our_greedy(student):

@@ -1,6 +1,6 @@
 """The chunked vocabulary losses on CUDA (torch.compile'd per-chunk kernels) == the reference.
 
-Run on the device machine: `python -m pytest -q tests/gpu/test_chunked_losses_cuda.py` (about
+Run on a GPU machine: `python -m pytest -q tests/gpu/test_chunked_losses_cuda.py` (about
 30-60 s, most of it inductor compiling four small kernels). bf16 logits at SmolLM2's vocabulary
 (49152) over 4096 tokens: several chunks, as in a training step. Both implementations compute in
 fp32; values agree to fp32 summation order, gradients (bf16, like the logits) to bf16 rounding.

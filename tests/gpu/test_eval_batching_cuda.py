@@ -5,7 +5,7 @@ layers on fla. On CPU the two are bitwise equal (tests/unit/test_eval_batched_wi
 may pick other kernels, so the bound is a rounding-level one: a window mixed up with another, or
 attention across the windows of a batch, moves perplexity by far more than 1e-3.
 
-Run on the device machine: `python -m pytest -q -s tests/gpu/test_eval_batching_cuda.py`.
+Run on a GPU machine: `python -m pytest -q -s tests/gpu/test_eval_batching_cuda.py`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """fla's Triton gated delta rule vs the PyTorch reference on CUDA, forward and backward.
 
-Run on the device machine (../shared/GPU.md): `python -m pytest -q tests/gpu/test_fla_parity.py`.
+Run on a GPU machine: `python -m pytest -q tests/gpu/test_fla_parity.py`.
 The reference is the float64 recurrence; errors are max |a - b| / max |b| per tensor. Bounds
 follow what fla achieves on an H200 (about 1.5e-3 fp32, 5e-3 bf16 measured), with margin.
 """
@@ -109,13 +109,13 @@ def test_gdn_layer_matches_fla_layer(conv):
     arch = ArchConfig(family="llama", vocab_size=10, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=2,
                       head_dim=64, intermediate_size=8, layer_pattern="G", gdn_conv_size=conv, gdn_b_bias=False)
     torch.manual_seed(0)
-    ours = GatedDeltaNet(arch, 0).cuda().eval()
+    mine = GatedDeltaNet(arch, 0).cuda().eval()
     theirs = FlaGatedDeltaNet(hidden_size=128, expand_v=1, head_dim=64, num_heads=2, use_short_conv=conv > 0,
                               conv_size=max(conv, 1), norm_eps=arch.norm_eps).cuda().eval()
-    theirs.load_state_dict(ours.state_dict(), strict=True)
+    theirs.load_state_dict(mine.state_dict(), strict=True)
     x = torch.randn(2, 40, 128, device="cuda")
     with torch.no_grad():
-        ours.set_backend("chunk")
-        want = ours(x)
+        mine.set_backend("chunk")
+        want = mine(x)
         got = theirs(x)[0]
     assert rel(got.double(), want.double()) < 5e-3

@@ -1,6 +1,6 @@
 """The model's element-wise blocks compiled on CUDA (megatron_tc.model.fused) == the eager formulas.
 
-Run on the device machine: `python -m pytest -q tests/gpu/test_fused_model_cuda.py` (about 1 min:
+Run on a GPU machine: `python -m pytest -q tests/gpu/test_fused_model_cuda.py` (about 1 min:
 inductor compiles RMSNorm, the GDN gates, the GDN output gate and the GLU, forward and backward).
 A tiny hybrid (GDN with short conv, attention, MLP) with the PyTorch chunked GDN backend (so only
 the fusion differs), eager (MEGATRON_TC_COMPILE=0) against compiled: logits and every gradient.
@@ -89,7 +89,7 @@ def global_rel(got: dict, want: dict) -> float:
             / sum(float(g.norm()) ** 2 for g in want.values())) ** 0.5
 
 
-# Each block alone at the shapes of tools/bench_train.py's SmolLM2 step ([8, 2048] tokens), compiled vs
+# Each block alone at the shapes of tools/bench/train.py's SmolLM2 step ([8, 2048] tokens), compiled vs
 # eager, forward and backward, in a fresh process with synchronous launches: a kernel that faults
 # (2026-11-29: "misaligned address" in that step, somewhere before the MLP) is then named by its
 # block, and the CUDA context it corrupts is not this process's.

@@ -1,4 +1,4 @@
-"""The parallel parity suite of tests/parallel on GPUs over NCCL, fp32 and bf16 (issue 12).
+"""The parallel parity suite of tests/parallel on GPUs over NCCL, fp32 and bf16.
 
 TP=2 vs one GPU (logits and the gradient of every parameter), PP=2 vs one GPU (five distillation
 steps on DeepSpeed's pipeline engine: step losses, trained weights), ZeRO-3 over DP=2 vs one GPU
@@ -11,7 +11,7 @@ GDN uses the pure-PyTorch 'chunk' kernel and the element-wise blocks run eagerly
 compiled blocks take ~1 min per shape to compile; both are tested against these paths elsewhere).
 Wall time on 2 H200s (2026-11-29, blocks still compiled then): 70-90 s per test; about 5 minutes in all.
 
-Run on the device machine (../shared/GPU.md), with NVLink multicast off:
+Run on a GPU machine, with NVLink multicast off:
   export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   python -m pytest -q -s tests/gpu/test_parallel_nccl.py
 """

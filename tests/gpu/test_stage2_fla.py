@@ -1,6 +1,6 @@
-"""A short stage-2 run on CUDA with the GDN layers on fla's kernels (issue 9).
+"""A short stage-2 run on CUDA with the GDN layers on fla's kernels.
 
-Run on the device machine (../shared/GPU.md):
+Run on a GPU machine:
 `python -m pytest -q tests/gpu/test_stage2_fla.py` (about 1-2 min with cold fla caches).
 
 1. First-step parity: the stage-2 loss (`distill.losses.distill_loss`) and every gradient of one

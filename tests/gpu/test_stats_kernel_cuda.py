@@ -1,6 +1,6 @@
 """Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks on CUDA.
 
-Run on the device machine: `python -m pytest -q tests/gpu/test_stats_kernel_cuda.py` (well under
+Run on a GPU machine: `python -m pytest -q tests/gpu/test_stats_kernel_cuda.py` (well under
 a minute; each dtype/block shape compiles once, a few seconds). Both paths compute in fp32 from
 the same q/k/v (TF32 off for the reference's matmuls). Tolerances, relative to each statistic's
 largest magnitude over heads: fp32 inputs 1e-5 (summation order only: the kernel's QK and P@V

@@ -1,11 +1,11 @@
 """The NCCL parity suite's workers (tests/gpu/_workers_nccl.py) on 2 (TP=2 x DP=2: 4) CPU processes over gloo.
 
-The GPU suite runs on the device machine only, a few minutes per session; here its workers run
-with `device="cpu"` on every CI run, so their logic (fp32 and bf16 paths, fp64 references, the
-merged-micro-batch spread) cannot rot between device sessions. Their bf16 pipeline run is the
+The GPU suite runs only where GPUs are; here its workers run with `device="cpu"` on every CI run,
+so their logic (fp32 and bf16 paths, fp64 references, the merged-micro-batch spread) is exercised
+without a GPU. Their bf16 pipeline run is the
 only one of the CPU suite that sends bf16 teacher activations through DeepSpeed's pipeline engine
-(the int8 transport of megatron_tc/parallel/pipeline.py). TP=2 x DP=2 with ZeRO-3 needs 4 GPUs, a kind
-never lent so far: here its worker runs on 4 gloo processes. About 45 s on 2 cores.
+(the int8 transport of megatron_tc/parallel/pipeline.py). TP=2 x DP=2 with ZeRO-3 needs 4 GPUs: here
+its worker runs on 4 gloo processes. About 45 s on 2 cores.
 """
 from __future__ import annotations
 

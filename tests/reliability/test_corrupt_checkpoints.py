@@ -1,6 +1,6 @@
 """Corrupted, truncated, missing and mismatched files: a clear error naming the file, raised before
 anything is loaded. megatron_tc checkpoints (teacher / students, sha256 manifest) and stage-2
-training checkpoints (DeepSpeed engine state + ours)."""
+training checkpoints (DeepSpeed engine state + the pipeline's own)."""
 from __future__ import annotations
 
 import json

@@ -19,7 +19,8 @@ from tests._scripts import load_script
 
 
 def load_tool(name: str):
-    return load_script(f"tools/{name}.py")
+    """`load_tool("bench_train")`: tools/bench/train.py as a fresh module."""
+    return load_script(f"tools/bench/{name.removeprefix('bench_')}.py")
 
 
 def run(name: str, tmp_path: Path, *extra: str) -> dict:

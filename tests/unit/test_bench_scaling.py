@@ -1,4 +1,4 @@
-"""tools/bench_scaling.py --quick: the driver starts real torchrun jobs of 1 and 2 gloo ranks (ZeRO-3
+"""tools/bench/scaling.py --quick: the driver starts real torchrun jobs of 1 and 2 gloo ranks (ZeRO-3
 through DeepSpeed on the tiny preset) and derives tokens/s and the scaling efficiency from them."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
-from bench_scaling import add_efficiency, rank_counts  # noqa: E402
+from scaling import add_efficiency, rank_counts  # noqa: E402
 
 
 def test_rank_counts_double_up_to_the_limit_and_include_it():
@@ -33,7 +33,7 @@ def test_efficiency_is_relative_to_one_rank_and_skips_failed_rows():
 def test_quick_run_measures_one_and_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench_scaling.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_scaling.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "scaling.py"), "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -1,5 +1,5 @@
 """StaticDecoder (megatron_tc/bench/static_decode.py): the same logits and tokens as the model's
-own cached decoding, on CPU (the CUDA-graph capture itself runs in tools/bench_inference.py)."""
+own cached decoding, on CPU (the CUDA-graph capture itself runs in tools/bench/inference.py)."""
 from __future__ import annotations
 
 import copy

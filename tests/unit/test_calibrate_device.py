@@ -3,7 +3,7 @@
 Each run happens inside `with torch.device("meta")`: a tensor created without an explicit device
 (a CPU-only sum, a helper GDN layer, a student built on the default device) lands on `meta` and
 the run fails or its numbers differ, so the CPU case already proves the code names its devices;
-the CUDA cases (device machine) check the same on a real accelerator:
+the CUDA cases (GPU machine) check the same on a real accelerator:
 - "cuda": the same kernels as the CPU (the PyTorch chunked GDN path, eager element-wise blocks), so
   only the GEMMs' reduction order differs: the statistics are compared tightly, the trained student
   within 1% of what alignment moved each tensor (`student_mismatches` says why);

@@ -63,9 +63,9 @@ def test_deepspeed_templates_filled_from_config_are_accepted_by_deepspeed(pp, ze
 def test_data_section_matches_the_data_pipeline_config():
     """The keys the data pipeline reads have its names and types, so `cfg.data` can feed it."""
     pipeline = pytest.importorskip("megatron_tc.data.pipeline")
-    ours = load_config().data
+    shipped = load_config().data
     shared = {f.name for f in dataclasses.fields(pipeline.DataConfig)}
-    ours_dict = dataclasses.asdict(ours)
+    ours_dict = dataclasses.asdict(shipped)
     assert shared <= set(ours_dict), f"config data section lacks {sorted(shared - set(ours_dict))}"
     built = pipeline.DataConfig.from_dict({k: ours_dict[k] for k in shared})
     assert dataclasses.asdict(built) == {k: ours_dict[k] for k in shared}

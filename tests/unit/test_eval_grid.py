@@ -134,13 +134,13 @@ def test_a_teachers_own_finished_cells_set_its_expected_cell_time(tmp_path):
 def test_a_teachers_cells_of_the_same_init_set_its_expected_cell_time(tmp_path):
     from megatron_tc.eval.grid_timing import recent_cell_seconds
 
-    done = [("uniform", "naive", 290.0), ("uniform", "ours", 367.0), ("ar", "naive", 349.0), ("ar", "ours", 315.0)]
+    done = [("uniform", "naive", 290.0), ("uniform", "taylor_fit", 367.0), ("ar", "naive", 349.0), ("ar", "taylor_fit", 315.0)]
     for n, (policy, init, seconds) in enumerate(done):
         cell = tmp_path / "smollm2" / policy / init
         cell.mkdir(parents=True)
         (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
         os.utime(cell / "cell.json", (1000.0 + n, 1000.0 + n))
-    assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="ours") == 367.0
+    assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="taylor_fit") == 367.0
     assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="naive") == 349.0
     assert recent_cell_seconds(str(tmp_path), teacher="smollm2", init="zero_gate") == 367.0  # none: the teacher's
     assert recent_cell_seconds(str(tmp_path), recent=1, teacher="smollm2", init="naive") == 349.0
@@ -150,22 +150,22 @@ def test_sibling_stage_reuse_needs_complete_outputs_and_never_overwrites(tmp_pat
     from megatron_tc.eval.grid import Cell
     from megatron_tc.eval.grid_reuse import reuse_sibling_stages, sibling_with_shared_outputs
 
-    a, b = (Cell("t", "/t", "uniform", init, str(tmp_path / init)) for init in ("naive", "ours"))
+    a, b = (Cell("t", "/t", "uniform", init, str(tmp_path / init)) for init in ("naive", "taylor_fit"))
     for d in ("teacher", "select"):
         (tmp_path / "naive" / d).mkdir(parents=True)
         (tmp_path / "naive" / d / "x.json").write_text(d)
     stages = {"convert": {"status": "complete", "fingerprint": "f1", "outputs": [f"{a.run_dir}/teacher/x.json"]},
               "select": {"status": "running", "fingerprint": "f2"}}
     (tmp_path / "naive" / "manifest.json").write_text(json.dumps({"stages": stages}))
-    (tmp_path / "ours").mkdir()
+    (tmp_path / "taylor_fit").mkdir()
     assert reuse_sibling_stages(b, a) == ["convert"]  # select is not complete in the sibling: left to run
-    mine = json.loads((tmp_path / "ours" / "manifest.json").read_text())["stages"]
+    mine = json.loads((tmp_path / "taylor_fit" / "manifest.json").read_text())["stages"]
     assert mine["convert"]["outputs"] == [f"{b.run_dir}/teacher/x.json"] and mine["convert"]["fingerprint"] == "f1"
-    assert (tmp_path / "ours" / "teacher" / "x.json").read_text() == "teacher" and not (tmp_path / "ours" / "select").exists()
+    assert (tmp_path / "taylor_fit" / "teacher" / "x.json").read_text() == "teacher" and not (tmp_path / "taylor_fit" / "select").exists()
     stages["select"]["status"] = "complete"
     (tmp_path / "naive" / "manifest.json").write_text(json.dumps({"stages": stages}))
     assert reuse_sibling_stages(b, a) == ["select"]  # complete now; the cell's own convert entry is kept
-    assert json.loads((tmp_path / "ours" / "manifest.json").read_text())["stages"]["convert"] == mine["convert"]
+    assert json.loads((tmp_path / "taylor_fit" / "manifest.json").read_text())["stages"]["convert"] == mine["convert"]
     assert reuse_sibling_stages(b, a) == []  # never overwrites
     (tmp_path / "naive" / "manifest.json").write_text("{cut short")  # a sibling with a broken manifest shares nothing
     c = Cell("t", "/t", "uniform", "third", str(tmp_path / "third"))
@@ -183,7 +183,7 @@ def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
     def cell(part: str, init: str) -> Cell:
         return Cell("t", "/t", "stats", init, str(tmp_path / part / init))
 
-    donor = cell("recipe_a", "ours")
+    donor = cell("recipe_a", "taylor_fit")
     dirs = {"convert": "teacher", "select": "select", "stats": "stats", "init": "init"}
     stages = {}
     for stage, sub in dirs.items():
@@ -193,7 +193,7 @@ def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
         stages[stage] = {"status": "complete", "fingerprint": stage, "outputs": [str(out)]}
     Path(donor.run_dir, "manifest.json").write_text(json.dumps({"stages": stages}))
 
-    same, other = cell("recipe_b", "ours"), cell("recipe_b", "naive")
+    same, other = cell("recipe_b", "taylor_fit"), cell("recipe_b", "naive")
     for c in (same, other):
         Path(c.run_dir).mkdir(parents=True)
     assert sibling_with_shared_outputs([donor, other], same) == donor
@@ -204,7 +204,7 @@ def test_a_sibling_of_the_same_init_also_shares_its_calibrated_start(tmp_path):
     assert reuse_sibling_stages(other, donor) == ["convert", "select"]
     assert not Path(other.run_dir, "stats").exists()
 
-    packed = cell("recipe_c", "ours")
+    packed = cell("recipe_c", "taylor_fit")
     Path(packed.run_dir).mkdir(parents=True)
     Path(donor.run_dir, "init", "out.json").unlink()  # as in a packed result: the init's checkpoint stays behind
     assert reuse_sibling_stages(packed, donor) == ["convert", "select", "stats"]
@@ -224,7 +224,7 @@ def test_outputs_of_another_run_seed_are_neither_linked_nor_counted_as_done(tmp_
     seed1, seed2 = (config_fingerprints(load_config(base, [f"run.seed={n}"])) for n in (1, 2))
     assert seed1["convert"] == seed2["convert"] and all(seed1[s] != seed2[s] for s in ("select", "stats", "init"))
 
-    donor = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed1" / "ours"))  # a finished cell of run.seed 1
+    donor = Cell("t", "/t", "stats", "taylor_fit", str(tmp_path / "seed1" / "taylor_fit"))  # a finished cell of run.seed 1
     stages = {}
     for stage, sub in {"convert": "teacher", "select": "select", "stats": "stats", "init": "init"}.items():
         out = Path(donor.run_dir, sub, "out.json")
@@ -233,14 +233,14 @@ def test_outputs_of_another_run_seed_are_neither_linked_nor_counted_as_done(tmp_
         stages[stage] = {"status": "complete", "fingerprint": seed1[stage], "outputs": [str(out)]}
     Path(donor.run_dir, "manifest.json").write_text(json.dumps({"stages": stages}))
 
-    other_seed = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed2" / "ours"), fingerprints=seed2)
+    other_seed = Cell("t", "/t", "stats", "taylor_fit", str(tmp_path / "seed2" / "taylor_fit"), fingerprints=seed2)
     assert stages_not_to_run([donor], other_seed) == ["convert"]
     assert reuse_sibling_stages(other_seed, donor) == ["convert"]
     assert not Path(other_seed.run_dir, "select").exists()
-    same_seed = Cell("t", "/t", "stats", "ours", str(tmp_path / "seed1b" / "ours"), fingerprints=seed1)
+    same_seed = Cell("t", "/t", "stats", "taylor_fit", str(tmp_path / "seed1b" / "taylor_fit"), fingerprints=seed1)
     assert stages_not_to_run([donor], same_seed) == ["convert", "init", "select", "stats"]
     # the donor itself, looked at with seed 2's fingerprints (its config changed): nothing of its own counts
-    assert stages_not_to_run([], Cell("t", "/t", "stats", "ours", donor.run_dir, fingerprints=seed2)) == ["convert"]
+    assert stages_not_to_run([], Cell("t", "/t", "stats", "taylor_fit", donor.run_dir, fingerprints=seed2)) == ["convert"]
 
 
 def test_grid_file_errors(tmp_path):
@@ -325,7 +325,7 @@ def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
 
 
 def test_run_grid_cli_knows_every_registered_init(tmp_path):
-    """tools/run_grid.py checks every cell's config before running any; the ablations of ours are
+    """tools/run_grid.py checks every cell's config before running any; the ablations of taylor_fit are
     registered by megatron_tc.calibrate.strategies, which a fresh process must import first."""
     import subprocess
     import sys
@@ -489,19 +489,19 @@ def test_a_cell_that_takes_its_init_from_a_sibling_is_expected_to_take_that_much
     assert [r["status"] for r in records] == ["ok"] and CALLS == ["t1/uniform/taylor_calibrate"]
 
 
-def test_committed_results_of_earlier_sessions_set_the_expected_cell_time(tmp_path):
+def test_results_of_earlier_runs_set_the_expected_cell_time(tmp_path):
     """On a fresh machine the grid's out dir is empty; committed results (history) stand in for it,
     tier by tier, and the out dir's own cells come first once it has some."""
     from megatron_tc.eval.grid_timing import recent_cell_seconds
 
     history, out = tmp_path / "committed", tmp_path / "out"
-    for root, policy, init, seconds in [(history, "stats", "naive", 402.0), (history, "stats", "ours", 323.0),
+    for root, policy, init, seconds in [(history, "stats", "naive", 402.0), (history, "stats", "taylor_fit", 323.0),
                                         (out, "uniform", "naive", 290.0)]:
         cell = root / "smollm2" / policy / init
         cell.mkdir(parents=True)
         (cell / "cell.json").write_text(json.dumps({"status": "ok", "seconds": seconds}))
     assert recent_cell_seconds(str(tmp_path / "empty")) == 0.0
-    assert recent_cell_seconds([str(tmp_path / "empty"), str(history)], teacher="smollm2", init="ours") == 323.0
+    assert recent_cell_seconds([str(tmp_path / "empty"), str(history)], teacher="smollm2", init="taylor_fit") == 323.0
     assert recent_cell_seconds([str(out), str(history)], teacher="smollm2", init="naive") == 402.0  # same init tier
     assert recent_cell_seconds([str(out), str(history)], teacher="smollm2", init="taylor_calibrate") == 402.0
 
@@ -521,12 +521,12 @@ def test_cells_that_compiled_the_kernels_do_not_set_the_time_once_they_are_cache
 
     finished("stats", "naive", 397.0, False, 1000.0)
     finished("uniform", "naive", 151.0, True, 1001.0)
-    finished("stats", "ours", 430.0, False, 1002.0)
-    finished("ar", "ours", 300.0, None, 1003.0)  # an older record, without the flag: counts as warm
+    finished("stats", "taylor_fit", 430.0, False, 1002.0)
+    finished("ar", "taylor_fit", 300.0, None, 1003.0)  # an older record, without the flag: counts as warm
     root = str(tmp_path)
     assert recent_cell_seconds(root, teacher="smollm2", init="naive") == 397.0  # a cold machine: every cell
     assert recent_cell_seconds(root, teacher="smollm2", init="naive", kernels_cached=True) == 151.0
-    assert recent_cell_seconds(root, teacher="smollm2", init="ours", kernels_cached=True) == 300.0
+    assert recent_cell_seconds(root, teacher="smollm2", init="taylor_fit", kernels_cached=True) == 300.0
     finished("uniform", "taylor_calibrate", 428.0, False, 1004.0)
     assert recent_cell_seconds(root, teacher="smollm2", init="taylor_calibrate", kernels_cached=True) == 428.0
 

@@ -65,16 +65,16 @@ def test_real_tiny_model_from_path_matches_hf_backend(task_dir, monkeypatch, tmp
 
     model_dir = save_hf(tmp_path / "m", tiny_llama(len(WORDS) + 2, seed=3), word_tokenizer(WORDS))
     manager = TaskManager(include_path=task_dir, include_defaults=False)
-    ours = lm_eval.simple_evaluate(model="megatron_tc", model_args=f"pretrained={model_dir},batch_size=4",
+    got = lm_eval.simple_evaluate(model="megatron_tc", model_args=f"pretrained={model_dir},batch_size=4",
                                    tasks=[TASK], task_manager=manager, bootstrap_iters=0, log_samples=True)
     loaded = load_model(model_dir)
     ref = lm_eval.simple_evaluate(model=HFLM(pretrained=loaded.module, tokenizer=loaded.tokenizer, batch_size=4),
                                   tasks=[TASK], task_manager=manager, bootstrap_iters=0, log_samples=True)
-    acc = _acc(ours["results"])
+    acc = _acc(got["results"])
     assert 0.0 <= acc <= 1.0 and acc == _acc(ref["results"])
-    ll_ours = [r[0][0] for s in ours["samples"][TASK] for r in [s["resps"][0]] + s["resps"][1:]]
+    ll_got = [r[0][0] for s in got["samples"][TASK] for r in [s["resps"][0]] + s["resps"][1:]]
     ll_ref = [r[0][0] for s in ref["samples"][TASK] for r in [s["resps"][0]] + s["resps"][1:]]
-    assert ll_ours == pytest.approx(ll_ref, rel=1e-5)
+    assert ll_got == pytest.approx(ll_ref, rel=1e-5)
 
 
 def test_rolling_loglikelihood_equals_sum_over_disjoint_windows():

@@ -15,7 +15,7 @@ from megatron_tc.eval.tokens_to_target import (EvalLogError, Target, load_run, r
 RUNS = {
     "naive": [(0, 400.0), (1000, 100.0), (100000, 20.0)],
     "taylor_calibrate": [(0, 80.0), (1000, 40.0), (100000, 10.0)],
-    "ours": [(0, 30.0), (1000, 10.0)],
+    "taylor_fit": [(0, 30.0), (1000, 10.0)],
     "short": [(0, 50.0), (50000, 15.0)],
 }
 
@@ -38,19 +38,19 @@ def run_dirs(tmp_path):
 
 def test_known_crossings_interpolated_and_first(run_dirs):
     curves = {c.name: c for c in map(load_run, run_dirs)}
-    tc, ours = curves["taylor_calibrate"], curves["ours"]
+    tc, fit = curves["taylor_calibrate"], curves["taylor_fit"]
     # log-ppl linear in log-tokens: 20 = sqrt(40 * 10) lies half-way, at sqrt(1e3 * 1e5) = 1e4 tokens
     assert tokens_to_reach(tc, 20.0) == pytest.approx(1e4, rel=1e-12)
     assert tokens_to_reach(tc, 20.0, method="first") == 1e5
     assert tokens_to_reach(tc, 10.0) == pytest.approx(1e5, rel=1e-12)  # exactly on an eval point
     # from the zero-shot point (tokens 0) the interpolation is linear in tokens
-    assert tokens_to_reach(ours, 20.0) == pytest.approx(1000 * math.log(1.5) / math.log(3), rel=1e-12)
-    assert tokens_to_reach(ours, 40.0) == 0  # already there at zero-shot
+    assert tokens_to_reach(fit, 20.0) == pytest.approx(1000 * math.log(1.5) / math.log(3), rel=1e-12)
+    assert tokens_to_reach(fit, 40.0) == 0  # already there at zero-shot
     assert tokens_to_reach(curves["naive"], 19.9) is None
 
 
 def test_stay_counts_from_the_last_rise_above_the_target(tmp_path):
-    # a calibrated start that rises under the first steps, then falls (qwen2's ours on CPU, rounded)
+    # a calibrated start that rises under the first steps, then falls (qwen2's taylor_fit on CPU, rounded)
     bump = load_run(_write_run(tmp_path, "bump", [(0, 88.0), (1000, 98.0), (4000, 99.5), (8000, 90.0),
                                                    (16000, 86.0), (32000, 87.0), (64000, 82.0)]))
     assert tokens_to_reach(bump, 98.6) == 0 and tokens_to_reach(bump, 98.6, stay=True) == pytest.approx(
@@ -77,9 +77,9 @@ def test_table_and_ratios_with_bounds(run_dirs):
     assert tokens["short"]["1.00x teacher"] is None
     vs_naive, vs_tc = res["ratios"]["vs_naive"], res["ratios"]["vs_taylor_calibrate"]
     assert vs_naive["taylor_calibrate"]["naive final"] == {"value": pytest.approx(10.0), "bound": "="}
-    # ours reaches 10 at 1e3 tokens, naive never does within its 1e5: at least 100x fewer
-    assert vs_naive["ours"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": ">="}
-    assert vs_tc["ours"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": "="}
+    # taylor_fit reaches 10 at 1e3 tokens, naive never does within its 1e5: at least 100x fewer
+    assert vs_naive["taylor_fit"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": ">="}
+    assert vs_tc["taylor_fit"]["1.00x teacher"] == {"value": pytest.approx(100.0), "bound": "="}
     # short never reaches 10, taylor_calibrate does at 1e5: at most 1e5 / 5e4 = 2x
     assert vs_tc["short"]["1.00x teacher"] == {"value": pytest.approx(2.0), "bound": "<="}
     assert vs_naive["short"]["1.00x teacher"] is None
@@ -146,7 +146,7 @@ def test_report_has_tables_and_figure(run_dirs, tmp_path):
     out = tmp_path / "report"
     path = write_report(run_dirs, str(out), ks=(1.0, 2.0))
     text = open(path).read()
-    assert "| ours |" in text and "not reached" in text and "≥ 100.00x" in text and "10.00x" in text
+    assert "| taylor_fit |" in text and "not reached" in text and "≥ 100.00x" in text and "10.00x" in text
     assert "![eval perplexity vs training tokens](ppl_vs_tokens.png)" in text
     _assert_png(out / "ppl_vs_tokens.png")
     assert json.load(open(out / "tokens_to_target.json"))["teacher_ppl"] == 10.0
@@ -191,8 +191,8 @@ def test_report_names_logs_copied_side_by_side(run_dirs, tmp_path):
     # naive reaches 2x the teacher (20) at 100k tokens, taylor_calibrate at 1e4 (see above)
     assert "Times fewer tokens than `taylor_calibrate`" in text and "Times fewer tokens than `naive`" not in text
     assert "| naive | ≤ 1.00x | 0.10x | ≤ 1.00x |" in text
-    with pytest.raises(EvalLogError, match=r"baselines \['ours'\] name no run"):
-        write_report(specs, str(tmp_path / "named"), baselines=["ours"])
+    with pytest.raises(EvalLogError, match=r"baselines \['taylor_fit'\] name no run"):
+        write_report(specs, str(tmp_path / "named"), baselines=["taylor_fit"])
     with pytest.raises(EvalLogError, match=r"several runs are named \['flat'\].*NAME=PATH"):
         write_report([s.split("=", 1)[1] for s in specs], str(tmp_path / "unnamed"))
 

@@ -1,4 +1,4 @@
-"""tools/experiments/paper_grid.py: the stage-2 and zero-shot grids share each (teacher, policy)'s
+"""tools/paper/grid.py: the stage-2 and zero-shot grids share each (teacher, policy)'s
 converted teacher and layer selection, in both directions, and never overwrite a cell's own."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _driver():
-    return load_script("tools/experiments/paper_grid.py")
+    return load_script("tools/paper/grid.py")
 
 
 def _grid(tmp_path: Path, part: str, inits: list[str]):
@@ -86,7 +86,7 @@ def test_parts_of_a_kind_and_the_long_budget():
 
     driver = _driver()
     assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_lr",
-                                                                      "stage2_ours", "stage2_seed", "stage2_seed2",
+                                                                      "stage2_seed", "stage2_seed2", "stage2_variant",
                                                                       "stage2_warmup", "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
         driver.part_files("small", ["stage2", "naive_long"])
@@ -116,25 +116,25 @@ def test_the_seed_parts_are_the_stage2_grid_with_other_seeds(part):
     seeds = {p: dict(o.split("=", 1) for o in load_grid(files[p]).overrides).get("run.seed", "0").split()[0]
              for p in ("stage2", "stage2_seed", "stage2_seed2")}
     assert len(set(seeds.values())) == 3, seeds
-    assert seed.axes["init"] == ["taylor_calibrate", "OURS"]  # the pair whose gap the spread is read against
+    assert seed.axes["init"] == ["taylor_calibrate", "taylor_fit"]  # the pair whose gap the spread is read against
     assert sorted(seed.axes["policy"]) == sorted(base.axes["policy"])
     assert Path(seed.out).name == part
     assert driver.TIMED_LIKE[part] == "stage2"
 
 
-def test_the_ours_part_is_the_stage2_recipe_for_ours_alone(tmp_path):
-    """A variant of ours (--ours NAME) trains with exactly the grid's recipe, so its cells compare
+def test_the_variant_part_is_the_stage2_recipe_for_taylor_fit_alone(tmp_path):
+    """A variant of taylor_fit (--variant NAME) trains with exactly the grid's recipe, so its cells compare
     with the grid's naive and taylor_calibrate cells."""
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    files = driver.part_files("smollm2", ["stage2_ours"])
-    ours, base = load_grid(files["stage2_ours"]), load_grid(files["stage2"])
-    assert [o.split("#")[0].split() for o in ours.overrides] == [o.split("#")[0].split() for o in base.overrides]
-    assert ours.axes["init"] == ["OURS"] and sorted(ours.axes["policy"]) == sorted(base.axes["policy"])
-    narrowed = driver.narrowed(ours, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", tmp_path / "stage2_ours", [])
+    files = driver.part_files("smollm2", ["stage2_variant"])
+    fit, base = load_grid(files["stage2_variant"]), load_grid(files["stage2"])
+    assert [o.split("#")[0].split() for o in fit.overrides] == [o.split("#")[0].split() for o in base.overrides]
+    assert fit.axes["init"] == ["taylor_fit"] and sorted(fit.axes["policy"]) == sorted(base.axes["policy"])
+    narrowed = driver.narrowed(fit, {"smollm2": "/t"}, ["stats"], "taylor_fit-seqres", tmp_path / "stage2_variant", [])
     assert [c.key for c in narrowed.cells()] == ["smollm2/stats/taylor_fit-seqres"]
-    assert narrowed.cells()[0].run_dir == str(tmp_path / "stage2_ours" / "smollm2" / "stats" / "taylor_fit-seqres")
+    assert narrowed.cells()[0].run_dir == str(tmp_path / "stage2_variant" / "smollm2" / "stats" / "taylor_fit-seqres")
 
 
 def _settings(grid) -> dict[str, str]:

@@ -86,7 +86,7 @@ def test_cpu_launcher_runs_the_whole_pipeline_then_resumes_and_skips(tiny_assets
 
 @pytest.mark.parametrize("init, known", [("taylor_fit-closed", True), ("taylor_fitt", False)])
 def test_distill_cli_knows_every_registered_init(init, known):
-    """tools/distill.py checks the config before it imports the pipeline: the ablations of ours,
+    """tools/distill.py checks the config before it imports the pipeline: the ablations of taylor_fit,
     registered by megatron_tc.calibrate.strategies, must pass that check in a fresh process (an
     empty stage list, reported by the same check, makes every run stop there)."""
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "distill.py"), "configs/tiny.yaml",

@@ -2,7 +2,7 @@
 """Stage-2 distillation step on one device: teacher forward (no grad) + student forward/backward
 on the KL loss + optimizer step, bf16, GDN layers on fla's kernels; tokens/s and MFU.
 
-    python tools/bench_train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
+    python tools/bench/train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--batch 8 --seq 2048] [--steps 5] [--deepspeed] [--trainable all] [--profile]
         [--variants before,loss,after]
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_once  # noqa: E402
 from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
@@ -92,7 +92,7 @@ class Trainer:
             from megatron_tc.config import deepspeed_template_path
             from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config, build_student_engine
 
-            # every data-parallel rank its own micro-batch of args.batch rows (tools/bench_scaling.py);
+            # every data-parallel rank its own micro-batch of args.batch rows (tools/bench/scaling.py);
             # the JSON stage 2 starts from (configs/deepspeed/zero3.json) unless --deepspeed-config names another
             ds = build_deepspeed_config(zero_stage=3, micro_batch_size=args.batch,
                                         global_batch_size=args.batch * ctx.dp_size, dp_size=ctx.dp_size,

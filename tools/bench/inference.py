@@ -2,7 +2,7 @@
 """Inference: hybrid student (a quarter of the layers attention, `uniform` policy) vs its teacher
 (all attention): prefill tokens/s, decode tokens/s at long context, cache memory.
 
-    python tools/bench_inference.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
+    python tools/bench/inference.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--gguf SmolLM2.gguf] [--prefill 4096,32768,131072] [--decode-context 32768]
         [--decode-batches 1,8,32] [--decode-steps 32] [--no-graph] [--roles teacher,student]
         [--sdpa-backend default|flash|cudnn|efficient|math] [--profile-decode]
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.common import (  # noqa: E402
     Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_fn, time_once,

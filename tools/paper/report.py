@@ -1,21 +1,19 @@
 #!/usr/bin/env python
-"""Issue 10's tables and plots from the grid's returned results (the small files that
-`paper_grid_gpu.sh pack` bundles; unpacked under .paper_runs/runs).
+"""Tables and plots of the paper-reproduction grid from its result files.
 
-    python tools/experiments/paper_report.py [--runs .paper_runs/runs [--runs ROOT ...]]
-        [--out .paper_runs/report] [--ours taylor_fit] [--teachers smollm2,...] [--policies stats,...]
+    python tools/paper/report.py --runs DIR [--runs DIR ...] [--out DIR] [--variant taylor_fit]
+        [--teachers smollm2,...] [--policies stats,...]
 
 Several --runs roots are read as one grid (a cell in a later root replaces the same cell in an
-earlier one): each session commits the results it returned under
-docs/bench/<session>/paper_results/runs, and a report can span sessions. --teachers / --policies
-restrict the report (and its list of cells not finished) to part of the grid. Reads
-runs/pretrain/<teacher>/ (pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2
-cells: eval_log.jsonl, eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes
-OUT/README.md (pretraining, zero-shot and tokens-to-target tables with ratios, the goals of the
-issue checked cell by cell; runs/grid/naive_long, runs/grid/stage2_seed{,2} and the other stage-2 recipes'
-cells, runs/grid/stage2_{warmup,gdn,lr}, in sections of their own), OUT/pretrain_curves.png and, per teacher x policy, OUT/<teacher>_<policy>/
-(megatron_tc.eval.report: report.md, ppl_vs_tokens.png, tokens_to_target.json). Cells that are
-missing or failed are listed, never guessed.
+earlier one), so a grid run in parts can be reported as one. --teachers / --policies restrict the
+report (and its list of cells not finished) to part of the grid. Reads runs/pretrain/<teacher>/
+(pretraining curves), runs/grid/stage2/<teacher>/<policy>/<init>/ (stage-2 cells: eval_log.jsonl,
+eval/results.json) and runs/grid/zero_shot/... (zero_gate cells), and writes OUT/README.md
+(pretraining, zero-shot and tokens-to-target tables with ratios and the goals checked cell by cell;
+runs/grid/naive_long, runs/grid/stage2_seed{,2} and the other stage-2 recipes' cells,
+runs/grid/stage2_{warmup,gdn,lr}, in sections of their own), OUT/pretrain_curves.png and, per
+teacher x policy, OUT/<teacher>_<policy>/ (megatron_tc.eval.report: report.md, ppl_vs_tokens.png,
+tokens_to_target.json). Cells that are missing or failed are listed, never guessed.
 """
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ def cells(roots: list[Path], part: str, teachers=TEACHERS, policies=POLICIES) ->
 
 def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, init) -> {"dir": the file} for grid cells that survive only as their stage-2
-    curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (session 11's SmolLM2 uniform and ar cells,
-    docs/bench/2026-11-30-h200-s11): read by every section; the zero-shot table takes their step-0
+    curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (cells kept only as curves): read by every section; the zero-shot table takes their step-0
     evaluation in place of the eval stage's (marked)."""
     suffix, out = "_eval_log.jsonl", {}
     for d in dirs:
@@ -115,16 +112,16 @@ def pretrain_section(roots: list[Path], out: Path, teachers=TEACHERS) -> str:
     return table + ("\n\n![pretraining curves](pretrain_curves.png)" if curves else "")
 
 
-def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None) -> tuple[str, list[str]]:
+def zero_shot_section(s2: dict, zs: dict, fit: str, logged: dict | None = None) -> tuple[str, list[str]]:
     """Rows per (teacher, policy): teacher ppl, each init's zero-shot ppl and KL, x lower than naive.
     A cell kept only as its curve (`logged`) gives its step-0 evaluation inside stage 2, marked †."""
-    inits = ["naive", "zero_gate", "taylor_calibrate", ours]
+    inits = ["naive", "zero_gate", "taylor_calibrate", fit]
     rows, misses, from_log = [], [], False
     for teacher in TEACHERS:
         for policy in POLICIES:
             got: dict[str, dict] = {}
             teacher_ppl = None
-            for init in ("naive", "taylor_calibrate", ours):
+            for init in ("naive", "taylor_calibrate", fit):
                 c = s2.get((teacher, policy, init))
                 if c:
                     r = eval_rows(c["dir"])
@@ -151,11 +148,11 @@ def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None)
                                + (f" ({naive / g['ppl']:.1f}x)" if naive and init != "naive" else ""))
             rows.append(cellrow)
             present = {i: g["ppl"] for i, g in got.items()}
-            if ours in present and len(present) == 4:
+            if fit in present and len(present) == 4:
                 best = min(present, key=present.get)
-                if best != ours:
+                if best != fit:
                     misses.append(f"missed: zero-shot {teacher}/{policy}: best is {best} ({fmt_num(present[best])}), "
-                                  f"ours {fmt_num(present[ours])}")
+                                  f"{fit} {fmt_num(present[fit])}")
             else:
                 misses.append(f"not finished: zero-shot {teacher}/{policy}: incomplete ({sorted(present)})")
     header = ["teacher", "policy", "teacher ppl", *(f"{i}: ppl / KL (x lower than naive)" for i in inits)]
@@ -165,84 +162,84 @@ def zero_shot_section(s2: dict, zs: dict, ours: str, logged: dict | None = None)
     return md_table(header, rows) + note, misses
 
 
-def _tokens_rows(teacher: str, policy: str, res: dict, ours: str, how: str,
+def _tokens_rows(teacher: str, policy: str, res: dict, fit: str, how: str,
                  long_res: dict | None = None) -> tuple[list[list[str]], list[str]]:
-    """Table rows of one cell's tokens_to_target result, and the issue's goals it misses. `long_res`:
-    ours against naive with a longer budget (`long_naive_results`), which can settle a goal that the
+    """Table rows of one cell's tokens_to_target result, and the goals it misses. `long_res`:
+    taylor_fit against naive with a longer budget (`long_naive_results`), which can settle a goal that the
     budget left 'not shown'."""
     rows, misses = [], []
     by = {r["name"]: r for r in res["runs"]}
     for target in res["targets"]:
         lab = target["label"]
         cell = [teacher, policy, f"{lab} (ppl ≤ {fmt_num(target['ppl'])})"]
-        cell += [fmt_tokens(by[i]["tokens"][lab]) if i in by else "—" for i in ("naive", "taylor_calibrate", ours)]
-        vs_n = res["ratios"].get("vs_naive", {}).get(ours, {}).get(lab)
-        vs_t = res["ratios"].get("vs_taylor_calibrate", {}).get(ours, {}).get(lab)
+        cell += [fmt_tokens(by[i]["tokens"][lab]) if i in by else "—" for i in ("naive", "taylor_calibrate", fit)]
+        vs_n = res["ratios"].get("vs_naive", {}).get(fit, {}).get(lab)
+        vs_t = res["ratios"].get("vs_taylor_calibrate", {}).get(fit, {}).get(lab)
         rows.append(cell + [fmt_ratio(vs_n), fmt_ratio(vs_t)])
         for base, r, goal in (("naive", vs_n, 10.0), ("taylor_calibrate", vs_t, 1.5)):
             verdict = _goal_verdict(r, goal)
             if not verdict:
                 continue
-            line = f"{verdict}: tokens ({how}) {teacher}/{policy} {lab}: ours vs {base} {fmt_ratio(r)} (goal ≥ {goal}x)"
+            line = f"{verdict}: tokens ({how}) {teacher}/{policy} {lab}: {fit} vs {base} {fmt_ratio(r)} (goal ≥ {goal}x)"
             if verdict == "not shown":
                 line += f"; {base} did not reach it in the budget"
                 if base == "naive" and long_res is not None:
-                    long_r = long_res["ratios"]["vs_naive_long"][ours][lab]
-                    line += (f"; against naive given {_long_factor(long_res, ours):.1f}x the budget: {fmt_ratio(long_r)}, "
+                    long_r = long_res["ratios"]["vs_naive_long"][fit][lab]
+                    line += (f"; against naive given {_long_factor(long_res, fit):.1f}x the budget: {fmt_ratio(long_r)}, "
                              f"{_goal_verdict(long_r, goal) or 'met'}")
             misses.append(line)
     return rows, misses
 
 
-def long_naive_results(s2: dict, long_cells: dict, ours: str) -> dict[tuple[str, str, str], dict]:
-    """(teacher, policy, how) -> tokens_to_target of ours (the grid's budget) against naive given a
+def long_naive_results(s2: dict, long_cells: dict, fit: str) -> dict[tuple[str, str, str], dict]:
+    """(teacher, policy, how) -> tokens_to_target of taylor_fit (the grid's budget) against naive given a
     longer budget (configs/paper/grid_*_naive_long.yaml), at the teacher-relative targets."""
     from megatron_tc.eval.tokens_to_target import tokens_to_target
 
     out = {}
     for key in sorted(long_cells):
         teacher, policy, _init = key
-        if (teacher, policy, ours) not in s2:
+        if (teacher, policy, fit) not in s2:
             continue
         long_curve = cell_curve(long_cells, key, "naive_long")
-        ours_curve = cell_curve(s2, (teacher, policy, ours))
+        fit_curve = cell_curve(s2, (teacher, policy, fit))
         for how, stay in HOWS:
             # the grid's targets: its teacher perplexity (the long run's own evaluation of the teacher may
             # differ in the last bits), and no naive-final target (naive= names no run)
-            out[(teacher, policy, how)] = tokens_to_target([long_curve, ours_curve], teacher_ppl=ours_curve.teacher_ppl,
+            out[(teacher, policy, how)] = tokens_to_target([long_curve, fit_curve], teacher_ppl=fit_curve.teacher_ppl,
                                                            ks=KS, naive="", baselines=("naive_long",), stay=stay)
     return out
 
 
-def long_naive_section(long_res: dict, ours: str) -> str:
-    """The supplementary table: the tokens naive needs with the longer budget, against ours'."""
+def long_naive_section(long_res: dict, fit: str) -> str:
+    """The supplementary table: the tokens naive needs with the longer budget, against taylor_fit's."""
     rows, finals = [], []
     for (teacher, policy, how), res in long_res.items():
         by = {r["name"]: r for r in res["runs"]}
         for target in res["targets"]:
             lab = target["label"]
-            r = res["ratios"]["vs_naive_long"][ours][lab]
+            r = res["ratios"]["vs_naive_long"][fit][lab]
             rows.append([teacher, policy, how, f"{lab} (ppl ≤ {fmt_num(target['ppl'])})",
-                         fmt_tokens(by["naive_long"]["tokens"][lab]), fmt_tokens(by[ours]["tokens"][lab]),
+                         fmt_tokens(by["naive_long"]["tokens"][lab]), fmt_tokens(by[fit]["tokens"][lab]),
                          fmt_ratio(r), _goal_verdict(r, 10.0) or "met"])
         if how == "reached and stayed":
             finals.append(f"- {teacher} / {policy}: naive ends at ppl {fmt_num(by['naive_long']['final_ppl'])} after "
-                          f"{fmt_tokens(by['naive_long']['final_tokens'])} tokens ({_long_factor(res, ours):.1f}x the "
-                          f"budget); ours at {fmt_num(by[ours]['final_ppl'])} after {fmt_tokens(by[ours]['final_tokens'])}")
+                          f"{fmt_tokens(by['naive_long']['final_tokens'])} tokens ({_long_factor(res, fit):.1f}x the "
+                          f"budget); {fit} at {fmt_num(by[fit]['final_ppl'])} after {fmt_tokens(by[fit]['final_tokens'])}")
     if not rows:
         return "No long naive run yet."
-    header = ["teacher", "policy", "how", "target", "naive, long budget", f"{ours}, grid budget",
-              f"{ours} vs long naive", "goal ≥ 10x"]
+    header = ["teacher", "policy", "how", "target", "naive, long budget", f"{fit}, grid budget",
+              f"{fit} vs long naive", "goal ≥ 10x"]
     return md_table(header, rows) + "\n\n" + "\n".join(finals)
 
 
-def _long_factor(res: dict, ours: str) -> float:
+def _long_factor(res: dict, fit: str) -> float:
     by = {r["name"]: r for r in res["runs"]}
-    return by["naive_long"]["final_tokens"] / by[ours]["final_tokens"]
+    return by["naive_long"]["final_tokens"] / by[fit]["final_tokens"]
 
 
 def _goal_verdict(r: dict | None, goal: float) -> str | None:
-    """None when a tokens ratio meets the goal; 'missed' when it is known to fall short (or ours never
+    """None when a tokens ratio meets the goal; 'missed' when it is known to fall short (or taylor_fit never
     reaches the target); 'not shown' when only a lower bound below the goal is known: the baseline
     never reached the target within the budget, so a longer baseline run would decide."""
     if r is not None and r["bound"] == "zero-shot":
@@ -254,7 +251,7 @@ def _goal_verdict(r: dict | None, goal: float) -> str | None:
     return "not shown" if r["bound"] == ">=" else "missed"
 
 
-def tokens_section(s2: dict, out: Path, ours: str, long_res: dict | None = None) -> tuple[str, list[str]]:
+def tokens_section(s2: dict, out: Path, fit: str, long_res: dict | None = None) -> tuple[str, list[str]]:
     """Tokens to target per cell, twice: first reach, and reached-and-stayed (a calibrated student
     can rise above a target in its first steps; first reach then credits its zero-shot point)."""
     from megatron_tc.eval.report import write_report
@@ -264,7 +261,7 @@ def tokens_section(s2: dict, out: Path, ours: str, long_res: dict | None = None)
     misses, links = [], []
     for teacher in TEACHERS:
         for policy in POLICIES:
-            keys = [(teacher, policy, i) for i in ("naive", "taylor_calibrate", ours) if (teacher, policy, i) in s2]
+            keys = [(teacher, policy, i) for i in ("naive", "taylor_calibrate", fit) if (teacher, policy, i) in s2]
             if not keys:
                 continue
             sub = out / f"{teacher}_{policy}"
@@ -274,11 +271,11 @@ def tokens_section(s2: dict, out: Path, ours: str, long_res: dict | None = None)
             curves = [cell_curve(s2, k) for k in keys]
             for how, stay in HOWS:
                 res = tokens_to_target(curves, ks=KS, stay=stay)
-                got_rows, got_misses = _tokens_rows(teacher, policy, res, ours, how,
+                got_rows, got_misses = _tokens_rows(teacher, policy, res, fit, how,
                                                     (long_res or {}).get((teacher, policy, how)))
                 rows[how] += got_rows
                 misses += got_misses
-    header = ["teacher", "policy", "target", "naive", "taylor_calibrate", ours, f"{ours} vs naive", f"{ours} vs taylor_calibrate"]
+    header = ["teacher", "policy", "target", "naive", "taylor_calibrate", fit, f"{fit} vs naive", f"{fit} vs taylor_calibrate"]
     text = "\n\n".join(f"{how.capitalize()}:\n\n{md_table(header, r)}" for how, r in rows.items())
     return text + ("\n\nPer cell (curves, plots): " + ", ".join(links) if links else ""), misses
 
@@ -292,13 +289,13 @@ def _kl_curve(curve):
     return RunCurve(name=curve.name, tokens=[t for t, _ in points], ppl=[k for _, k in points], source=curve.source)
 
 
-def kl_section(s2: dict, ours: str) -> str:
+def kl_section(s2: dict, fit: str) -> str:
     """Final KL per cell, and the tokens each init needs to reach naive's final KL (reached and
     stayed): the distillation objective itself, where the perplexity target at naive's final value
-    ties. Supplementary: the issue's targets are perplexities."""
+    ties. Supplementary: the targets are perplexities."""
     from megatron_tc.eval.tokens_to_target import ratio, tokens_to_reach
 
-    inits = ("naive", "taylor_calibrate", ours)
+    inits = ("naive", "taylor_calibrate", fit)
     rows = []
     for teacher in TEACHERS:
         for policy in POLICIES:
@@ -311,13 +308,13 @@ def kl_section(s2: dict, ours: str) -> str:
             need = {i: tokens_to_reach(c, target, stay=True) for i, c in kl.items()}
             final = {i: c.final_ppl for i, c in kl.items()}
             rows.append([teacher, policy, " / ".join(f"{final[i]:.4f}" for i in inits),
-                         f"{1 - final[ours] / final['naive']:.1%}", f"{1 - final[ours] / final['taylor_calibrate']:.1%}",
+                         f"{1 - final[fit] / final['naive']:.1%}", f"{1 - final[fit] / final['taylor_calibrate']:.1%}",
                          " / ".join(fmt_tokens(need[i]) for i in inits),
-                         fmt_ratio(ratio(kl[ours], need[ours], kl["naive"], need["naive"])),
-                         fmt_ratio(ratio(kl[ours], need[ours], kl["taylor_calibrate"], need["taylor_calibrate"]))])
-    header = ["teacher", "policy", f"final KL: naive / taylor_calibrate / {ours}", f"{ours} lower than naive",
-              f"{ours} lower than taylor_calibrate", f"tokens to naive's final KL: naive / taylor_calibrate / {ours}",
-              f"{ours} vs naive", f"{ours} vs taylor_calibrate"]
+                         fmt_ratio(ratio(kl[fit], need[fit], kl["naive"], need["naive"])),
+                         fmt_ratio(ratio(kl[fit], need[fit], kl["taylor_calibrate"], need["taylor_calibrate"]))])
+    header = ["teacher", "policy", f"final KL: naive / taylor_calibrate / {fit}", f"{fit} lower than naive",
+              f"{fit} lower than taylor_calibrate", f"tokens to naive's final KL: naive / taylor_calibrate / {fit}",
+              f"{fit} vs naive", f"{fit} vs taylor_calibrate"]
     return md_table(header, rows) if rows else "No cell with all three inits' KL curves yet."
 
 
@@ -343,15 +340,15 @@ def _run_seed(cell_dir: Path, part: str) -> str:
 SEED_PARTS = ("stage2_seed", "stage2_seed2")
 
 
-def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
-    """taylor_calibrate and ours in the cells run with other seeds (the SEED_PARTS: another run.seed,
+def seed_section(by_part: list[tuple[str, dict]], fit: str) -> str:
+    """taylor_calibrate and taylor_fit in the cells run with other seeds (the SEED_PARTS: another run.seed,
     so other random init parts and data order), beside the grid's run of the same cell (`by_part`:
     (part, cells) with the grid's first): a gap between the two inits reads against how far one init
     moves from seed to seed. Tokens are reached-and-stayed; then the mean over the seeds per init, and each
     later seed set against the first."""
     from megatron_tc.eval.tokens_to_target import ratio, tokens_to_target
 
-    inits = ("taylor_calibrate", ours)
+    inits = ("taylor_calibrate", fit)
     rows, spread, means = [], [], []
     for teacher in TEACHERS:
         for policy in POLICIES:
@@ -362,7 +359,7 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
             for part, grid in runs:
                 curves = [cell_curve(grid, (teacher, policy, i)) for i in inits]
                 res = tokens_to_target(curves, ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
-                seed = _run_seed(grid[(teacher, policy, ours)]["dir"], part)
+                seed = _run_seed(grid[(teacher, policy, fit)]["dir"], part)
                 rows.append([teacher, policy, seed, *_seed_columns(res, inits)])
                 per_seed.append((seed, dict(zip(inits, curves)), {r["name"]: r["tokens"] for r in res["runs"]}))
             means.append(_seed_mean_line(f"{teacher} / {policy}", [tokens for _, _, tokens in per_seed], inits))
@@ -375,10 +372,10 @@ def seed_section(by_part: list[tuple[str, dict]], ours: str) -> str:
                               f"{' / '.join(KS_LABELS)}: {ratios}")
     if not rows:
         return "No cell run with another seed in these results."
-    header = ["teacher", "policy", "run.seed", f"zero-shot ppl: taylor_calibrate / {ours}",
-              f"final ppl: taylor_calibrate / {ours}", f"final KL: taylor_calibrate / {ours}",
-              *(f"tokens to {k:.2f}x teacher: taylor_calibrate / {ours} ({ours} vs taylor_calibrate)" for k in KS)]
-    return (md_table(header, rows) + f"\n\nOver all seeds: mean tokens, taylor_calibrate / {ours} (the ratio of the "
+    header = ["teacher", "policy", "run.seed", f"zero-shot ppl: taylor_calibrate / {fit}",
+              f"final ppl: taylor_calibrate / {fit}", f"final KL: taylor_calibrate / {fit}",
+              *(f"tokens to {k:.2f}x teacher: taylor_calibrate / {fit} ({fit} vs taylor_calibrate)" for k in KS)]
+    return (md_table(header, rows) + f"\n\nOver all seeds: mean tokens, taylor_calibrate / {fit} (the ratio of the "
             f"means; the lowest and highest ratio of one seed):\n\n" + "\n".join(means)
             + "\n\nThe same init from seed to seed:\n\n" + "\n".join(spread))
 
@@ -401,7 +398,7 @@ def _seed_mean_line(cell: str, tokens_per_seed: list[dict[str, dict]], inits: tu
 
 
 def _seed_columns(res: dict, inits: tuple[str, str]) -> list[str]:
-    """'taylor_calibrate / ours' zero-shot ppl, final ppl, final KL, and tokens (with their ratio) per target."""
+    """'taylor_calibrate / taylor_fit' zero-shot ppl, final ppl, final KL, and tokens (with their ratio) per target."""
     by = {r["name"]: r for r in res["runs"]}
 
     def both(fmt) -> str:
@@ -420,10 +417,10 @@ RECIPES = {"stage2_warmup": "2-step warmup", "stage2_gdn": "2-step warmup, GDN m
            "stage2_lr": "half the peak learning rate"}
 
 
-def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLICIES, ours: str = "taylor_fit") -> str:
+def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLICIES, fit: str = "taylor_fit") -> str:
     """Cells of the other stage-2 recipes (RECIPES), each beside the grid's cell of the same teacher,
     policy and init: zero-shot, final ppl / KL and tokens to each target (reached and stayed) with the
-    recipe's speed-up over the grid's recipe for that init (tokens(grid) / tokens(recipe)); then ours
+    recipe's speed-up over the grid's recipe for that init (tokens(grid) / tokens(recipe)); then taylor_fit
     against taylor_calibrate within each recipe."""
     from megatron_tc.eval.tokens_to_target import tokens_to_target
 
@@ -446,13 +443,13 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
             rows.append(cols)
         for teacher in teachers:
             for policy in policies:
-                pair = [runs.get((teacher, policy, i)) for i in ("taylor_calibrate", ours)]
+                pair = [runs.get((teacher, policy, i)) for i in ("taylor_calibrate", fit)]
                 if None in pair:
                     continue
-                tc, us = (cell_curve(runs, (teacher, policy, i)) for i in ("taylor_calibrate", ours))
+                tc, us = (cell_curve(runs, (teacher, policy, i)) for i in ("taylor_calibrate", fit))
                 res = tokens_to_target([tc, us], ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
-                got = " / ".join(fmt_ratio(res["ratios"]["vs_taylor_calibrate"][ours][lab]) for lab in KS_LABELS)
-                within.append(f"- {teacher} / {policy}, {what}: ours vs taylor_calibrate at {' / '.join(KS_LABELS)}: {got}")
+                got = " / ".join(fmt_ratio(res["ratios"]["vs_taylor_calibrate"][fit][lab]) for lab in KS_LABELS)
+                within.append(f"- {teacher} / {policy}, {what}: {fit} vs taylor_calibrate at {' / '.join(KS_LABELS)}: {got}")
     if not rows:
         return "No cell of another stage-2 recipe in these results."
     header = ["teacher", "policy", "recipe", "init", "zero-shot ppl", "final ppl", "final KL",
@@ -474,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a results root (repeatable; default .paper_runs/runs)")
     # not docs/reports/paper_grid: that report is frozen (its raw results are lost; see its note)
     ap.add_argument("--out", type=Path, default=Path(".paper_runs/report"))
-    ap.add_argument("--ours", default="taylor_fit")
+    ap.add_argument("--variant", default="taylor_fit")
     ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
     ap.add_argument("--grid-eval-logs", type=Path, action="append", default=[],
@@ -491,11 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     s2, zs = cells(roots, "stage2", teachers, policies), cells(roots, "zero_shot", teachers, policies)
     logged = {k: v for k, v in logged_curves(args.grid_eval_logs, teachers, policies).items() if k not in s2}
     base = {**logged, **s2}  # every grid cell's stage-2 curve: its directory, or its eval log alone
-    zero_table, zero_miss = zero_shot_section(s2, zs, args.ours, logged)
-    long_res = long_naive_results(base, cells(roots, "naive_long", teachers, policies), args.ours)
-    tok_table, tok_miss = tokens_section(base, args.out, args.ours, long_res)
+    zero_table, zero_miss = zero_shot_section(s2, zs, args.variant, logged)
+    long_res = long_naive_results(base, cells(roots, "naive_long", teachers, policies), args.variant)
+    tok_table, tok_miss = tokens_section(base, args.out, args.variant, long_res)
     seeds = [("stage2", base), *((part, cells(roots, part, teachers, policies)) for part in SEED_PARTS)]
-    expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.ours)}
+    expected = {(t, p, i) for t in teachers for p in policies for i in ("naive", "taylor_calibrate", args.variant)}
     missing = sorted(expected - set(base)) + sorted({(t, p, "zero_gate") for t in teachers for p in policies} - set(zs))
     curves_only = ("\n\nKept only as stage-2 curves (`--grid-eval-logs`; in the tables above, the zero-shot one "
                    "with their step-0 evaluation):\n\n"
@@ -503,33 +500,33 @@ def main(argv: list[str] | None = None) -> int:
     scope = "" if (teachers, policies) == (TEACHERS, POLICIES) else \
         f" --teachers {','.join(teachers)} --policies {','.join(policies)}"
     parts = [
-        "# Issue 10 grid: pretrained teachers, zero-shot and tokens-to-target",
-        f"Generated by `tools/experiments/paper_report.py {' '.join(f'--runs {r}' for r in roots)}"
+        "# Paper grid: zero-shot and tokens-to-target",
+        f"Generated by `tools/paper/report.py {' '.join(f'--runs {r}' for r in roots)}"
         f"{''.join(f' --grid-eval-logs {d}' for d in args.grid_eval_logs)}{scope}` "
-        f"(ours = `{args.ours}`). "
+        f"(taylor_fit variant: `{args.variant}`). "
         "Every grid number is one run with run.seed 0 (cells repeated with another seed have their own section); "
-        "see docs/RESULTS.md for the setup and the commands.",
+        "see docs/results.md for the setup and the commands.",
         "## Teachers pretrained by us\n\n" + pretrain_section(roots, args.out, teachers),
         "## Zero-shot perplexity and KL(teacher || student) on the evaluation documents\n\n" + zero_table,
         "## Tokens to target (stage 2, same budget and data order for every init)\n\n" + tok_table,
         "## Supplementary: final KL(teacher || student) and tokens to naive's final KL\n\n"
-        "Not the issue's targets (those are perplexities, above). KL to the teacher on the evaluation documents is "
-        "the quantity stage 2 minimizes; reached and stayed, as above.\n\n" + kl_section(base, args.ours),
+        "Not the targets (those are perplexities, above). KL to the teacher on the evaluation documents is "
+        "the quantity stage 2 minimizes; reached and stayed, as above.\n\n" + kl_section(base, args.variant),
         "## Supplementary: naive given a longer stage-2 budget\n\n"
         "Where naive does not reach a target within the grid's budget, the tokens ratio above is only a lower "
         "bound. This naive run has the same recipe and data order with a longer budget (its cosine schedule "
-        "stretched to it; configs/paper/grid_smollm2_naive_long.yaml); ours is the grid's run.\n\n"
-        + long_naive_section(long_res, args.ours),
+        f"stretched to it; configs/paper/grid_smollm2_naive_long.yaml); {args.variant} is the grid's run.\n\n"
+        + long_naive_section(long_res, args.variant),
         "## Supplementary: other seeds\n\n"
         "Each grid cell is one run. These cells ran again with other run.seeds (configs/paper/"
         "grid_smollm2_stage2_seed.yaml and _seed2.yaml: the inits' random parts and the data order drawn anew; the "
-        "same text, budget and evaluation), so the gap between taylor_calibrate and ours can be read against the "
-        "spread of either from seed to seed.\n\n" + seed_section(seeds, args.ours),
+        "same text, budget and evaluation), so the gap between taylor_calibrate and taylor_fit can be read against the "
+        "spread of either from seed to seed.\n\n" + seed_section(seeds, args.variant),
         "## Supplementary: other stage-2 recipes\n\n"
         "The grid's cells again with another stage-2 recipe for every init, naive included (same budget, data "
         "order and evaluation; configs/paper/grid_smollm2_<part>.yaml), read against the grid's recipe for "
-        "the same init.\n\n" + recipe_section(roots, base, teachers, policies, args.ours),
-        "## Goals of the issue, cell by cell\n\n" + ("\n".join(f"- {m}" for m in zero_miss + tok_miss)
+        "the same init.\n\n" + recipe_section(roots, base, teachers, policies, args.variant),
+        "## Goals, cell by cell\n\n" + ("\n".join(f"- {m}" for m in zero_miss + tok_miss)
                                                     or "- every finished cell meets both goals"),
         "## Cells not finished\n\n" + ("\n".join(f"- {'/'.join(c)}" for c in missing) or "- none") + curves_only,
     ]

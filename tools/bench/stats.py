@@ -2,7 +2,7 @@
 """Statistics pass vs a plain teacher forward over the same tokens, and the calibration wall time
 of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
 
-    python tools/bench_stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
+    python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
         [--align-steps N] [--no-calibrate] [--sweep1-reference]
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.common import Report, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402

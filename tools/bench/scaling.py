@@ -2,12 +2,12 @@
 """Data-parallel scaling of the stage-2 distillation step under DeepSpeed ZeRO-3: tokens/s at
 N = 1, 2, 4, ... ranks (one GPU each), and the scaling efficiency tok/s(N) / (N * tok/s(1)).
 
-    python tools/bench_scaling.py [--out FILE] [--quick] [--model llama-1b] [--ranks 1,2,4]
+    python tools/bench/scaling.py [--out FILE] [--quick] [--model llama-1b] [--ranks 1,2,4]
         [--batch 8 --seq 2048] [--steps 6] [--warmup 2] [--timeout 300]
 
 The driver starts one torchrun job per N, one after the other (`python -m torch.distributed.run
---standalone --nproc_per_node N tools/bench_scaling.py --worker ...`), with NVLink multicast off in
-the children's environment. Every rank runs the step of tools/bench_train.py --deepspeed (teacher
+--standalone --nproc_per_node N tools/bench/scaling.py --worker ...`), with NVLink multicast off in
+the children's environment. Every rank runs the step of tools/bench/train.py --deepspeed (teacher
 forward without grad + student forward/backward on the KL loss + ZeRO-3 optimizer step, bf16, GDN
 layers on fla's kernels) on its own random micro-batch [batch, seq] (same shape on every rank, a
 different seed per rank). Timed steps are bracketed by a device sync and a barrier on every rank,
@@ -15,7 +15,7 @@ so each step's time is the slowest rank's; the median over the timed steps is re
 
 Reported per N: step_ms, global tokens/s = N * batch * seq / step time, tokens/s per GPU,
 efficiency, the largest peak memory over ranks, MFU = model FLOPs of all ranks / step time /
-(N x the measured bf16 matmul rate of one GPU; FLOPs as in tools/bench_train.py). Per-N logs go
+(N x the measured bf16 matmul rate of one GPU; FLOPs as in tools/bench/train.py). Per-N logs go
 to <out stem>_logs/ranks<N>.log. --quick: the tiny preset on CPU with gloo, N = 1, 2 (seconds,
 checks the driver end to end). The default ranks are 1, 2, 4, ... up to the visible GPUs (and the
 GPU count itself); on CPU up to --max-ranks (2).
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS.parent))
+sys.path.insert(0, str(TOOLS.parents[1]))
 sys.path.insert(0, str(TOOLS))
 
 from megatron_tc.bench.common import Report, parse_args  # noqa: E402
@@ -78,7 +78,7 @@ def run_worker(args) -> None:
     """One rank of an N-rank job (environment from torchrun). Rank 0 writes args.result (JSON)."""
     import torch.distributed as dist
 
-    import bench_train
+    import train as bench_train
     from megatron_tc.bench.common import measure_peaks
     from megatron_tc.bench.models import quarter_pattern
     from megatron_tc.distill.stage2 import select_trainable
@@ -172,7 +172,7 @@ def child_env(n: int, cuda: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(MULTICAST_OFF, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    root = str(TOOLS.parent)
+    root = str(TOOLS.parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if cuda:
         env.setdefault("OMP_NUM_THREADS", "4")
@@ -219,7 +219,7 @@ def run_one(n: int, args, logs: Path, cuda: bool) -> dict:
     with open(log, "w") as f:
         # own process group, so a timeout ends torchrun and every rank it started
         proc = subprocess.Popen(cmd, env=child_env(n, cuda), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=str(TOOLS.parent))
+                                start_new_session=True, cwd=str(TOOLS.parents[1]))
         try:
             rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -249,7 +249,7 @@ def add_efficiency(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="result JSON (default $OUT/bench_scaling.json or runs/bench/)")
+    p.add_argument("--out", default=None, help="result JSON (default runs/bench/bench_scaling.json)")
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, gloo, N = 1, 2")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--model", default="llama-1b", help=f"preset: {', '.join(PRESETS)}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU micro-benchmark: chunked gated delta rule vs the step-by-step recurrence.
 
-    python tools/bench_gdn_cpu.py [--batch 2 --seq 512 --heads 4 --dim 64 --chunk 64 --repeats 5 --threads 1]
+    python tools/bench/gdn_cpu.py [--batch 2 --seq 512 --heads 4 --dim 64 --chunk 64 --repeats 5 --threads 1]
 
 Prints median wall time (fresh random inputs each repeat, one warm-up excluded) for forward and
 forward+backward, and the speed-up of the chunked kernel; also the max relative difference of

