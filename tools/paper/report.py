@@ -468,9 +468,9 @@ def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, action="append",
-                    help="a results root (repeatable; default .paper_runs/runs)")
+                    help="a results root (repeatable; default runs/paper)")
     # not docs/reports/paper_grid: that report is frozen (its raw results are lost; see its note)
-    ap.add_argument("--out", type=Path, default=Path(".paper_runs/report"))
+    ap.add_argument("--out", type=Path, default=Path("runs/paper/report"))
     ap.add_argument("--variant", default="taylor_fit")
     ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a dir of <teacher>_<policy>_<init>_eval_log.jsonl: grid cells kept only as curves, read "
                          "where no cell of the grid is in --runs by every section, the zero-shot table with their step-0 evaluation (repeatable)")
     args = ap.parse_args(argv)
-    roots = args.runs or [Path(".paper_runs/runs")]
+    roots = args.runs or [Path("runs/paper")]
     teachers, policies = _names(args.teachers, TEACHERS, "teachers"), _names(args.policies, POLICIES, "policies")
     for root in roots:
         if not root.is_dir():
