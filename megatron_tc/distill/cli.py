@@ -8,7 +8,7 @@ import sys
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(
         prog="tools/distill.py", description="Run the megatron_tc pipeline the config's run.stages names.",
-        epilog="Overrides are dotted keys, e.g. distill.stage2.steps=100 parallel.tp=2 (see docs/CONFIG.md).")
+        epilog="Overrides are dotted keys, e.g. distill.stage2.steps=100 parallel.tp=2 (see docs/configuration.md).")
     ap.add_argument("--force", default="", help="comma-separated stages to rerun from scratch, or 'all'")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop a training stage after this many steps (checkpointed; rerun to resume)")
