@@ -15,8 +15,9 @@ Every `<name>.json` under the results directory has a `kind`:
 Each file also names its date, hardware, software, config and the one command that reproduces it;
 the generator prints them under every table. A page receives a block between
 `<!-- results:NAME -->` and `<!-- /results:NAME -->` (hand-written text around it is kept). Block
-names: every file's stem (its own table), and the combined blocks `smollm2_runs`,
-`smollm2_tokens`, `at_a_glance` built from the `tokens_to_target` files. Figures: one PNG per
+names: the stem of every `table` and `tokens_to_target_summary` file (its own table), and the
+combined blocks `smollm2_runs`, `smollm2_tokens`, `at_a_glance` built from all
+`tokens_to_target` files. Figures: one PNG per
 `tokens_to_target` file (run.seed 0 and the long naive run) in the assets directory.
 `--check` writes nothing and exits 1 when a page's block differs from what the files say.
 """
@@ -209,9 +210,9 @@ def blocks(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     out = {}
     grid = [d for d in results.values() if d["kind"] == "tokens_to_target"]
     for name, doc in results.items():
-        table = {"tokens_to_target": lambda d: smollm2_runs_table([d]), "tokens_to_target_summary": summary_table,
-                 "table": plain_table}[doc["kind"]](doc)
-        out[name] = f"{table}\n\n{provenance(doc)}"
+        if doc["kind"] != "tokens_to_target":  # those are published through the combined blocks
+            table = summary_table(doc) if doc["kind"] == "tokens_to_target_summary" else plain_table(doc)
+            out[name] = f"{table}\n\n{provenance(doc)}"
     if grid:
         order = {"uniform": 0, "ar": 1, "stats": 2}
         grid.sort(key=lambda d: (d["teacher"], order.get(d["policy"], 9), d["policy"]))
