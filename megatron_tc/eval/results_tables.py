@@ -4,7 +4,7 @@
 
 Every `<name>.json` under the results directory has a `kind`:
 
-- `tokens_to_target`: one teacher x policy of the paper grid; its runs (init, run.seed, budget) carry
+- `tokens_to_target`: one teacher x policy of the paper grid; its runs (init, run.seed, budget) hold
   their stage-2 evaluation curve (`curve`: tokens, ppl, kl; the point at tokens 0 is the zero-shot
   student) or, for a zero-shot-only run, `zero_shot` (ppl, kl). Tokens to a target are computed here
   from the curves (`megatron_tc.eval.tokens_to_target.tokens_to_reach`, first reach, log-log
