@@ -132,6 +132,8 @@ def smollm2_runs_table(docs: list[dict[str, Any]]) -> str:
 def _ratio_of_means(base: list[float | None], run: list[float | None]) -> str:
     if not base or not run or None in base or None in run:
         return "—"
+    if statistics.fmean(run) == 0:
+        return "∞ (met zero-shot)"
     per_seed = [b / r for b, r in zip(base, run) if r > 0]
     spread = f" ({min(per_seed):.2f}–{max(per_seed):.2f}x per seed)" if len(per_seed) > 1 else ""
     return f"{statistics.fmean(base) / statistics.fmean(run):.2f}x{spread}"
