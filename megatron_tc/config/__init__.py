@@ -4,7 +4,7 @@ any process group exists. Importing this package imports neither torch nor deeps
     from megatron_tc.config import load_config, validate_against_arch, save_config
     cfg = load_config("configs/quickstart.yaml", ["parallel.tp=2"], world_size=2)
 
-Every key is documented in docs/CONFIG.md (generated from the field docs in `schema.py`).
+Every key is documented in docs/configuration.md (generated from the field docs in `schema.py`).
 """
 from .checks import derive_dp, resolve_config, validate_against_arch, validate_config
 from .errors import ConfigError

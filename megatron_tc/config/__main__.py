@@ -1,5 +1,5 @@
 """`python -m megatron_tc.config [CONFIG] [key=value ...] [--world-size N]`: load, check and print
-the resolved config (exit 2 with the error otherwise). `--write-docs` regenerates docs/CONFIG.md."""
+the resolved config (exit 2 with the error otherwise). `--write-docs` regenerates docs/configuration.md."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_tc.config", description=__doc__)
     parser.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
     parser.add_argument("--world-size", type=int, default=None, help="also check TP x PP x DP for this many processes")
-    parser.add_argument("--write-docs", action="store_true", help="regenerate docs/CONFIG.md and exit")
+    parser.add_argument("--write-docs", action="store_true", help="regenerate docs/configuration.md and exit")
     ns = parser.parse_args(argv)
     if ns.write_docs:
         from .docs import write_docs

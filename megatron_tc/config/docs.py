@@ -1,4 +1,4 @@
-"""Generate docs/CONFIG.md from the field docs in `schema.py` (a test keeps the file in sync)."""
+"""Generate docs/configuration.md from the field docs in `schema.py` (a test keeps the file in sync)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from .loader import repo_root
 from .schema import Config
 from .typecheck import section_types, type_name
 
-DOC_PATH = Path("docs") / "CONFIG.md"
+DOC_PATH = Path("docs") / "configuration.md"
 
 HEADER = """# Configuration reference
 

@@ -1,7 +1,7 @@
 """Field helpers for the config dataclasses: one line declares a key, its default and its doc.
 
 Every key of the run config is declared with `opt` (a value) or `section` (a nested dataclass).
-The doc string lives in the field's metadata; docs/CONFIG.md is generated from it, and a test
+The doc string lives in the field's metadata; docs/configuration.md is generated from it, and a test
 fails when a field has no doc or the generated file is stale.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The run configuration: one small dataclass per concern, nested under `Config`.
 
 To add a key, add one `opt(default, "doc")` line to the right section, then regenerate
-docs/CONFIG.md (`python -m megatron_tc.config --write-docs`). Types allowed in annotations:
+docs/configuration.md (`python -m megatron_tc.config --write-docs`). Types allowed in annotations:
 int, float, bool, str, Optional[...], Literal[...], list[...] and nested sections.
 Defaults are sized for the CPU quickstart; configs/*.yaml override them.
 """

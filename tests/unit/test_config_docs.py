@@ -1,4 +1,4 @@
-"""docs/CONFIG.md documents every key and is exactly what the schema generates; the shipped
+"""docs/configuration.md documents every key and is exactly what the schema generates; the shipped
 DeepSpeed templates are accepted by DeepSpeed; our data section matches the data pipeline's."""
 import dataclasses
 import json
@@ -22,17 +22,17 @@ def _all_fields(cls, prefix=""):
             yield from _all_fields(tp, key + ".")
 
 
-def test_every_field_has_a_doc_and_appears_in_config_md():
+def test_every_field_has_a_doc_and_appears_in_the_reference():
     text = (REPO / DOC_PATH).read_text()
     undocumented = [key for key, f in _all_fields(Config) if len(f.metadata.get("doc", "")) < 10]
     assert not undocumented, f"add a doc string to opt(...) for: {undocumented}"
     missing = [key for key, _ in _all_fields(Config) if f"`{key}`" not in text]
-    assert not missing, f"docs/CONFIG.md lacks {missing}"
+    assert not missing, f"docs/configuration.md lacks {missing}"
 
 
-def test_config_md_is_generated_from_the_schema():
+def test_the_reference_is_generated_from_the_schema():
     assert (REPO / DOC_PATH).read_text() == render_markdown(), (
-        "docs/CONFIG.md is stale: run `python -m megatron_tc.config --write-docs`"
+        "docs/configuration.md is stale: run `python -m megatron_tc.config --write-docs`"
     )
 
 

@@ -247,6 +247,27 @@ def test_unknown_scope_names_are_refused(tmp_path, flag, value):
         _load().main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), flag, value])
 
 
+def test_gpu_results_of_smollm2_stats_give_their_tables(tmp_path):
+    """Results returned by an H200 run (SmolLM2 / stats: the grid's three inits, zero_gate and naive
+    with the long budget; tests/fixtures) give the numbers published for them, row by row."""
+    fixture = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "paper_grid_smollm2_stats.json").read_text())
+    runs = tmp_path / "runs"
+    for rel, text in fixture["files"].items():
+        (runs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (runs / rel).write_text(text)
+    assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--teachers", "smollm2",
+                         "--policies", "stats"]) == 0
+    md = (tmp_path / "out" / "README.md").read_text()
+    for row in (
+        "| smollm2 | stats | 37.51 | 6.059e+04 / 7.55 | 7.751e+04 / 7.8 (0.8x) | 56.15 / 0.518 (1079.2x) | 53.97 / 0.477 (1122.7x) |",
+        "| smollm2 | stats | 1.10x teacher (ppl ≤ 41.27) | not reached | 1.94M | 1.74M | ≥ 1.80x | 1.11x |",
+        "| smollm2 | stats | naive final (ppl ≤ 48.27) | 3.15M | 280k | 193k | 16.34x | 1.46x |",
+        "| smollm2 | stats | first reach | 1.25x teacher (ppl ≤ 46.9) | 2.43M | 283k | 8.60x | missed |",
+    ):
+        assert row in md, row
+    assert md.split("## Cells not finished")[1].strip() == "- none"
+
+
 def test_another_stage2_recipe_beside_the_grid_recipe_of_the_same_init(tmp_path):
     """stage2_warmup cells sit beside the grid's cell of their init: tokens to each target with the
     speed-up over the grid's recipe, and fit against taylor_calibrate within the recipe."""
