@@ -469,7 +469,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, action="append",
                     help="a results root (repeatable; default runs/paper)")
-    # not docs/reports/paper_grid: that report is frozen (its raw results are lost; see its note)
     ap.add_argument("--out", type=Path, default=Path("runs/paper/report"))
     ap.add_argument("--variant", default="taylor_fit")
     ap.add_argument("--teachers", default=",".join(TEACHERS), help="comma list: the teachers to report")
