@@ -1,7 +1,7 @@
 """The decoding cache of an exported student, a `transformers.Cache` (torch and transformers only).
 
 Attention layers keep keys/values [B, Hkv, L, D]: concatenated as they come (dynamic), or in
-buffers of `max_cache_len` slots written in place (static: fixed addresses, so a decoding step can
+buffers of `static_len` slots written in place (static: fixed addresses, so a decoding step can
 be captured in a CUDA graph). Gated DeltaNet layers keep the recurrent state [B, H, Dk, Dv] (fp32)
 and the last K-1 inputs of each short convolution [B, C, K-1].
 
@@ -46,7 +46,7 @@ class AttentionLayerCache:
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
         if offset + k.shape[2] > self.static_len:
             raise ValueError(f"the static cache holds {self.static_len} tokens; {offset + k.shape[2]} do not fit "
-                             "(raise max_cache_len or generate fewer tokens)")
+                             "(generate fewer tokens, or pass MegatronTCCache(config, static_len=N) with a larger N)")
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
         if kv_len is None:
@@ -115,15 +115,15 @@ class GDNLayerCache:
 
 
 class MegatronTCCache(Cache):
-    """KV + recurrent cache of a hybrid student. `max_cache_len` makes attention buffers static.
+    """KV + recurrent cache of a hybrid student. `static_len` makes attention buffers static.
 
     seen: tokens processed so far (python int); the model advances it after each forward."""
 
-    def __init__(self, config: Any, max_cache_len: int | None = None) -> None:
+    def __init__(self, config: Any, static_len: int | None = None) -> None:
         # Cache.__init__ differs between transformers releases; set what its methods read ourselves.
         self.pattern = config.arch_value("layer_pattern").replace("|", "") or "A" * config.num_hidden_layers
-        self.max_cache_len = max_cache_len
-        self.layers = [AttentionLayerCache(max_cache_len) if kind == "A" else GDNLayerCache(max_cache_len is not None)
+        self.static_len = static_len
+        self.layers = [AttentionLayerCache(static_len) if kind == "A" else GDNLayerCache(static_len is not None)
                        for kind in self.pattern]
         self.layer_class_to_replicate = None
         self.offloading = False
@@ -132,21 +132,21 @@ class MegatronTCCache(Cache):
         self.gdn_chunk = config.arch_value("gdn_chunk_size")
 
     def __repr__(self) -> str:
-        return f"MegatronTCCache(pattern={self.pattern!r}, seen={self.seen}, static={self.max_cache_len})"
+        return f"MegatronTCCache(pattern={self.pattern!r}, seen={self.seen}, static={self.static_len})"
 
     def __len__(self) -> int:
         return len(self.layers)
 
     @property
     def is_static(self) -> bool:
-        return self.max_cache_len is not None
+        return self.static_len is not None
 
     # ---- lengths ---------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.seen
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1 if self.max_cache_len is None else self.max_cache_len
+        return -1 if self.static_len is None else self.static_len
 
     def get_max_cache_shape(self, layer_idx: int | None = None) -> int:
         return self.get_max_length()
@@ -186,7 +186,7 @@ class MegatronTCCache(Cache):
     # ---- editing ---------------------------------------------------------------------------
     def reset(self) -> None:
         for i, kind in enumerate(self.pattern):
-            self.layers[i] = AttentionLayerCache(self.max_cache_len) if kind == "A" else GDNLayerCache(self.is_static)
+            self.layers[i] = AttentionLayerCache(self.static_len) if kind == "A" else GDNLayerCache(self.is_static)
         self.seen = 0
 
     def _rows(self, fn) -> None:

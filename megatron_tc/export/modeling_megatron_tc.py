@@ -374,8 +374,8 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
                 and not torch.cuda.is_current_stream_capturing())
 
     def _graph_step(self, input_ids, attention_mask, cache) -> torch.Tensor:
-        if cache.seen + 1 > cache.max_cache_len:
-            raise ValueError(f"the static cache holds {cache.max_cache_len} tokens; raise max_cache_len")
+        if cache.seen + 1 > cache.static_len:
+            raise ValueError(f"the static cache holds {cache.static_len} tokens; pass a larger MegatronTCCache(config, static_len=N)")
         graph = self._graph
         if graph is None or not graph.fits(cache, input_ids):
             self._graph = None
@@ -404,7 +404,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
             raise ValueError(f"cache_implementation={impl!r} is not supported by this model; use 'static' or 'dynamic'")
         max_len = args[2] if len(args) >= 3 else kwargs.get("max_cache_length")
         static = impl == "static" or (impl is None and self.device.type == "cuda")
-        cache = MegatronTCCache(self.config, max_cache_len=int(max_len) + 1 if static and max_len else None)
+        cache = MegatronTCCache(self.config, static_len=int(max_len) + 1 if static and max_len else None)
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
         model_kwargs[CACHE_KEY] = cache
@@ -437,7 +437,7 @@ class DecodeGraph:
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
-        self.key_valid = torch.zeros(b, cache.max_cache_len, dtype=torch.bool, device=device)
+        self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
         self.stage(input_ids, attention_mask, cache.seen)
         batch = Batch(cache.seen, self.slots, None, self.key_valid, None)
         saved = {id(x): x.clone() for layer in cache.layers if isinstance(layer, GDNLayerCache)
