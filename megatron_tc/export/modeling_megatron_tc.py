@@ -141,8 +141,8 @@ class Attention(nn.Module):
         else:
             mask = self.mask(batch, k.shape[2], x.device)  # [B or 1, 1, T, L]
             if t == 1:  # one query per row: group the query heads, no K/V copies
-                o = F.scaled_dot_product_attention(q.view(b, self.kv_heads, group, self.head_dim), k, v,
-                                                   attn_mask=mask, scale=self.scale).view(b, self.heads, 1, -1)
+                o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, group, self.head_dim), k, v,
+                                                   attn_mask=mask, scale=self.scale).reshape(b, self.heads, 1, -1)
             else:
                 k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
