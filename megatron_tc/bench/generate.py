@@ -93,4 +93,5 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
     runs = runs[1:]
     decode = spread([r["decode_ms"] for r in runs])
     return {"batch": batch, "prompt": prompt, "decode_ms": decode, "tokens_per_s": 1e3 * batch / decode["median"],
-            "prefill_ms": spread([r["prefill_ms"] for r in runs])}
+            "prefill_ms": spread([r["prefill_ms"] for r in runs]),
+            "captured_step": getattr(model, "_graph", None) is not None}

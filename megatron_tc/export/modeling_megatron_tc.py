@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -29,6 +31,9 @@ from .gated_delta_megatron_tc import causal_conv, gated_delta_rule
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
+# Masked attention on CUDA avoids cuDNN's kernel: it builds a plan per key length (milliseconds of
+# host time per call while the cache grows), and that planning cannot be captured in a CUDA graph.
+MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Batch:
@@ -140,12 +145,13 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
         else:
             mask = self.mask(batch, k.shape[2], x.device)  # [B or 1, 1, T, L]
-            if t == 1:  # one query per row: group the query heads, no K/V copies
-                o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, group, self.head_dim), k, v,
-                                                   attn_mask=mask, scale=self.scale).reshape(b, self.heads, 1, -1)
-            else:
-                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            with sdpa_kernel(MASKED_SDPA_BACKENDS) if x.is_cuda else nullcontext():
+                if t == 1:  # one query per row: group the query heads, no K/V copies
+                    o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, group, self.head_dim), k, v,
+                                                       attn_mask=mask, scale=self.scale).reshape(b, self.heads, 1, -1)
+                else:
+                    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def mask(self, batch: Batch, length: int, device: torch.device) -> torch.Tensor:

@@ -2,6 +2,8 @@
 eager model's tokens and logits; fla's kernels agree with the PyTorch path."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -39,3 +41,16 @@ def test_captured_decoding_equals_eager_left_padded_fp32():
     assert torch.equal(graph.sequences, eager.sequences)
     diff = (torch.stack(graph.logits) - torch.stack(eager.logits)).abs().max().item()
     assert diff <= 1e-3, f"captured (fla) vs eager (PyTorch) decoding logits differ by {diff}"
+
+
+def test_decoding_step_is_captured_in_bf16():
+    """bf16 takes other SDPA kernels than fp32 (cuDNN's is excluded: its planning cannot be captured)."""
+    model = student(torch.bfloat16)
+    ids = torch.randint(3, 512, (2, 40), device="cuda")
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns and decodes eagerly
+        graph = model.generate(ids, **kw)
+    assert model._graph is not None
+    model.decode_graphs = False
+    assert torch.equal(graph, model.generate(ids, **kw))
