@@ -72,6 +72,21 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     return Path(out)
 
 
+def student_model_from_checkpoint(ckpt: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Any:
+    """The exported-student class (`MegatronTCForCausalLM`) built in memory from a megatron_tc
+    checkpoint (any layer pattern, vocabulary padding removed): what an export would load, without
+    writing one. For tools that take a transformers model object (lm-eval's HFLM, generate)."""
+    from megatron_tc.convert.hf_student import MegatronTCForCausalLM
+
+    info = read_info(ckpt)
+    arch, state = load_checkpoint(ckpt)
+    state, arch = _unpad_vocab(state, arch)
+    model = MegatronTCForCausalLM(student_hf_config(arch, info.source.get("hf_config") or {}))
+    model.model.load_state_dict(state)
+    cast = resolve_dtype(dtype)
+    return (model.to(cast) if cast is not None else model).eval()
+
+
 def _unpad_vocab(state: StateDict, arch: ArchConfig) -> tuple[StateDict, ArchConfig]:
     out = dict(state)
     for name in ("embed_tokens.weight", "lm_head.weight"):
