@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ _FLA: dict[str, object] = {}
 
 
 def fla_kernels() -> dict[str, object] | None:
-    """fla's chunk and fused-recurrent kernels, or None where fla (or CUDA) is missing."""
+    """fla's chunk and fused-recurrent kernels (and its fused gated RMSNorm, "gated_norm", when
+    this fla has it), or None where fla (or CUDA) is missing."""
     if not _FLA:
         ok = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
         if ok:
@@ -28,8 +30,38 @@ def fla_kernels() -> dict[str, object] | None:
                 _FLA.update(chunk=ops.chunk_gated_delta_rule, recurrent=ops.fused_recurrent_gated_delta_rule)
             except Exception:  # noqa: BLE001 - a broken fla install falls back to PyTorch
                 ok = False
+        for where in ("fla.modules.norm.fused_norm_gate", "fla.modules.fused_norm_gate"):
+            try:
+                _FLA.setdefault("gated_norm", importlib.import_module(where).rms_norm_gated)
+            except Exception:  # noqa: BLE001 - older or newer layouts: the unfused norm is used
+                continue
         _FLA.setdefault("ok", ok)
     return _FLA if _FLA["ok"] else None
+
+
+def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None, gate: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A few decoding tokens of a GDN layer in two fla kernels: the recurrence with the decay
+    (-exp(A_log) softplus(a + dt_bias)), the write strength (sigmoid(b)) and the q/k L2 norm computed
+    inside, then RMSNorm(o) * weight * SiLU(gate). a, b [B, T, H] are the raw a_proj / b_proj
+    outputs, gate [B, T, H, D]. Returns (normed output [B, T, H, D], state) or None where fla lacks
+    these kernels (the caller then runs the unfused path)."""
+    kernels = fla_kernels()
+    if kernels is None or "gated_norm" not in kernels or not _FUSED["ok"]:
+        return None
+    try:
+        o, final = kernels["recurrent"](q=q, k=k, v=v, g=a, beta=b, scale=scale, initial_state=state,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        return kernels["gated_norm"](o, gate, norm_weight, None, activation="swish", eps=eps), final
+    except (TypeError, ValueError) as exc:  # an fla without these options: unfused from now on
+        _FUSED["ok"] = False
+        warnings.warn(f"fla's fused GDN decoding step is unavailable ({exc}); using the unfused kernels",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+_FUSED = {"ok": True}
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
