@@ -100,3 +100,17 @@ def test_loads_without_megatron_tc_and_matches_the_in_package_model(exported, re
         assert (out["logits"] - model(ids)).abs().max().item() <= 1e-5
     assert torch.equal(out["greedy"], generate(model, ids[:1, :9], 10))
     assert out["beams"].shape == (2, 13)
+
+
+def test_every_generation_mode_on_the_oldest_release(tmp_path):
+    """tests/converters/test_student_generate.py again, with the oldest supported transformers."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([oldest_transformers(), str(root)])}
+    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert version.stdout.strip() == OLDEST, version.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
+                          str(root / "tests" / "converters" / "test_student_generate.py")],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
