@@ -118,7 +118,8 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
 
     def _graph_step(self, input_ids, attention_mask, cache) -> torch.Tensor:
         if cache.seen + 1 > cache.static_len:
-            raise ValueError(f"the static cache holds {cache.static_len} tokens; pass a larger MegatronTCCache(config, static_len=N)")
+            raise ValueError(f"the static cache holds {cache.static_len} tokens; "
+                             "pass a larger MegatronTCCache(config, static_len=N)")
         graph = self._graph
         if graph is None or not graph.fits(cache, input_ids):
             self._graph = None
@@ -183,20 +184,21 @@ class DecodeGraph:
         self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
         self.stage(input_ids, attention_mask, cache.seen)
         batch = Batch(cache.seen, self.slots, None, self.key_valid, None)
-        saved = {id(x): x.clone() for layer in cache.layers if isinstance(layer, GDNLayerCache)
-                 for x in layer.tensors().values()}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
-            model.model(self.ids, self.positions, batch, cache)
-        torch.cuda.current_stream().wait_stream(stream)
-        for layer in cache.layers:  # the warm-up advanced the GDN states: put them back
-            if isinstance(layer, GDNLayerCache):
-                for x in layer.tensors().values():
-                    x.copy_(saved[id(x)])
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model.model(self.ids, self.positions, batch, cache)
+        states = [x for layer in cache.layers if isinstance(layer, GDNLayerCache) for x in layer.tensors().values()]
+        saved = [x.clone() for x in states]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
+                model.model(self.ids, self.positions, batch, cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model.model(self.ids, self.positions, batch, cache)
+        finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
+            torch.cuda.synchronize()
+            for x, before in zip(states, saved):
+                x.copy_(before)
 
     @staticmethod
     def _pointers(cache: MegatronTCCache) -> list[int]:
