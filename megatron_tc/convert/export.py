@@ -2,9 +2,10 @@
 
 A teacher-shaped checkpoint (every layer 'A') becomes the original family's HF format
 (Llama/Qwen2/Mistral/Qwen3/Gemma3 config.json + safetensors + tokenizer files), loadable by plain
-transformers. A hybrid student becomes a `megatron_tc_hybrid` directory (see `hf_student.py`):
-loadable with `AutoModelForCausalLM.from_pretrained` after `import megatron_tc`, or with
-`trust_remote_code=True` (needs megatron_tc installed), and it can `generate()`.
+transformers. A hybrid student becomes a `megatron_tc_hybrid` directory: config, weights,
+tokenizer and the self-contained model code of `megatron_tc.export` (copied verbatim), so it
+loads with `trust_remote_code=True` where only torch and transformers are installed, or with
+`AutoModelForCausalLM.from_pretrained` after `import megatron_tc`.
 The vocabulary padding of the checkpoint is removed in both cases.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron_tc.convert.checkpoint import StateDict, load_checkpoint, read_info
 from megatron_tc.convert.errors import ConversionError
 from megatron_tc.convert.fsutil import atomic_output_dir, check_output_dir
 from megatron_tc.convert.hf_mapping import HFMappingError, arch_from_hf_config, tc_to_hf_state_dict
+from megatron_tc.export import remote_code
 from megatron_tc.model.config import ArchConfig
 
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -30,10 +32,6 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Conf
               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 MAX_SHARD_BYTES = 5 * 1024**3
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-REMOTE_CODE = {
-    "configuration_megatron_tc.py": "MegatronTCConfig",
-    "modeling_megatron_tc.py": "MegatronTCConfig, MegatronTCForCausalLM",
-}
 
 
 def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
@@ -61,7 +59,7 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     else:
         config = student_hf_config(arch, source_config)
         weights = {f"model.{k}": v for k, v in state.items()}
-        code = _remote_code()
+        code = remote_code()
     config.dtype = store_dtype
     with atomic_output_dir(out, overwrite) as tmp:
         config.save_pretrained(str(tmp))
@@ -72,6 +70,21 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         for name, text in code.items():
             (tmp / name).write_text(text)
     return Path(out)
+
+
+def student_model_from_checkpoint(ckpt: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Any:
+    """The exported-student class (`MegatronTCForCausalLM`) built in memory from a megatron_tc
+    checkpoint (any layer pattern, vocabulary padding removed): what an export would load, without
+    writing one. For tools that take a transformers model object (lm-eval's HFLM, generate)."""
+    from megatron_tc.convert.hf_student import MegatronTCForCausalLM
+
+    info = read_info(ckpt)
+    arch, state = load_checkpoint(ckpt)
+    state, arch = _unpad_vocab(state, arch)
+    model = MegatronTCForCausalLM(student_hf_config(arch, info.source.get("hf_config") or {}))
+    model.model.load_state_dict(state)
+    cast = resolve_dtype(dtype)
+    return (model.to(cast) if cast is not None else model).eval()
 
 
 def _unpad_vocab(state: StateDict, arch: ArchConfig) -> tuple[StateDict, ArchConfig]:
@@ -155,13 +168,6 @@ def student_hf_config(arch: ArchConfig, source_config: dict[str, Any]) -> Any:
     auto_map = {"AutoConfig": "configuration_megatron_tc.MegatronTCConfig",
                 "AutoModelForCausalLM": "modeling_megatron_tc.MegatronTCForCausalLM"}
     return MegatronTCConfig.from_arch(arch, architectures=["MegatronTCForCausalLM"], auto_map=auto_map, **extra)
-
-
-def _remote_code() -> dict[str, str]:
-    header = ('"""trust_remote_code entry point of a megatron_tc hybrid student. The classes live in the\n'
-              'megatron_tc package (pip install -e <megatron_tc checkout>); this file only imports them."""\n')
-    return {name: f"{header}from megatron_tc.convert.hf_student import {names}  # noqa: F401\n"
-            for name, names in REMOTE_CODE.items()}
 
 
 # ---- weights ------------------------------------------------------------------------------------

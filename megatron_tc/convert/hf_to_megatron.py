@@ -15,6 +15,7 @@ from megatron_tc.convert.fsutil import check_output_dir
 from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
 from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
 from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
+from megatron_tc.convert.hf_student import arch_of as student_arch
 from megatron_tc.model.config import ArchConfig
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 def arch_of_hf_config(config: Any) -> ArchConfig:
     """ArchConfig of a teacher-family config or of an exported student's config."""
     if config.model_type == STUDENT_MODEL_TYPE:
-        return config.to_arch()
+        return student_arch(config)
     return arch_from_hf_config(config)
 
 

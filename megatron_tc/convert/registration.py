@@ -26,6 +26,9 @@ def _register() -> None:
     student = sys.modules.get("megatron_tc.convert.hf_student")
     if student is not None and not hasattr(student, "register"):
         return  # hf_student is being imported right now (it imported transformers); it registers at its end
+    auto_models = sys.modules.get(_TRIGGERS[1])
+    if auto_models is not None and not hasattr(auto_models, "AutoModelForCausalLM"):
+        return  # modeling_auto is still being imported (it imported configuration_auto); its end fires again
     _done = True
     try:
         from megatron_tc.convert.hf_student import register

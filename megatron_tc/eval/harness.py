@@ -1,22 +1,22 @@
-"""lm-evaluation-harness (lm-eval 0.4.13) adapter: score any megatron_tc-loadable model on harness tasks.
+"""lm-evaluation-harness (lm-eval 0.4.13) on megatron_tc models, through lm_eval's own `HFLM`.
 
-Importing this module registers the model name ``megatron_tc`` with lm_eval's registry. It accepts
-every path `megatron_tc.eval.loading.load_model` accepts (HF teacher, exported student, .gguf,
-megatron_tc checkpoint), or an in-memory `LoadedModel` / logits callable plus a tokenizer:
+Every model path `megatron_tc.eval.loading` accepts becomes a transformers model object that HFLM
+scores and generates with (batched, left-padded generation included): an HF teacher or exported
+student directory, a .gguf, or a megatron_tc checkpoint (built in memory as the exported-student
+class, `student_model_from_checkpoint`). Importing this module registers the name ``megatron_tc``:
 
     import megatron_tc.eval.harness  # registers "megatron_tc"
     lm_eval.simple_evaluate(model="megatron_tc", model_args="pretrained=DIR,dtype=bfloat16", tasks=[...])
 
-or from the shell (this module's CLI; lm_eval's own CLI cannot import our registration):
+or from the shell (lm_eval's own CLI cannot import our registration):
 
     python -m megatron_tc.eval.harness --model DIR --tasks hellaswag,arc_easy --batch-size 8 --out res.json
 
-Exported students also work with lm_eval's stock HF backend:
+Exported students also work with lm_eval's stock backend and nothing of megatron_tc:
 ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True``.
 
-Scoring matches the harness' HF backend for causal models: context and continuation are encoded
-together, the input is truncated from the left to `max_length`, the continuation's log-probabilities
-are summed, and `is_greedy` says whether every continuation token is the argmax.
+What HFLM cannot do stays here: the BOS rule of the teacher's tokenizer (`adds_bos`), loading
+megatron_tc checkpoints, and `LogitsLM`, which scores a bare logits callable (no HF module).
 """
 from __future__ import annotations
 
@@ -29,44 +29,74 @@ from typing import Any
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from megatron_tc.eval.loading import LoadedModel, LogitsFn, greedy_generate, load_model, load_tokenizer
+from megatron_tc.eval.loading import LogitsFn, detect_kind, greedy_generate, load_model, load_tokenizer
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts BOS in front of a text by itself (the rule the teacher was trained
+    with); the harness then scores with BOS, as the model saw text."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def load_hf_module(path: str | os.PathLike, device: str | torch.device, dtype: str) -> tuple[torch.nn.Module, Any]:
+    """(transformers model object, tokenizer or None) for any model path."""
+    kind, directory, _ = detect_kind(path)
+    if kind == "megatron_tc":
+        from megatron_tc.convert.export import student_model_from_checkpoint
+
+        try:
+            tokenizer = load_tokenizer(path)
+        except ValueError:
+            tokenizer = None
+        return student_model_from_checkpoint(directory, dtype).to(device), tokenizer
+    loaded = load_model(path, device=device, dtype=dtype)
+    return loaded.module, loaded.tokenizer
 
 
 @register_model("megatron_tc")
-class MegatronTCLM(TemplateLM):
-    """A harness LM over a logits callable `forward(input_ids [B, T]) -> logits [B, T, V]`.
+class MegatronTCHFLM(HFLM):
+    """HFLM over a model path (see the module docstring) or a transformers model object.
 
-    pretrained: a path for `load_model`; or model: a `LoadedModel` / callable (then `tokenizer` is
-    required unless the LoadedModel has one). `tokenizer` may be a path or a tokenizer object.
-    """
+    tokenizer: a path or tokenizer object (default: the model's own). add_bos_token: default is
+    what the tokenizer does by itself (`adds_bos`)."""
 
-    def __init__(self, pretrained: str | None = None, model: LoadedModel | LogitsFn | None = None,
-                 tokenizer: Any = None, device: str | None = None, dtype: str = "float32",
-                 batch_size: int | str = 1, max_length: int = 2048, max_gen_toks: int = 256,
-                 add_bos_token: bool = False, **unused: Any) -> None:
-        super().__init__()
+    def __init__(self, pretrained: Any, tokenizer: Any = None, device: str | None = None, dtype: str = "float32",
+                 batch_size: int | str = 1, max_length: int = 2048, add_bos_token: bool | None = None,
+                 **kwargs: Any) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if (pretrained is None) == (model is None):
-            raise ValueError("MegatronTCLM needs exactly one of pretrained=PATH or model=<LoadedModel|callable>")
+        own_tokenizer = None
+        if isinstance(pretrained, (str, os.PathLike)):
+            pretrained, own_tokenizer = load_hf_module(pretrained, device, dtype)
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer)
-        if pretrained is not None:
-            model = load_model(pretrained, device=device, dtype=dtype)
-        self._forward: LogitsFn = model.forward if isinstance(model, LoadedModel) else model
-        self._generate = model.generate if isinstance(model, LoadedModel) else None
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-        if self.tokenizer is None:
+        tokenizer = tokenizer if tokenizer is not None else own_tokenizer
+        if tokenizer is None:
             raise ValueError("no tokenizer: pass tokenizer=PATH (e.g. the teacher's HF directory)")
-        self._device = torch.device(device)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # "auto" -> 1
-        self.max_length = int(max_length)
-        self.max_gen_toks = int(max_gen_toks)
-        self.add_bos_token = bool(add_bos_token)
+        bos = adds_bos(tokenizer) if add_bos_token is None else bool(add_bos_token)
+        super().__init__(pretrained=pretrained, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
+                         max_length=int(max_length), add_bos_token=bos, device=str(device), **kwargs)
 
-    # ---- tokenization -----------------------------------------------------------------------
+
+class LogitsLM(TemplateLM):
+    """A harness LM over a bare logits callable `forward(input_ids [B, T]) -> logits [B, T, V]`
+    (what HFLM cannot take): loglikelihood as HFLM computes it, greedy generation by full forwards."""
+
+    def __init__(self, model: LogitsFn, tokenizer: Any, batch_size: int = 1, max_length: int = 2048,
+                 max_gen_toks: int = 256, add_bos_token: bool | None = None, device: str = "cpu") -> None:
+        super().__init__()
+        self._forward, self.tokenizer = model, tokenizer
+        self._device = torch.device(device)
+        self.batch_size, self.max_length, self.max_gen_toks = int(batch_size), int(max_length), int(max_gen_toks)
+        self.add_bos_token = adds_bos(tokenizer) if add_bos_token is None else bool(add_bos_token)
+
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
@@ -87,26 +117,21 @@ class MegatronTCLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    # ---- scoring ----------------------------------------------------------------------------
     @torch.no_grad()
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
-                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
-        """requests: (cache key, context ids, continuation ids) -> (sum log p(continuation), is_greedy)."""
-        # longest first, so the padded batches waste little and any out-of-memory happens at once
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(cache key, context ids, continuation ids) -> (sum log p(continuation), is_greedy)."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         for start in tqdm(range(0, len(order), self.batch_size), desc="loglikelihood", disable=disable_tqdm):
             idx = order[start:start + self.batch_size]
             rows = [self._input_row(requests[i][1], requests[i][2]) for i in idx]
-            width = max(len(r) for r in rows)
-            batch = torch.full((len(rows), width), self.eot_token_id, dtype=torch.long)
+            batch = torch.full((len(rows), max(len(r) for r in rows)), self.eot_token_id, dtype=torch.long)
             for r, row in enumerate(rows):
                 batch[r, :len(row)] = torch.tensor(row)  # right padding never affects causal logits
             logprobs = self._forward(batch.to(self._device)).float().log_softmax(-1).cpu()
             for r, i in enumerate(idx):
                 key, _, cont = requests[i]
-                n_in, n_cont = len(rows[r]), len(cont)
-                lp = logprobs[r, n_in - n_cont:n_in]  # positions predicting the continuation
+                lp = logprobs[r, len(rows[r]) - len(cont):len(rows[r])]
                 target = torch.tensor(cont)
                 answer = (float(lp.gather(-1, target[:, None]).sum(dtype=torch.float64)),
                           bool((lp.argmax(-1) == target).all()))
@@ -120,8 +145,7 @@ class MegatronTCLM(TemplateLM):
             raise ValueError("an empty continuation cannot be scored")
         if len(continuation) > self.max_length:
             raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length={self.max_length}")
-        whole = (context + continuation)[-(self.max_length + 1):]
-        return whole[:-1]  # the last token is predicted, never fed
+        return (context + continuation)[-(self.max_length + 1):][:-1]  # the last token is predicted, never fed
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-document log-likelihood with disjoint windows of max_length (the harness' convention)."""
@@ -130,26 +154,22 @@ class MegatronTCLM(TemplateLM):
             (string,) = req.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 self.tok_encode(string), self.prefix_token_id, self.max_length, context_len=1)]
-            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
-            total = sum(s for s, _ in scores)
+            total = sum(s for s, _ in self._loglikelihood_tokens([(None, c, x) for c, x in windows], disable_tqdm=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
         return out
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation (the model's cached generate when it has one), cut at the first stop string."""
+        """Greedy, one request at a time (a logits callable has no cache), cut at the first stop string."""
         out = []
         for req in tqdm(requests, desc="generate_until", disable=disable_tqdm):
             context, gen_kwargs = req.args
             until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            ids = self.tok_encode(context)[-(self.max_length - max_new):]
-            ids_t = torch.tensor([ids], device=self._device)
-            new = (self._generate(ids_t, max_new) if self._generate is not None
-                   else greedy_generate(self._forward, ids_t, max_new))
-            text = self.tok_decode(new[0].tolist())
+            ids = torch.tensor([self.tok_encode(context)[-(self.max_length - max_new):]], device=self._device)
+            text = self.tok_decode(greedy_generate(self._forward, ids, max_new)[0].tolist())
             for stop in until:
                 if stop and stop in text:
                     text = text.split(stop)[0]
@@ -158,15 +178,15 @@ class MegatronTCLM(TemplateLM):
         return out
 
 
-def run_tasks(lm: MegatronTCLM, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-              num_fewshot: int | None = None, include_defaults: bool = True) -> dict[str, Any]:
+def run_tasks(lm: TemplateLM, tasks: list[str], include_path: str | None = None, limit: int | None = None,
+              num_fewshot: int | None = None, include_defaults: bool = True, **kwargs: Any) -> dict[str, Any]:
     """Run harness tasks on `lm`; returns lm_eval's `results` dict {task: {metric,filter: value}}."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                                  log_samples=False, bootstrap_iters=0, **kwargs)
     return out["results"]
 
 
@@ -185,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--out", help="write the results JSON here (atomically)")
     args = p.parse_args(argv)
-    lm = MegatronTCLM(pretrained=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-                      batch_size=args.batch_size, max_length=args.max_length)
+    lm = MegatronTCHFLM(pretrained=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                        batch_size=args.batch_size, max_length=args.max_length)
     results = run_tasks(lm, args.tasks.split(","), include_path=args.include_path, limit=args.limit,
                         num_fewshot=args.num_fewshot)
     text = json.dumps(results, indent=2, default=str)

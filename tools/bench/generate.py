@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""`model.generate` speed, teacher (transformers, static cache, compiled) vs exported student.
+
+    python tools/bench/generate.py [--models smollm2-135m,llama-1b] [--prompt 32768]
+        [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--out FILE] [--quick]
+
+Prints one JSON object per measurement as it finishes (so a run cut short keeps what it has) and
+writes them all to --out. See megatron_tc/bench/generate.py for what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_tc.bench.generate import bench_decode, student_model, teacher_model  # noqa: E402
+from megatron_tc.bench.models import PRESETS  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="smollm2-135m")
+    p.add_argument("--prompt", type=int, default=32768)
+    p.add_argument("--batches", default="8,1,32")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill", default="4096,32768", help="prompt lengths of the B=1 prefill comparison")
+    p.add_argument("--roles", default="teacher,student")
+    p.add_argument("--out")
+    p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.prompt, args.batches, args.new_tokens, args.prefill = "tiny", 32, "2", 8, "16"
+        args.repeats, args.warmup_steps = 1, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import transformers
+
+    rows = []
+    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "dtype": str(dtype).removeprefix("torch.")}
+    print(json.dumps({"environment": env}), flush=True)
+    for name in args.models.split(","):
+        arch = PRESETS[name]()
+        for role in args.roles.split(","):
+            model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
+            kwargs = {"cache_implementation": "static"}
+            cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
+            cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
+            for batch, prompt in cases:
+                t0 = time.perf_counter()
+                try:
+                    row = bench_decode(model, kwargs, batch, prompt, args.new_tokens, args.repeats,
+                                       args.warmup_steps, arch.vocab_size, device)
+                except torch.OutOfMemoryError as exc:
+                    row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
+                    torch.cuda.empty_cache()
+                row.update(model=name, role=role, wall_s=round(time.perf_counter() - t0, 1))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
