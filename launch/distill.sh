@@ -79,8 +79,10 @@ derive_slurm_env() {
 
 # A TCP port nothing listens on now: the kernel's pick for port 0 (what torchrun does for a
 # single-node rendezvous); a clash needs another program to bind it in the moment before rank 0 does.
+# Without a working $PYTHON (--print-env on a bare host): a random port of the usual range.
 free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null \
+    || echo $((29500 + RANDOM % 1000))
 }
 
 detect_mode() {
