@@ -40,6 +40,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
