@@ -289,7 +289,8 @@ class CheckpointManager:
         """Restore `engine`, this rank's RNG and the train state from `latest`; None if there is none.
 
         `layout` (world_size, tp, pp, dp): the job's. A checkpoint written with another data-parallel
-        size (same tp, pp=1) is loaded through a DeepSpeed universal checkpoint (`load_universal`);
+        size (same tp, pp=1) is loaded through a DeepSpeed universal checkpoint (`load_universal`;
+        ZeRO-0 states are whole on every rank and load as they are);
         the data position is global (the sampler's step), so the run continues on the same batches.
         """
         self.clean_partial()
@@ -308,7 +309,7 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded:\n  " + "\n  ".join(problems)
                                   + f"\nPoint {self.root / LATEST} at an older step_* directory, or delete it.")
-        if resharded:
+        if resharded and engine.zero_optimization_stage() > 0:  # ZeRO-0 states are whole on every rank
             load_path = load_universal(engine, path, state.layout, layout, load_optimizer)
         else:
             load_path, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG, load_optimizer_states=load_optimizer,
