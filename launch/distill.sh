@@ -14,23 +14,30 @@
 #   slurm        inside a Slurm job step (`srun bash launch/distill.sh ...`): one rank per task;
 #                RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from SLURM_*.
 #   --print-env  prints the environment the current mode would give a rank, and exits.
+#   --free-port  prints a TCP port free on this host (the sbatch script shares it as MASTER_PORT).
+#
+# NVLink multicast (NVLS) is left as the environment has it. MEGATRON_TC_DISABLE_NVLS=1 turns it off
+# for every rank (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1), e.g.
+# on hosts whose GPUs are partitioned or shared, where multicast objects cannot be created.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SELF="$ROOT/launch/distill.sh"
 PYTHON="${PYTHON:-python}"
 
-# NVLink multicast stays off everywhere this script starts a program (shared GPU hosts).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [[ "${MEGATRON_TC_DISABLE_NVLS:-0}" == 1 ]]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # First host of a Slurm node list: "gpu-[003-005,9],cpu1" -> "gpu-003".
 first_slurm_host() {
   local list="$1"
+  local first=""
   if command -v scontrol >/dev/null 2>&1; then
-    scontrol show hostnames "$list" | head -n 1
-    return
+    first="$(scontrol show hostnames "$list" 2>/dev/null | head -n 1 || true)"
   fi
+  if [[ -n "$first" ]]; then echo "$first"; return; fi
   local prefix="${list%%[,\[]*}"
   local rest="${list:${#prefix}}"
   if [[ "$rest" == \[* ]]; then
@@ -65,8 +72,17 @@ derive_slurm_env() {
   export LOCAL_WORLD_SIZE="$(slurm_local_world_size)"
   export NODE_RANK="${SLURM_NODEID:-0}"
   export MASTER_ADDR="${MASTER_ADDR:-$(first_slurm_host "$nodelist")}"
-  # Same port on every task of the job, different for jobs sharing a node.
+  # launch/slurm/distill.sbatch exports a port found free on the first node; a bare `srun` gets one
+  # derived from the job id (the same on every task, but not checked for being free).
   export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+}
+
+# A TCP port nothing listens on now: the kernel's pick for port 0 (what torchrun does for a
+# single-node rendezvous); a clash needs another program to bind it in the moment before rank 0 does.
+# Without a working $PYTHON (--print-env on a bare host): a random port of the usual range.
+free_port() {
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null \
+    || echo $((29500 + RANDOM % 1000))
 }
 
 detect_mode() {
@@ -108,6 +124,7 @@ run_rank() {
 main() {
   local print=0
   if [[ "${1:-}" == "--print-env" ]]; then print=1; shift; fi
+  if [[ "${1:-}" == "--free-port" ]]; then free_port; return; fi
   MODE="$(detect_mode)"
   case "$MODE" in
     slurm)
@@ -133,7 +150,7 @@ main() {
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}"
         export LOCAL_SIZE="$nproc"  # DeepSpeed's CPU accelerator counts "devices" from it
       fi
-      local port="${MASTER_PORT:-$((29500 + RANDOM % 1000))}"
+      local port="${MASTER_PORT:-$(free_port)}"
       if (( print )); then
         NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; return
       fi

@@ -1,4 +1,5 @@
-"""Rank-aware console logging, a TensorBoard writer that only rank 0 uses, and progress bars.
+"""Rank-aware console logging, a TensorBoard writer that only rank 0 uses (with RankScalars for
+the scalars other ranks produce), and progress bars.
 
     from megatron_tc.monitor import setup_logging, get_logger, TBWriter, progress
     setup_logging(cfg.logging.level)
@@ -137,6 +138,39 @@ class TBWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RankScalars:
+    """Scalars only some ranks produce (e.g. the curves of the layers a rank aligned), for a
+    TBWriter that writes on rank 0: every rank buffers its own with `scalar(tag, value, step)`,
+    and `gather()` (collective over the world) hands them all to rank 0, which writes them in
+    (tag, step) order into the one run directory. A (tag, step) logged by several ranks (replicas)
+    is written once."""
+
+    def __init__(self, tb: TBWriter):
+        self.tb = tb
+        self.records: list[tuple[str, float, int]] = []
+
+    def scalar(self, tag: str, value: Any, step: int) -> None:
+        self.records.append((tag, _to_float(value), int(step)))
+
+    add_scalar = scalar  # the SummaryWriter spelling some callers use
+
+    def gather(self) -> int:
+        """Write every rank's scalars through rank 0's writer; returns how many were written there."""
+        dist = sys.modules.get("torch.distributed")
+        parts = [self.records]
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.records)
+        self.records = []
+        seen: set[tuple[str, int]] = set()
+        for tag, value, step in sorted((r for part in parts for r in part), key=lambda r: (r[0], r[2])):
+            if (tag, step) not in seen:
+                seen.add((tag, step))
+                self.tb.scalar(tag, value, step)
+        self.tb.flush()
+        return len(seen) if self.tb.enabled else 0
 
 
 # ---- progress bars -----------------------------------------------------------------------------

@@ -288,34 +288,101 @@ class CheckpointManager:
     def load(self, engine: Any, layout: dict[str, int], load_optimizer: bool = True) -> TrainState | None:
         """Restore `engine`, this rank's RNG and the train state from `latest`; None if there is none.
 
-        `layout` (world_size, tp, pp, dp) must equal the one the checkpoint was written with: ZeRO
-        partitions and data positions are per rank.
+        `layout` (world_size, tp, pp, dp): the job's. A checkpoint written with another data-parallel
+        size (same tp, pp=1) is loaded through a DeepSpeed universal checkpoint (`load_universal`;
+        ZeRO-0 states are whole on every rank and load as they are);
+        the data position is global (the sampler's step), so the run continues on the same batches.
         """
         self.clean_partial()
         path = self.latest()
         if path is None:
             return None
         state = self._read_state(path)
-        if state.layout and state.layout != layout:
-            raise CheckpointError(
-                f"{path} was written with layout {state.layout} but this job has {layout}; resume with the "
-                "same world size / tp / pp, or start a new run directory")
-        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        resharded = bool(state.layout) and state.layout != layout
+        if resharded:
+            check_dp_reshard(path, state.layout, layout)
+        # a rank the saving job did not have continues from rank 0's RNG streams
+        rng_rank = _rank() if not resharded or _rank() < state.layout.get("world_size", 1) else 0
+        rng_file = path / "rng" / f"rank_{rng_rank:05d}.pt"
         missing_rng = [] if rng_file.is_file() else [f"{rng_file} is missing"]
         problems = sorted(set(self._verify(path) + [p for part in _gather(missing_rng) for p in part]))
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded:\n  " + "\n  ".join(problems)
                                   + f"\nPoint {self.root / LATEST} at an older step_* directory, or delete it.")
-        load_path, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG, load_optimizer_states=load_optimizer,
-                                              load_lr_scheduler_states=load_optimizer, load_module_strict=True)
+        if resharded and engine.zero_optimization_stage() > 0:  # ZeRO-0 states are whole on every rank
+            load_path = load_universal(engine, path, state.layout, layout, load_optimizer)
+        else:
+            load_path, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG, load_optimizer_states=load_optimizer,
+                                                  load_lr_scheduler_states=load_optimizer, load_module_strict=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no engine checkpoint under {path / ENGINE_TAG}; "
                                   "the checkpoint is incomplete: delete it and point `latest` at an older one")
         set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy state inside
+        if resharded:
+            state.layout = dict(layout)
         extra_file = path / "extra" / f"rank_{_rank():05d}.pt"
         self.loaded_extra = torch.load(extra_file, weights_only=True) if extra_file.is_file() else None
         _barrier()
         return state
+
+
+# ---- resuming on another data-parallel size ---------------------------------------------------------
+
+UNIVERSAL_TAG = "universal"
+
+
+def check_dp_reshard(path: Path, saved: dict[str, int], now: dict[str, int]) -> None:
+    """Only the data-parallel size may change between save and resume (TP and PP shards need
+    tools/reshard_checkpoint.py on the exported student, not a training checkpoint)."""
+    fixed = {k: (saved.get(k), now.get(k)) for k in ("tp", "pp") if saved.get(k) != now.get(k)}
+    if fixed or now.get("pp", 1) != 1:
+        raise CheckpointError(
+            f"{path} was written with layout {saved} but this job has {now}; a training checkpoint resumes on "
+            "another data-parallel size only (same parallel.tp, parallel.pp=1): resume with the same tp/pp, "
+            "or start a new run directory")
+
+
+def universal_checkpoint(path: Path) -> Path:
+    """`path`'s engine checkpoint as a DeepSpeed universal checkpoint (`path`/universal), written
+    once by rank 0 with DeepSpeed's ds_to_universal and reused by later resumes. Collective."""
+    out = path / UNIVERSAL_TAG
+    if _rank() == 0 and not (out / "zero").is_dir():
+        import contextlib
+        import io
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tmp = path / f".tmp-{UNIVERSAL_TAG}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        args = Namespace(input_folder=str(path / ENGINE_TAG), output_folder=str(tmp), num_extract_workers=1,
+                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress lines; errors still raise
+            ds_to_universal(args)
+        os.replace(tmp, out)
+        _fsync_dir(path)
+    _barrier()
+    return out
+
+
+def load_universal(engine: Any, path: Path, saved: dict[str, int], now: dict[str, int],
+                   load_optimizer: bool) -> str | None:
+    """Restore `engine` (this job's data-parallel size) from checkpoint `path` written with another
+    one, through DeepSpeed's universal checkpoint (parameters and Adam moments re-partitioned)."""
+    from megatron_tc.monitor import get_logger
+
+    get_logger(__name__).info("resuming %s (data-parallel size %d) with data-parallel size %d through a DeepSpeed "
+                              "universal checkpoint", path, saved.get("dp", 0), now.get("dp", 0))
+    universal_checkpoint(path)
+    config = engine._config  # DeepSpeed reads the flag at load time; the engine was built without it
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        load_path, _ = engine.load_checkpoint(str(path), tag=UNIVERSAL_TAG, load_optimizer_states=load_optimizer,
+                                              load_lr_scheduler_states=load_optimizer, load_module_strict=True)
+    finally:
+        config.load_universal_checkpoint = before
+    return load_path
 
 
 def load_or_init(manager: CheckpointManager, engine: Any, layout: dict[str, int],

@@ -19,6 +19,37 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+# A peer's process ending mid-collective, as gloo and NCCL report it on the ranks left waiting.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
+             "NCCL communicator was aborted", "ProcessGroupNCCL's watchdog")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (a path, a config value, a damaged file): reported as one
+    line, without a traceback. Anything else is a defect and keeps its traceback."""
+    from megatron_tc.calibrate.statsfile import StatsMismatchError
+    from megatron_tc.calibrate.strategies import StrategyError
+    from megatron_tc.config import ConfigError
+    from megatron_tc.convert.errors import CheckpointError, ConversionError
+    from megatron_tc.data.documents import DataError
+    from megatron_tc.distill.checkpointing import CheckpointError as TrainCheckpointError
+    from megatron_tc.model.config import ArchConfigError
+
+    return (ConfigError, ConversionError, CheckpointError, TrainCheckpointError, DataError, StatsMismatchError,
+            StrategyError, ArchConfigError, FileNotFoundError)
+
+
+def peer_failed(err: BaseException) -> bool:
+    """True when `err` is this rank learning that another rank's process went away."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
+
+
+def _rank() -> str:
+    import os
+
+    return os.environ.get("RANK", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_tc.calibrate.strategies  # noqa: F401  (registers every init, ablations included, before the check)
     from megatron_tc.config import ConfigError, load_config, split_cli_args
@@ -39,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # checks that need the world size or the teacher
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except user_errors() as err:  # the other ranks learn of it as a peer gone (below)
+        print(f"error on rank {_rank()}: {err}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as err:
+        if not peer_failed(err):
+            raise
+        print(f"rank {_rank()}: stopped because another rank failed (its error is above)", file=sys.stderr)
+        return 1
     except StoppedBySignal as stop:  # the code a shell gives a process the signal ended: not finished
         print(str(stop), file=sys.stderr)
         shutdown_distributed()

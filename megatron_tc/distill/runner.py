@@ -186,6 +186,22 @@ def config_fingerprints(cfg: Any) -> dict[str, str]:
     return stage_fingerprints(config_to_dict(cfg), [s for s in STAGES if s != "pretrain" or s in cfg.run.stages])
 
 
+def check_teacher_exists(cfg: Any) -> None:
+    """A run that converts the teacher needs model.teacher to exist (unless the run directory
+    holds the converted teacher already): said on every rank before any process group exists."""
+    from megatron_tc.config import ConfigError, resolve_path
+    from megatron_tc.convert.checkpoint import is_checkpoint
+
+    teacher = cfg.model.teacher
+    if not teacher or "convert" not in cfg.run.stages or is_checkpoint(RunPaths.from_config(cfg).teacher):
+        return
+    if teacher.startswith("pkg:"):
+        return  # installed on demand by the convert stage (stages.TEACHER_PACKAGES)
+    if not resolve_path(teacher).exists():
+        raise ConfigError(f"model.teacher={teacher} does not exist: give an HF model directory, a .gguf file "
+                          "or a megatron_tc checkpoint")
+
+
 def _setup(cfg: Any) -> RunContext:
     from megatron_tc.config import resolve_config, save_config
     from megatron_tc.monitor import setup_logging
@@ -194,6 +210,7 @@ def _setup(cfg: Any) -> RunContext:
     ensure_process_group_env()
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     cfg = resolve_config(cfg, world_size)  # checks (before any process group exists), fills parallel.dp
+    check_teacher_exists(cfg)
     arch = known_teacher_arch(cfg)
     if arch is not None:  # else (a GGUF not converted yet) the check runs right after the convert stage
         from megatron_tc.config import validate_against_arch

@@ -152,7 +152,8 @@ class Stage1Trainer(EngineOwner):
                            skipped_steps=state.skipped_steps)
             if self.rank0:
                 append_jsonl(self.out_dir / TRAIN_LOG, {"step": state.step, **scalars})
-            self.tb.scalars(scalars, state.step, prefix="stage1")
+            if state.step % max(1, self.cfg.logging.log_interval) == 0 or state.step == self.steps:
+                self.tb.scalars(scalars, state.step, prefix="stage1")
             bar.update(1)
             bar.set_postfix(mse=f"{scalars['loss']:.4f}")
             stopping = stop_after is not None and state.step >= stop_after and state.step < self.steps

@@ -17,7 +17,7 @@ import torch
 
 from megatron_tc.distill.context import RunContext, rank0_save_student
 from megatron_tc.distill.rundir import write_json
-from megatron_tc.monitor import get_logger
+from megatron_tc.monitor import RankScalars, get_logger
 
 log = get_logger(__name__)
 
@@ -272,10 +272,13 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
             log.warning("no held-out calibration tokens for best-step selection (%s); keeping the best "
                         "training-minibatch step instead", err)
             settings = replace(settings, best_on="train")
+    # ranks align different layers and log their curves: gathered to rank 0's writer afterwards
+    curves = RankScalars(ctx.tb)
     student, report = calibrate_student(
         teacher.model, selection["keep"], strategy, calib_batches=calib, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
-        writer=_TBAdapter(ctx.tb), progress=_progress(ctx), seed=cfg.run.seed)
+        writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
+    curves.gather()
     arch = student.arch.with_pattern(pattern)  # keep '|' stage marks of an explicit pattern
     source = {"teacher": str(ctx.paths.teacher), "teacher_sha256": teacher.sha256,
               "calibrate": {k: v for k, v in report.items() if k != "align"}}

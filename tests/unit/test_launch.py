@@ -24,6 +24,17 @@ def printed_env(env: dict[str, str], path: str = "/usr/bin:/bin") -> dict[str, s
     return dict(line.split("=", 1) for line in proc.stdout.splitlines())
 
 
+def path_without(tmp_path: Path, *names: str) -> str:
+    """A PATH with every program of /usr/bin and /bin except `names` (e.g. a host without Slurm)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for directory in (Path("/bin"), Path("/usr/bin")):
+        for program in directory.iterdir():
+            if program.name not in names and not (bin_dir / program.name).exists():
+                (bin_dir / program.name).symlink_to(program)
+    return str(bin_dir)
+
+
 def slurm_env(nodelist: str, **extra: str) -> dict[str, str]:
     env = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1",
                SLURM_NTASKS="8", SLURM_NODEID="1", SLURM_TASKS_PER_NODE="4(x2)",
@@ -39,15 +50,14 @@ def slurm_env(nodelist: str, **extra: str) -> dict[str, str]:
     ("gpu[12,14-15]-ib,cpu1", "gpu12-ib"),
     ("n[7]", "n7"),
 ])
-def test_slurm_mode_derives_rank_world_and_master_without_scontrol(nodelist, first):
-    got = printed_env(slurm_env(nodelist))
+def test_slurm_mode_derives_rank_world_and_master_without_scontrol(nodelist, first, tmp_path):
+    got = printed_env(slurm_env(nodelist), path=path_without(tmp_path, "scontrol"))
     assert got["MODE"] == "slurm"
     assert (got["RANK"], got["LOCAL_RANK"], got["WORLD_SIZE"]) == ("5", "1", "8")
     assert (got["LOCAL_WORLD_SIZE"], got["NODE_RANK"]) == ("4", "1")
     assert got["MASTER_ADDR"] == first
     assert got["MASTER_PORT"] == str(20000 + 4242 % 20000)
     assert got["OMP_NUM_THREADS"] == "1"
-    assert {k: got[k] for k in MULTICAST_OFF} == MULTICAST_OFF
 
 
 def test_slurm_mode_asks_scontrol_for_the_first_host(tmp_path):
@@ -79,7 +89,6 @@ def test_allocation_without_a_job_step_is_the_workstation_mode():
 def test_launcher_variables_select_the_per_rank_mode():
     got = printed_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", **slurm_env("a")})
     assert (got["MODE"], got["RANK"], got["LOCAL_RANK"], got["WORLD_SIZE"]) == ("per-rank", "3", "1", "4")
-    assert {k: got[k] for k in MULTICAST_OFF} == MULTICAST_OFF
 
 
 def test_workstation_on_cpu_splits_the_cores_over_gloo_ranks():
@@ -97,4 +106,70 @@ def test_per_rank_mode_runs_the_pipeline_entry_point_without_local_rank_flag(tmp
                       "--local_rank=0", "configs/x.yaml", "distill.steps=3")
     assert proc.returncode == 0, proc.stderr
     assert f"ARGS {ROOT}/tools/distill.py configs/x.yaml distill.steps=3" in proc.stdout
-    assert "NCCL_NVLS_ENABLE=0" in proc.stdout
+
+
+@pytest.mark.parametrize("mode_env", [{"RANK": "0", "LOCAL_RANK": "0"}, slurm_env("a"), {"NPROC": "2"}],
+                         ids=["per-rank", "slurm", "workstation"])
+def test_nvlink_multicast_is_left_as_the_environment_has_it(mode_env):
+    assert {k: printed_env(mode_env)[k] for k in MULTICAST_OFF} == dict.fromkeys(MULTICAST_OFF, "")
+    users = {"NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NVSHMEM_DISABLE_NVLS": "0"}
+    assert {k: printed_env({**mode_env, **users})[k] for k in MULTICAST_OFF} == users
+
+
+@pytest.mark.parametrize("mode_env", [{"RANK": "0", "LOCAL_RANK": "0"}, slurm_env("a"), {"NPROC": "2"}],
+                         ids=["per-rank", "slurm", "workstation"])
+def test_the_documented_switch_turns_nvlink_multicast_off(mode_env):
+    got = printed_env({**mode_env, "MEGATRON_TC_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "1"})
+    assert {k: got[k] for k in MULTICAST_OFF} == MULTICAST_OFF
+
+
+def test_free_port_is_a_port_nothing_listens_on():
+    import socket
+    import sys
+
+    proc = run_script({"PYTHON": sys.executable}, "--free-port")
+    assert proc.returncode == 0, proc.stderr
+    port = int(proc.stdout)
+    with socket.socket() as sock:
+        sock.bind(("", port))  # raises if something holds it
+
+
+def test_workstation_mode_picks_a_free_port_unless_one_is_given():
+    import sys
+
+    got = printed_env({"NPROC": "2", "PYTHON": sys.executable})
+    assert 1024 <= int(got["MASTER_PORT"]) <= 65535
+    assert printed_env({"NPROC": "2", "MASTER_PORT": "4321"})["MASTER_PORT"] == "4321"
+
+
+# ---- launch/slurm/distill.sbatch ------------------------------------------------------------------
+SBATCH = ROOT / "launch" / "slurm" / "distill.sbatch"
+
+
+def sbatch_usage_lines() -> list[list[str]]:
+    """The argument lists after `launch/slurm/distill.sbatch` in the script's usage comments
+    (continuation lines joined)."""
+    text = SBATCH.read_text().replace("\\\n#", "")
+    return [line.split("launch/slurm/distill.sbatch", 1)[1].split() for line in text.splitlines()
+            if line.startswith("#") and "sbatch " in line and "launch/slurm/distill.sbatch" in line]
+
+
+def test_the_sbatch_usage_lines_load_through_the_config_loader():
+    from megatron_tc.config import load_config, split_cli_args
+
+    usages = sbatch_usage_lines()
+    assert len(usages) == 2, usages
+    for args in usages:
+        path, overrides = split_cli_args(args)
+        cfg = load_config(ROOT / path, overrides)
+        for item in overrides:
+            key, value = item.split("=", 1)
+            section, name = key.split(".", 1)
+            assert str(getattr(getattr(cfg, section), name)) == value, item
+
+
+def test_the_sbatch_script_requests_gpus_only_through_lines_an_option_overrides():
+    directives = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert not [d for d in directives if d.startswith("--gres")]  # --gpus-per-node=0 could not undo a gres line
+    assert "--requeue" in directives and "--open-mode=append" in directives
+    assert any(d.startswith("--signal=USR1@") for d in directives)

@@ -95,3 +95,36 @@ def test_logging_rank0_info_other_ranks_warnings_only(monkeypatch):
     log.info("now hidden")
     assert "now hidden" not in stream.getvalue()
     setup_logging("INFO")
+
+
+def _rank_scalars_worker(rank: int, world_size: int, log_dir: str) -> None:
+    from megatron_tc.monitor import RankScalars
+
+    tb = TBWriter(log_dir)  # writes on rank 0 only
+    curves = RankScalars(tb)
+    for layer in (rank, rank + 2):  # rank r "aligned" layers r and r + 2
+        for step in range(3):
+            curves.scalar(f"align/L{layer:02d}/train", 10 * layer + step, step)
+        curves.scalar("align/best_relative_mse", layer / 10, layer)
+    curves.scalar("shared", 1.5, 0)  # logged by both ranks: written once
+    written = curves.gather()
+    tb.close()
+    assert written == (4 * 3 + 4 + 1 if rank == 0 else 0)
+
+
+def test_rank_scalars_reach_rank0s_log_from_every_rank(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_tc.testing import run_distributed
+
+    run_distributed(_rank_scalars_worker, 2, str(tmp_path / "tb"))
+    assert len(list((tmp_path / "tb").glob("events.*"))) == 1  # one writer, one run
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    for layer in range(4):
+        events = acc.Scalars(f"align/L{layer:02d}/train")
+        assert [(e.step, e.value) for e in events] == [(s, 10 * layer + s) for s in range(3)]
+    best = acc.Scalars("align/best_relative_mse")
+    assert [e.step for e in best] == [0, 1, 2, 3]
+    assert [e.value for e in best] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert [(e.step, e.value) for e in acc.Scalars("shared")] == [(0, 1.5)]

@@ -38,7 +38,8 @@ def launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProc
     # DeepSpeed's launcher through it too.
     env.update(NPROC="2", OMP_NUM_THREADS="1", PYTHON=sys.executable)
     cmd = ["bash", str(ROOT / "launch" / "distill.sh"), "configs/tiny.yaml", f"model.teacher={assets / 'teacher'}",
-           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}", *extra]
+           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}",
+           "logging.log_interval=2", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -73,6 +74,19 @@ def test_cpu_launcher_runs_the_whole_pipeline_then_resumes_and_skips(tiny_assets
     assert names == ["teacher", "naive zero-shot", "taylor_calibrate zero-shot", "after stage 1", "after distillation"]
     assert "| after distillation |" in second.stdout and str(run_dir / "tensorboard") in second.stdout
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # every converted layer's alignment curve, whichever rank aligned it (2 ranks: layers alternate)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    pattern = json.loads((run_dir / "select/selection.json").read_text())["pattern"]
+    converted = [i for i, kind in enumerate(pattern) if kind == "G"]
+    assert len(converted) >= 2, pattern
+    for layer in converted:
+        assert len(acc.Scalars(f"align/L{layer:02d}/train")) >= 2, (layer, acc.Tags()["scalars"])
+        assert [e.step for e in acc.Scalars(f"stage1/mse/L{layer:02d}")] == [2]  # logging.log_interval=2
+    assert [e.step for e in acc.Scalars("align/best_relative_mse")] == converted
+    assert [e.step for e in acc.Scalars("stage2/kl")] == [2, 4]
 
     # the exported student loads with transformers and generates
     import megatron_tc  # noqa: F401  (registers the hybrid model class)

@@ -1,0 +1,47 @@
+"""Bad input on a 2-rank launch (launch/distill.sh, gloo): one clear line per rank, no traceback.
+A teacher path that does not exist is refused on every rank before any process group exists; a
+teacher directory that is no model fails on rank 0 in the convert stage, which names itself, and
+rank 1, left waiting in a collective, says it stopped because another rank failed."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.reliability._rundir import ROOT, child_env
+
+
+def launch(tmp_path, teacher) -> subprocess.CompletedProcess:
+    from megatron_tc.data.synthetic import write_synthetic_corpus
+
+    write_synthetic_corpus(tmp_path / "text", n_docs=4, words_per_doc=(20, 40))
+    env = child_env()
+    env.update(NPROC="2", PYTHON=sys.executable)
+    cmd = ["bash", str(ROOT / "launch" / "distill.sh"), "configs/tiny.yaml", f"model.teacher={teacher}",
+           f"data.source.paths=[{tmp_path / 'text'}]", f"run.run_dir={tmp_path / 'run'}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def rank_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """Output lines of the ranks (the DeepSpeed launcher's own, `[2026-...`, and log records left out)."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines()
+            if line and not line.startswith("[20") and " INFO " not in line]
+
+
+def test_a_missing_teacher_is_one_config_error_line_on_every_rank(tmp_path):
+    proc = launch(tmp_path, tmp_path / "no_such_teacher")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    expected = (f"config error: model.teacher={tmp_path / 'no_such_teacher'} does not exist: give an HF model "
+                "directory, a .gguf file or a megatron_tc checkpoint")
+    assert rank_lines(proc) == [expected, expected], proc.stderr[-3000:]
+
+
+def test_a_failure_on_one_rank_is_named_there_and_the_other_rank_exits_cleanly(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = launch(tmp_path, tmp_path / "empty")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "Connection closed by peer" not in out, out[-3000:]
+    assert sorted(rank_lines(proc)) == sorted([
+        f"error on rank 0: {tmp_path / 'empty'} has no config.json and no .gguf file: not a Hugging Face model "
+        "directory",
+        "rank 1: stopped because another rank failed (its error is above)"]), out[-3000:]

@@ -1,0 +1,72 @@
+"""A stage-2 run stopped at a checkpoint written by 2 data-parallel ranks resumes on 1 rank, and one
+written by 1 rank resumes on 2 (a requeued job on an allocation of another size). The checkpoint goes
+through DeepSpeed's universal checkpoint (ds_to_universal, load_universal); the data position is
+global, so the resumed run takes the same batches, and its losses, evaluations and final weights
+follow the uninterrupted single-rank run up to the summation order of the data-parallel reduction."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.reliability._rundir import (ROOT, STEPS, Job, checkpoints, child_env, clone, final_student, records,
+                                       train_log)
+
+STOP = 6
+
+
+def two_ranks(base, *args: str) -> subprocess.CompletedProcess:
+    env = child_env()
+    env.update(NPROC="2", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "distill.sh"), str(base / "run.yaml"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def one_rank(base, *args: str) -> str:
+    return Job(base, *args, name=f"one_rank{len(args)}").finished_ok().output()
+
+
+@pytest.mark.parametrize("first, second, zero", [("dp2", "dp1", 3), ("dp1", "dp2", 3), ("dp2", "dp1", 2),
+                                                 ("dp1", "dp2", 0)])
+def test_a_checkpoint_resumes_on_another_data_parallel_size(reference, template, tmp_path, first, second, zero):
+    """ZeRO-1/2/3 partitions go through the universal checkpoint; ZeRO-0 states are whole and load as
+    they are. The reference run uses ZeRO-3 (the stage changes no arithmetic)."""
+    base = clone(template, tmp_path, parallel={"zero_stage": zero})
+    run = {"dp1": one_rank, "dp2": lambda b, *a: (lambda p: p.stdout + p.stderr)(two_ranks(b, *a))}
+    run[first](base, "--stop-after", str(STOP))
+    written = (checkpoints(base) / f"step_{STOP:08d}" / "state.json").read_text()
+    assert f'"dp": {first[-1]}' in written, written
+    out = run[second](base)
+    universal = (f"(data-parallel size {first[-1]}) with data-parallel size {second[-1]} through a DeepSpeed "
+                 "universal checkpoint")
+    assert (universal in out) == (zero > 0), out[-4000:]
+    assert re.search(rf"stage2: resumed at step {STOP} ", out), out[-4000:]
+
+    expected, got = train_log(reference()), train_log(base)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(expected, got):
+        assert (a["tokens"], a["lr"]) == (b["tokens"], b["lr"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    evals = [(r["step"], r["ppl"]) for r in records(base / "run/eval_log.jsonl")]
+    want = [(r["step"], r["ppl"]) for r in records(reference() / "run/eval_log.jsonl")]
+    assert [s for s, _ in evals] == [s for s, _ in want]
+    assert [p for _, p in evals] == pytest.approx([p for _, p in want], rel=1e-4)
+    sa, sb = final_student(reference()), final_student(base)
+    for name in sa:
+        torch.testing.assert_close(sb[name], sa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("now", [{"world_size": 2, "tp": 2, "pp": 1, "dp": 1},
+                                 {"world_size": 2, "tp": 1, "pp": 2, "dp": 1}])
+def test_a_tensor_or_pipeline_parallel_change_is_refused_with_a_clear_error(now, tmp_path):
+    from megatron_tc.distill.checkpointing import CheckpointError, check_dp_reshard
+
+    saved = {"world_size": 2, "tp": 1, "pp": 1, "dp": 2}
+    with pytest.raises(CheckpointError, match="resumes on another data-parallel size only"):
+        check_dp_reshard(tmp_path, saved, now)
+    check_dp_reshard(tmp_path, saved, {"world_size": 4, "tp": 1, "pp": 1, "dp": 4})  # DP alone: allowed
