@@ -28,7 +28,7 @@ class RunConfig:
     exit_signals: list[str] = opt(
         ["SIGTERM", "SIGUSR1"],
         "Signals that stop a training stage at the end of its current step with a checkpoint (Slurm's time limit "
-        "and scancel send SIGTERM; `#SBATCH --signal=USR1@120` warns ahead); the process then exits with "
+        "and scancel send SIGTERM; `#SBATCH --signal=USR1@180` warns ahead); the process then exits with "
         "128 + the signal's number. Empty: the default actions.",
     )
 
@@ -228,7 +228,7 @@ class LoggingConfig:
     """Console, TensorBoard and progress bars."""
 
     tensorboard_dir: Optional[str] = opt(None, "TensorBoard log directory; None uses <run_dir>/tensorboard.")
-    log_interval: int = opt(1, "Log training scalars every this many steps.")
+    log_interval: int = opt(1, "Log training scalars (stage 1 and stage 2) every this many steps.")
     progress_bar: bool = opt(True, "Show progress bars (rank 0, and only when stderr is a terminal).")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = opt("INFO", "Console log level on rank 0 (other ranks log warnings and errors).")
 
