@@ -2,7 +2,7 @@
 """The pipeline's stage-2 step against a plain PyTorch distillation loop, in one process.
 
     python tools/bench/train_anchor.py [--models smollm2-135m,llama-1b] [--batch 32 --seq 2048]
-        [--micro-steps 1] [--runs 3 --steps 3 --warmup 2] [--out FILE] [--quick]
+        [--micro-steps 1] [--zero-stage auto] [--runs 3 --steps 3 --warmup 2] [--out FILE] [--quick]
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tools/bench/train_anchor.py ...   (several ranks)
 
 pipeline  `Stage2Trainer.train_step` as `build_stage2` builds it from the quickstart config
@@ -82,7 +82,7 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
     cfg = pipeline_config([f"data.seq_len={args.seq}", f"data.micro_batch_size={args.batch}",
                            f"data.global_batch_size={args.batch * args.micro_steps * dp}",
                            f"run.precision={'bf16' if cuda else 'fp32'}", "distill.stage2.steps=1000000",
-                           "distill.stage2.warmup_steps=0"])
+                           "distill.stage2.warmup_steps=0", f"parallel.zero_stage={args.zero_stage}"])
     batches = lambda: SyntheticBatches(arch.vocab_size, args.seq, args.batch, args.micro_steps,  # noqa: E731
                                        ctx.dp_rank, dp, seed=1, device=device)
     loader = batches()
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-steps", type=int, default=1, help="micro-batches per rank and optimizer step")
+    p.add_argument("--zero-stage", default="auto", choices=("auto", "0", "1", "2", "3"),
+                   help="the pipeline's parallel.zero_stage (default: what the pipeline picks)")
     p.add_argument("--runs", type=int, default=3, help="rounds (minimum / median / maximum over them)")
     p.add_argument("--steps", type=int, default=3, help="timed steps of each path per round (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path first (compilation)")
