@@ -209,17 +209,21 @@ class Stage2Trainer(EngineOwner):
         lr = apply_lr(self.engine.optimizer.param_groups, self.schedule, step)
         micro = self.loader.next_step()
         keys = ("loss", "kl", "ce", "hidden")
-        totals = torch.zeros(len(keys), dtype=torch.float64)
+        totals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         finite = True
         for batch in micro:
             loss, parts = self._forward_loss(batch, step)
+            # backward is queued before the host waits for the loss (the finiteness check): the
+            # device never idles while the host launches the backward
+            self.engine.backward(loss)
             if not all_finite(loss):
                 finite = False
                 if guard.policy == "abort":
-                    guard.record(step, "loss")  # raises before any gradient is applied
-            self.engine.backward(loss)
+                    guard.record(step, "loss")  # raises before engine.step(): no update is applied
             self.engine.step()
-            totals += torch.tensor([float(parts.get(k, 0.0)) for k in keys], dtype=torch.float64) / len(micro)
+            zero = totals.new_zeros(())
+            totals += torch.stack([parts[k].double() if k in parts else zero for k in keys]) / len(micro)
+        totals = totals.cpu()  # the step's one transfer of its scalars
         applied = self.engine.was_step_applied()
         if not finite and applied:
             raise NonFiniteError(f"step {step}: DeepSpeed applied an update computed from a non-finite loss; "
