@@ -126,6 +126,14 @@ class _NaNGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. A CPU batch goes to a GPU through pinned memory without blocking: a
+    copy from pageable memory would make the host wait for the work already queued on the device."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -186,7 +194,7 @@ class Stage2Trainer(EngineOwner):
     # -- one step
     def _forward_loss(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """batch: the packer's tensors [mbs, T] (input_ids, and doc_ids / position_ids / labels)."""
-        on = {k: v.to(self.device) for k, v in batch.items()}
+        on = {k: to_device(v, self.device) for k, v in batch.items()}
         ids = on["input_ids"]
         kwargs = {k: on[k] for k in ("doc_ids", "position_ids") if k in on}
         with torch.no_grad():
