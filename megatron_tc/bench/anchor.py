@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -125,14 +124,14 @@ class _NoBoard:
 
 
 def pipeline_trainer(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: SyntheticBatches,
-                     device: torch.device):
-    """(trainer, its state, its non-finite guard): stage 2 exactly as the pipeline builds it."""
+                     device: torch.device, out_dir: Path):
+    """(trainer, its state, its non-finite guard): stage 2 exactly as the pipeline builds it, on a
+    copy of `student`, with its run files (none while only `train_step` runs) under `out_dir`."""
     from megatron_tc.distill.checkpointing import TrainState
     from megatron_tc.distill.numerics import NonFiniteGuard
     from megatron_tc.distill.stage2 import build_stage2
 
-    out = Path(tempfile.mkdtemp(prefix="train_anchor."))
-    trainer = build_stage2(cfg, ctx, copy.deepcopy(student), teacher, loader, [], out, _NoBoard(), device)
+    trainer = build_stage2(cfg, ctx, copy.deepcopy(student), teacher, loader, [], out_dir, _NoBoard(), device)
     return trainer, TrainState(), NonFiniteGuard("skip", 10**9)
 
 

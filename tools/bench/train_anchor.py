@@ -25,6 +25,7 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ def dp_mean(value: torch.Tensor, ctx) -> float:
     return float(value) / ctx.dp_size
 
 
-def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, report: Report) -> None:
+def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, report: Report, workdir: str) -> None:
     arch = PRESETS[name]()
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
     batches = lambda: SyntheticBatches(arch.vocab_size, args.seq, args.batch, args.micro_steps,  # noqa: E731
                                        ctx.dp_rank, dp, seed=1, device=device)
     loader = batches()
-    trainer, state, guard = pipeline_trainer(cfg, ctx, student, teacher, loader, device)
+    trainer, state, guard = pipeline_trainer(cfg, ctx, student, teacher, loader, device, Path(workdir))
     plain_batches = batches()
     plain = PlainLoop(student, teacher, device, cfg.distill.stage2.lr, ctx)
     del student
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     peaks = measure_peaks(device, quick=args.quick)
     peak = summed_peak(peaks, ctx)
     report.data["peaks"] = dict(peaks, matmul_tflops_all_ranks=peak, ranks=ctx.world_size)
-    for name in names:
-        bench_model(name, args, device, peak, ctx, report)
+    with tempfile.TemporaryDirectory(prefix="train_anchor.") as workdir:
+        for name in names:
+            bench_model(name, args, device, peak, ctx, report, workdir)
     if ctx.rank == 0:
         spreads = lambda key: [f"{key}_{k}" for k in ("min", "median", "max")]  # noqa: E731
         report.finish([
