@@ -108,7 +108,9 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # torchrun and Slurm (launch/distill.sh) set LOCAL_WORLD_SIZE; DeepSpeed's launcher LOCAL_SIZE
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    return ram // max(1, int(local))
 
 
 def numel(module: Any, trainable_only: bool = False) -> int:

@@ -66,3 +66,15 @@ def test_config_takes_auto_or_a_stage_and_rejects_anything_else():
     load_config(overrides=["parallel.pp=2", "parallel.zero_stage=auto", "data.global_batch_size=8"], world_size=2)
     with pytest.raises(ConfigError, match="parallel.zero_stage: expected one of 'auto', 0, 1, 2, 3"):
         load_config(overrides=["parallel.zero_stage=4"])
+
+
+def test_cpu_ranks_share_the_machine_memory(monkeypatch):
+    from megatron_tc.parallel.memory import device_memory_bytes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    whole = device_memory_bytes(torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher
+    assert device_memory_bytes(torch.device("cpu")) == whole // 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, Slurm
+    assert device_memory_bytes(torch.device("cpu")) == whole // 4
