@@ -172,3 +172,21 @@ def interleaved_runs(steps: dict[str, Callable[[], Any]], device: torch.device, 
 
 def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def result_rows(seconds: dict[str, list[float]], labels: dict[str, str], tokens: int, flops: float,
+                peak_tflops: float) -> list[dict[str, Any]]:
+    """One row per path of `interleaved_runs`' {path: [seconds per round]}: step ms, tokens/s and MFU
+    (min / median / max over the rounds), and for the pipeline its tokens/s over the plain loop's,
+    round by round."""
+    rows = []
+    for path, times in seconds.items():
+        row = {"path": labels[path], "tokens_per_step": tokens}
+        for key, values in (("step_ms", [s * 1e3 for s in times]), ("tok_per_s", [tokens / s for s in times]),
+                            ("mfu", [flops / s / (peak_tflops * 1e12) for s in times])):
+            row.update({f"{key}_{k}": v for k, v in spread(values).items()})
+        if path == "pipeline":
+            ratios = [plain / mine for plain, mine in zip(seconds["plain"], times)]
+            row.update({f"vs_plain_{k}": v for k, v in spread(ratios).items()})
+        rows.append(row)
+    return rows

@@ -423,7 +423,8 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
     # DeepSpeed's default ZeRO-3 leaf classes are Hugging Face MoE blocks, which our models never
     # contain; an empty list skips the walk over the model that looks for them.
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})
-    if ds["zero_optimization"].get("stage") == 3 and ctx.dp_size == 1 and ctx.rank == 0 and cfg.parallel.zero_stage != "auto":
+    explicit = cfg.parallel.zero_stage != "auto"  # auto never partitions over one rank
+    if ds["zero_optimization"].get("stage") == 3 and ctx.dp_size == 1 and ctx.rank == 0 and explicit:
         log.warning("ZeRO-3 over one data-parallel rank shards nothing, yet gathers and releases every layer's "
                     "parameters each step (host time: docs/BENCHMARKS.md, section 3); parallel.zero_stage=1 "
                     "trains the same way without them")

@@ -45,7 +45,8 @@ def test_plain_kl_is_the_pipeline_objective():
 def test_step_flops_and_synthetic_batches():
     arch = tiny()
     flops = step_flops(arch, arch, tokens=128, seq=64)
-    assert flops["student_flops"] == 3 * forward_flops(arch, 128, 64) and flops["teacher_flops"] == forward_flops(arch, 128, 64)
+    forward = forward_flops(arch, 128, 64)
+    assert flops["student_flops"] == 3 * forward and flops["teacher_flops"] == forward
     assert forward_flops(arch, 128, 64) > 2 * matmul_params(arch) * 128  # attention on top of 2 N per token
     a, b = SyntheticBatches(256, 8, 2, 3, dp_rank=0, dp_size=2), SyntheticBatches(256, 8, 2, 3, dp_rank=1, dp_size=2)
     assert a.tokens_per_step == 8 * 2 * 3 * 2
@@ -55,3 +56,14 @@ def test_step_flops_and_synthetic_batches():
     again = SyntheticBatches(256, 8, 2, 3, dp_rank=0, dp_size=2).next_step()
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(first, again))
     assert not torch.equal(a.next_step()[0]["input_ids"], first[0]["input_ids"])  # a new step, new rows
+
+
+def test_result_rows_pair_the_rounds():
+    from megatron_tc.bench.anchor import result_rows
+
+    seconds = {"pipeline": [2.0, 4.0, 3.0], "plain": [1.0, 1.0, 3.0]}
+    rows = result_rows(seconds, {"pipeline": "pipeline (ZeRO-1)", "plain": "plain torch"}, 100, 1e12, 1.0)
+    pipe, plain = rows
+    assert (pipe["step_ms_min"], pipe["step_ms_median"], pipe["step_ms_max"]) == (2000.0, 3000.0, 4000.0)
+    assert (pipe["vs_plain_min"], pipe["vs_plain_median"], pipe["vs_plain_max"]) == (0.25, 0.5, 1.0)
+    assert plain["tok_per_s_median"] == 100.0 and plain["mfu_max"] == 1.0 and "vs_plain_min" not in plain

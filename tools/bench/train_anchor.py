@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.anchor import (PlainLoop, SyntheticBatches, interleaved_runs, pipeline_config,  # noqa: E402
-                                      pipeline_trainer, spread, step_flops)
+                                      pipeline_trainer, result_rows, step_flops)
 from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, rel_err  # noqa: E402
 from megatron_tc.bench.models import PRESETS, quarter_pattern  # noqa: E402
 from megatron_tc.model import HybridLM  # noqa: E402
@@ -102,30 +102,22 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
 
     first = {"pipeline": pipeline_step()["loss"], "plain": dp_mean(plain_step(), ctx)}
     if ctx.rank == 0:
-        report.add("checks", {"model": name, "pipeline_first_loss": first["pipeline"], "plain_first_loss": first["plain"],
+        report.add("checks", {"model": name, "pipeline_first_loss": first["pipeline"],
+                              "plain_first_loss": first["plain"],
                               "rel_diff": rel_err(torch.tensor(first["pipeline"]), torch.tensor(first["plain"]))})
     seconds = interleaved_runs({"pipeline": pipeline_step, "plain": plain_step}, device, args.runs, args.steps,
                                args.warmup)
-    tokens = loader.tokens_per_step
-    flops = step_flops(trainer.engine.module.arch, arch, tokens, args.seq)
-    ratios = [p / q for p, q in zip(seconds["plain"], seconds["pipeline"])]  # tokens/s pipeline / plain, per round
-    stage = trainer.engine.zero_optimization_stage()
-    for path, times in seconds.items():
-        tok = spread([tokens / s for s in times])
-        mfu = spread([flops["flops"] / s / (peak_tflops * 1e12) for s in times])
-        row = {"model": name, "path": f"pipeline (ZeRO-{stage})" if path == "pipeline" else "plain torch",
-               "ranks": ctx.world_size, "B": args.batch, "T": args.seq, "micro_steps": args.micro_steps,
-               "tokens_per_step": tokens, **{f"step_ms_{k}": v * 1e3 for k, v in spread(times).items()},
-               **{f"tok_per_s_{k}": v for k, v in tok.items()}, **{f"mfu_{k}": v for k, v in mfu.items()},
-               "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops["flops"]}
-        if path == "pipeline":
-            row.update({f"vs_plain_{k}": v for k, v in spread(ratios).items()})
-        if cuda:
-            row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    flops = step_flops(trainer.engine.module.arch, arch, loader.tokens_per_step, args.seq)["flops"]
+    base = {"model": name, "ranks": ctx.world_size, "B": args.batch, "T": args.seq, "micro_steps": args.micro_steps,
+            "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops}
+    if cuda:
+        base["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()})", "plain": "plain torch"}
+    for row in result_rows(seconds, labels, loader.tokens_per_step, flops, peak_tflops):
         if ctx.rank == 0:
-            report.add("rows", row)
-            print(f"{name} {row['path']}: {row['step_ms_median']:.1f} ms/step, {tok['median']:.0f} tok/s, "
-                  f"MFU {mfu['median']:.3f}", flush=True)
+            report.add("rows", {**base, **row})
+            print(f"{name} {row['path']}: {row['step_ms_median']:.1f} ms/step, {row['tok_per_s_median']:.0f} tok/s, "
+                  f"MFU {row['mfu_median']:.3f}", flush=True)
     trainer.close()
     del trainer, plain, teacher
     gc.collect()
@@ -160,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.rank == 0:
         spreads = lambda key: [f"{key}_{k}" for k in ("min", "median", "max")]  # noqa: E731
         report.finish([
-            ("First step: same weights, same batch", "checks", ["model", "pipeline_first_loss", "plain_first_loss", "rel_diff"]),
+            ("First step: same weights, same batch", "checks",
+             ["model", "pipeline_first_loss", "plain_first_loss", "rel_diff"]),
             ("Distillation step", "rows", ["model", "path", "ranks", "B", "T", "micro_steps", "tokens_per_step",
                                            *spreads("step_ms"), *spreads("tok_per_s"), *spreads("mfu"),
                                            *spreads("vs_plain"), "peak_mem_GiB"]),
