@@ -13,7 +13,8 @@ Sweep 2 needs sweep 1's reduced sums (the closed forms come from them), so it ca
 the same forward; it needs only each layer's input and output, though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit.
+the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
+on the next layer's closed form (CPU math, ~0.1 s a layer) overlaps the device's sums of this one.
 """
 from __future__ import annotations
 
@@ -136,31 +137,40 @@ def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
         stats.sums[key] = torch.cat(all_gather(stats.sums[key], tp_group), dim=0)
 
 
+def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
+    """{readout name: the strategy whose closed form gives its readout mixers} for every strategy
+    needing readout sums (strategies sharing a closed form share one entry)."""
+    out: dict[str, Strategy] = {}
+    for strategy in strategies:
+        if strategy.needs_readout and strategy.readout_name not in out:
+            same = strategy.readout_name == strategy.name
+            out[strategy.readout_name] = strategy if same else get_strategy(strategy.readout_name)
+    return out
+
+
+def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
+                  seed: int = 0) -> tuple[GatedDeltaNet, list]:
+    """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
+    candidates, in fp32 on the teacher's device (the closed form itself is CPU math)."""
+    device = model_device(model)
+    ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed),
+                       stats)
+    params = strategy.closed_form(ctx)
+    with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
+        mixer = GatedDeltaNet(student_arch, index)
+    mixer = mixer.to_empty(device=device)
+    mixer.load_state_dict(params)
+    mixer.eval()
+    candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
+    return mixer, candidates
+
+
 def build_readout_mixers(
     stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
 ) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
-    """For every strategy needing readout sums: per layer, the GDN mixer with its closed-form
-    parameters and its output-gate candidates, in fp32 on the teacher's device."""
-    device = model_device(model)
-    out: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {}
-    for strategy in strategies:
-        if not strategy.needs_readout or strategy.readout_name in out:
-            continue
-        if strategy.readout_name != strategy.name:  # shares the closed form of another strategy
-            strategy = get_strategy(strategy.readout_name)
-        per_layer = {}
-        for index in stats.layers:
-            ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed), stats)
-            params = strategy.closed_form(ctx)
-            with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
-                mixer = GatedDeltaNet(student_arch, index)
-            mixer = mixer.to_empty(device=device)
-            mixer.load_state_dict(params)
-            mixer.eval()
-            candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
-            per_layer[index] = (mixer, candidates)
-        out[strategy.readout_name] = per_layer
-    return out
+    """For every strategy needing readout sums: per layer, `readout_mixer`."""
+    return {name: {index: readout_mixer(strategy, stats, model, student_arch, index, seed) for index in stats.layers}
+            for name, strategy in readout_closed_forms(strategies).items()}
 
 
 def collect_readout_stats(
@@ -177,15 +187,22 @@ def collect_readout_stats(
     layer_io: Sequence[dict[int, LayerIO]] | None = None,
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
-    layer_io: what sweep 1 kept of these batches (`keep_io`): read instead of a teacher forward."""
-    mixers = build_readout_mixers(stats, model, strategies, student_arch, seed)
-    if not mixers:
+
+    layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
+    Then the sweep goes layer by layer: the host works out layer l+1's closed form (CPU math)
+    while the device still sums layer l over every batch. The sums are those of the batch-by-batch
+    order, bit for bit (each layer's sums run over the batches in the same order)."""
+    closed_forms = readout_closed_forms(strategies)
+    if not closed_forms:
         return stats
-    arch = model.arch
+    arch, device = model.arch, model_device(model)
+    mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
     part: dict[str, torch.Tensor] = {}
-    for name, per_layer in mixers.items():
-        for index, (_, candidates) in per_layer.items():
-            empty = empty_readout_sums(len(candidates), arch.num_heads, arch.head_dim, model_device(model))
+
+    def build(index: int) -> None:
+        for name, strategy in closed_forms.items():
+            mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed)
+            empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
 
     def on_layer(index: int, io: LayerIO) -> None:
@@ -200,13 +217,19 @@ def collect_readout_stats(
             for key, value in got.items():
                 part[f"readout.{name}.layers.{index}.{key}"] += value
 
+    show = progress and _rank0(dp_group)
     if layer_io is not None:
-        for kept in _progress(layer_io, len(layer_io), "readout sums", progress and _rank0(dp_group)):
-            for index in stats.layers:
+        for index in _progress(stats.layers, len(stats.layers), "readout sums (layers)", show):
+            build(index)
+            for kept in layer_io:
                 on_layer(index, kept[index])
     else:
-        for batch in _progress(batches, num_batches, "readout sums", progress and _rank0(dp_group)):
+        for index in stats.layers:
+            build(index)
+        for batch in _progress(batches, num_batches, "readout sums", show):
             capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+    prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
+    part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
     reduced = TaylorStats({"layers": stats.layers}, part)
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
