@@ -388,8 +388,8 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
         return stage
     if ctx.pp_size > 1:
         return 1  # DeepSpeed's pipeline engine runs ZeRO 0 or 1 only
-    if trainable is None:
-        return 3  # nothing to estimate from: the stage that fits the most
+    if trainable is None:  # nothing to estimate from: the stage that fits the most (none helps one rank)
+        return 3 if ctx.dp_size > 1 else 1
     footprint = footprint_of(
         trainable, teacher, tokens=cfg.data.micro_batch_size * cfg.data.seq_len,
         bf16=device.type == "cuda" and cfg.run.precision == "bf16",

@@ -78,3 +78,27 @@ def test_cpu_ranks_share_the_machine_memory(monkeypatch):
     assert device_memory_bytes(torch.device("cpu")) == whole // 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, Slurm
     assert device_memory_bytes(torch.device("cpu")) == whole // 4
+
+
+def test_pipeline_resolves_auto_from_the_models_and_keeps_an_explicit_stage(monkeypatch):
+    """The 1.1B student + teacher in fp32 on 2 CPU ranks (about 19 GB per rank under ZeRO-1)."""
+    from types import SimpleNamespace
+
+    import megatron_tc.parallel.memory as memory
+    from megatron_tc.distill.stage2 import resolve_zero_stage
+
+    with torch.device("meta"):
+        teacher = HybridLM(llama_1b())
+        student = HybridLM(llama_1b().with_pattern(quarter_pattern(16)))
+    cpu = torch.device("cpu")
+    ctx = lambda dp, pp=1: SimpleNamespace(dp_size=dp, pp_size=pp, rank=0)  # noqa: E731
+    cfg = load_config(overrides=["data.micro_batch_size=1", "data.seq_len=64"])
+    assert cfg.parallel.zero_stage == "auto"
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 64 * 2**30)
+    assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 1
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * 2**30)
+    assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 3  # does not fit at all: the most it can do
+    assert resolve_zero_stage(cfg, ctx(2, pp=2), cpu, student, teacher) == 1  # the pipeline engine's limit
+    assert (resolve_zero_stage(cfg, ctx(2), cpu, None), resolve_zero_stage(cfg, ctx(1), cpu, None)) == (3, 1)
+    explicit = load_config(overrides=["parallel.zero_stage=2"])
+    assert resolve_zero_stage(explicit, ctx(2), cpu, student, teacher) == 2
