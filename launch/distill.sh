@@ -142,7 +142,7 @@ main() {
       nproc="${nproc:-${NPROC:-}}"
       if [[ -z "$nproc" ]]; then
         # GPUs: one rank each. CPU: two gloo ranks (data-parallel statistics, layers aligned in
-        # parallel, ZeRO-3 over both) beat one rank whose small kernels use two threads poorly.
+        # parallel, data-parallel ZeRO over both) beat one rank whose small kernels use two threads poorly.
         if (( gpus > 0 )); then nproc="$gpus"; elif (( cores >= 2 )); then nproc=2; else nproc=1; fi
       fi
       if (( gpus == 0 )); then

@@ -8,9 +8,18 @@ layer on the teacher's input to that layer and sums its least-squares readout te
 passes its own batches; one all-reduce(SUM) over `dp_group` per sweep makes the result equal to a
 single process over the union of the data. With tensor parallelism each rank measures its own heads
 and `gather_tp_heads` concatenates them into global heads before saving.
+
+Sweep 2 needs sweep 1's reduced sums (the closed forms come from them), so it cannot run inside
+the same forward; it needs only each layer's input and output, though. `collect_stats` keeps those
+from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
+and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
+the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
+on the next layer's closed form (CPU math, ~0.1 s a layer) overlaps the device's sums of this one.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -68,11 +77,13 @@ def collect_attention_stats(
     tp_group: dist.ProcessGroup | None = None,
     num_batches: int | None = None,
     progress: bool = True,
+    keep_io: list[dict[int, LayerIO]] | None = None,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
-    rank measures its own heads and the result holds global heads."""
+    rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
+    batch, {layer: LayerIO} of the selected layers (resid dropped), for `collect_readout_stats`."""
     arch = model.arch
     layers = sorted(layers)
     for index in layers:
@@ -91,10 +102,14 @@ def collect_attention_stats(
         )
         add_into(sums[index], head_sums)
         add_into(sums[index], layer_input_sums(io.x, io.resid, io.out, io.doc_ids, mixer.sliding_window))
+        if keep_io is not None:
+            keep_io[-1][index] = dataclasses.replace(io, resid=None)
 
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
         seq_len = max(seq_len, batch["input_ids"].shape[1])
+        if keep_io is not None:
+            keep_io.append({})
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
     flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
     full_meta = dict(meta)
@@ -122,31 +137,40 @@ def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
         stats.sums[key] = torch.cat(all_gather(stats.sums[key], tp_group), dim=0)
 
 
+def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
+    """{readout name: the strategy whose closed form gives its readout mixers} for every strategy
+    needing readout sums (strategies sharing a closed form share one entry)."""
+    out: dict[str, Strategy] = {}
+    for strategy in strategies:
+        if strategy.needs_readout and strategy.readout_name not in out:
+            same = strategy.readout_name == strategy.name
+            out[strategy.readout_name] = strategy if same else get_strategy(strategy.readout_name)
+    return out
+
+
+def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
+                  seed: int = 0) -> tuple[GatedDeltaNet, list]:
+    """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
+    candidates, in fp32 on the teacher's device (the closed form itself is CPU math)."""
+    device = model_device(model)
+    ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed),
+                       stats)
+    params = strategy.closed_form(ctx)
+    with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
+        mixer = GatedDeltaNet(student_arch, index)
+    mixer = mixer.to_empty(device=device)
+    mixer.load_state_dict(params)
+    mixer.eval()
+    candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
+    return mixer, candidates
+
+
 def build_readout_mixers(
     stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
 ) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
-    """For every strategy needing readout sums: per layer, the GDN mixer with its closed-form
-    parameters and its output-gate candidates, in fp32 on the teacher's device."""
-    device = model_device(model)
-    out: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {}
-    for strategy in strategies:
-        if not strategy.needs_readout or strategy.readout_name in out:
-            continue
-        if strategy.readout_name != strategy.name:  # shares the closed form of another strategy
-            strategy = get_strategy(strategy.readout_name)
-        per_layer = {}
-        for index in stats.layers:
-            ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed), stats)
-            params = strategy.closed_form(ctx)
-            with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
-                mixer = GatedDeltaNet(student_arch, index)
-            mixer = mixer.to_empty(device=device)
-            mixer.load_state_dict(params)
-            mixer.eval()
-            candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
-            per_layer[index] = (mixer, candidates)
-        out[strategy.readout_name] = per_layer
-    return out
+    """For every strategy needing readout sums: per layer, `readout_mixer`."""
+    return {name: {index: readout_mixer(strategy, stats, model, student_arch, index, seed) for index in stats.layers}
+            for name, strategy in readout_closed_forms(strategies).items()}
 
 
 def collect_readout_stats(
@@ -160,16 +184,25 @@ def collect_readout_stats(
     dp_group: dist.ProcessGroup | None = None,
     num_batches: int | None = None,
     progress: bool = True,
+    layer_io: Sequence[dict[int, LayerIO]] | None = None,
 ) -> TaylorStats:
-    """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned)."""
-    mixers = build_readout_mixers(stats, model, strategies, student_arch, seed)
-    if not mixers:
+    """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
+
+    layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
+    Then the sweep goes layer by layer: the host works out layer l+1's closed form (CPU math)
+    while the device still sums layer l over every batch. The sums are those of the batch-by-batch
+    order, bit for bit (each layer's sums run over the batches in the same order)."""
+    closed_forms = readout_closed_forms(strategies)
+    if not closed_forms:
         return stats
-    arch = model.arch
+    arch, device = model.arch, model_device(model)
+    mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
     part: dict[str, torch.Tensor] = {}
-    for name, per_layer in mixers.items():
-        for index, (_, candidates) in per_layer.items():
-            empty = empty_readout_sums(len(candidates), arch.num_heads, arch.head_dim, model_device(model))
+
+    def build(index: int) -> None:
+        for name, strategy in closed_forms.items():
+            mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed)
+            empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
 
     def on_layer(index: int, io: LayerIO) -> None:
@@ -184,8 +217,19 @@ def collect_readout_stats(
             for key, value in got.items():
                 part[f"readout.{name}.layers.{index}.{key}"] += value
 
-    for batch in _progress(batches, num_batches, "readout sums", progress and _rank0(dp_group)):
-        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+    show = progress and _rank0(dp_group)
+    if layer_io is not None:
+        for index in _progress(stats.layers, len(stats.layers), "readout sums (layers)", show):
+            build(index)
+            for kept in layer_io:
+                on_layer(index, kept[index])
+    else:
+        for index in stats.layers:
+            build(index)
+        for batch in _progress(batches, num_batches, "readout sums", show):
+            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+    prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
+    part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
     reduced = TaylorStats({"layers": stats.layers}, part)
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
@@ -207,24 +251,46 @@ def collect_stats(
     dp_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
     progress: bool = True,
+    io_cache_budget: int | None = None,
 ) -> TaylorStats:
-    """Both sweeps over the same batches (a sequence: it is read twice). The readout sweep runs whole
-    layers: with a tensor-parallel teacher every TP rank gathers a full copy of it for that sweep
-    (each rank of a TP group sees the same batches, so the sums agree; memory: one full teacher)."""
+    """Both sweeps over the same batches (a sequence: it may be read twice). With readout strategies
+    and a teacher that is not tensor-parallel, sweep 1 keeps every selected layer's input and output
+    when they take at most `io_cache_budget` bytes (default `default_io_cache_budget`; 0: never) and
+    sweep 2 reads them: one teacher forward per batch. Otherwise sweep 2 runs the teacher again; it
+    runs whole layers, so with a tensor-parallel teacher every TP rank gathers a full copy of it for
+    that sweep (each rank of a TP group sees the same batches, so the sums agree; memory: one full
+    teacher)."""
+    tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+    budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
+    keep = [] if readout_strategies and not tp and layer_io_bytes(model, batches, layers) <= budget else None
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-        num_batches=len(batches), progress=progress,
+        num_batches=len(batches), progress=progress, keep_io=keep,
     )
     if readout_strategies:
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        if tp:
             from megatron_tc.parallel.tensor_parallel import unsharded_copy
 
             model = unsharded_copy(model, tp_group)
         stats = collect_readout_stats(
             stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
-            dp_group=dp_group, num_batches=len(batches), progress=progress,
+            dp_group=dp_group, num_batches=len(batches), progress=progress, layer_io=keep,
         )
     return stats
+
+
+def layer_io_bytes(model: nn.Module, batches: Sequence[Batch], layers: Sequence[int]) -> int:
+    """Bytes of every selected layer's input and output over `batches` (the sweep-2 cache)."""
+    tokens = sum(batch["input_ids"].numel() for batch in batches)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * tokens * len(layers) * model.arch.hidden_size * itemsize
+
+
+def default_io_cache_budget(device: torch.device) -> int:
+    """A quarter of the GPU's memory; on the CPU a tenth of the machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
 
 
 def log_stats(stats: TaylorStats, writer, step: int = 0) -> None:

@@ -151,7 +151,7 @@ def _world_size_errors(p: ParallelConfig, world_size: int) -> list[str]:
 def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
     p, d = cfg.parallel, cfg.data
     errors = []
-    if p.pp > 1 and p.zero_stage >= 2:
+    if p.pp > 1 and p.zero_stage != "auto" and p.zero_stage >= 2:
         errors.append(
             f"parallel.pp={p.pp} with parallel.zero_stage={p.zero_stage}: DeepSpeed's pipeline engine supports "
             "only ZeRO stage 0 or 1; set parallel.zero_stage=1, or parallel.pp=1 to keep ZeRO-"

@@ -68,7 +68,12 @@ class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel size: must divide attention heads, KV heads, GDN heads and the MLP width.")
     pp: int = opt(1, "Pipeline-parallel size (DeepSpeed pipeline engine; needs zero_stage <= 1).")
     dp: int = opt(0, "Data-parallel size; 0 derives it as world_size / (tp * pp).")
-    zero_stage: Literal[0, 1, 2, 3] = opt(3, "DeepSpeed ZeRO stage over the data-parallel group (3 for pp == 1; at most 1 with pp > 1).")
+    zero_stage: Literal["auto", 0, 1, 2, 3] = opt(
+        "auto",
+        "DeepSpeed ZeRO stage over the data-parallel group. 'auto': the smallest of 1, 2, 3 whose memory estimate "
+        "(student, teacher, optimizer, activations) fits the device, so parameters are partitioned (3) only when "
+        "they must be; 1 with pp > 1 (the pipeline engine allows at most 1). The choice is logged.",
+    )
     teacher_mode: Literal["engine", "replicated"] = opt(
         "replicated",
         "Frozen teacher placement: 'engine' = its own DeepSpeed engine without optimizer (ZeRO-3 sharded), "

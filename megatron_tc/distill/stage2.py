@@ -126,6 +126,14 @@ class _NaNGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. A CPU batch goes to a GPU through pinned memory without blocking: a
+    copy from pageable memory would make the host wait for the work already queued on the device."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -186,7 +194,7 @@ class Stage2Trainer(EngineOwner):
     # -- one step
     def _forward_loss(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """batch: the packer's tensors [mbs, T] (input_ids, and doc_ids / position_ids / labels)."""
-        on = {k: v.to(self.device) for k, v in batch.items()}
+        on = {k: to_device(v, self.device) for k, v in batch.items()}
         ids = on["input_ids"]
         kwargs = {k: on[k] for k in ("doc_ids", "position_ids") if k in on}
         with torch.no_grad():
@@ -209,17 +217,21 @@ class Stage2Trainer(EngineOwner):
         lr = apply_lr(self.engine.optimizer.param_groups, self.schedule, step)
         micro = self.loader.next_step()
         keys = ("loss", "kl", "ce", "hidden")
-        totals = torch.zeros(len(keys), dtype=torch.float64)
+        totals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         finite = True
         for batch in micro:
             loss, parts = self._forward_loss(batch, step)
+            # backward is queued before the host waits for the loss (the finiteness check): the
+            # device never idles while the host launches the backward
+            self.engine.backward(loss)
             if not all_finite(loss):
                 finite = False
                 if guard.policy == "abort":
-                    guard.record(step, "loss")  # raises before any gradient is applied
-            self.engine.backward(loss)
+                    guard.record(step, "loss")  # raises before engine.step(): no update is applied
             self.engine.step()
-            totals += torch.tensor([float(parts.get(k, 0.0)) for k in keys], dtype=torch.float64) / len(micro)
+            zero = totals.new_zeros(())
+            totals += torch.stack([parts[k].double() if k in parts else zero for k in keys]) / len(micro)
+        totals = totals.cpu()  # the step's one transfer of its scalars
         applied = self.engine.was_step_applied()
         if not finite and applied:
             raise NonFiniteError(f"step {step}: DeepSpeed applied an update computed from a non-finite loss; "
@@ -365,17 +377,44 @@ def gather_full_state(engine: Any, ctx: Any = None) -> dict[str, torch.Tensor] |
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
+def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torch.nn.Module | None,
+                       teacher: torch.nn.Module | None = None) -> int:
+    """parallel.zero_stage, with 'auto' decided by `parallel.memory.choose_zero_stage` from the
+    student (`trainable`), the teacher and the micro-batch; the decision is logged on rank 0."""
+    from megatron_tc.parallel.memory import choose_zero_stage, device_memory_bytes, footprint_of
+
+    stage = cfg.parallel.zero_stage
+    if stage != "auto":
+        return stage
+    if ctx.pp_size > 1:
+        return 1  # DeepSpeed's pipeline engine runs ZeRO 0 or 1 only
+    if trainable is None:  # nothing to estimate from: the stage that fits the most (none helps one rank)
+        return 3 if ctx.dp_size > 1 else 1
+    footprint = footprint_of(
+        trainable, teacher, tokens=cfg.data.micro_batch_size * cfg.data.seq_len,
+        bf16=device.type == "cuda" and cfg.run.precision == "bf16",
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        teacher_partitioned=cfg.parallel.teacher_mode == "engine")
+    choice = choose_zero_stage(footprint, ctx.dp_size, device_memory_bytes(device))
+    if ctx.rank == 0:
+        (log.info if choice.fits else log.warning)(
+            "parallel.zero_stage=auto over %d data-parallel rank(s): %s (set parallel.zero_stage to override)",
+            ctx.dp_size, choice.describe())
+    return choice.stage
+
+
 def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None,
-                            trainable: torch.nn.Module | None = None) -> dict:
+                            trainable: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> dict:
     """The student's DeepSpeed config: the template (the built-in one or parallel.deepspeed_config) with its
     "auto" values filled from our config (ZeRO's bucket sizes from the `trainable` module's
-    parameters with requires_grad), plus DeepSpeed's own TensorBoard monitor."""
+    parameters with requires_grad; the ZeRO stage from `resolve_zero_stage`), plus DeepSpeed's own
+    TensorBoard monitor."""
     from megatron_tc.config import deepspeed_template_path
     from megatron_tc.parallel.deepspeed_engine import build_deepspeed_config
 
     s2 = cfg.distill.stage2
     ds = build_deepspeed_config(
-        zero_stage=cfg.parallel.zero_stage, micro_batch_size=cfg.data.micro_batch_size,
+        zero_stage=resolve_zero_stage(cfg, ctx, device, trainable, teacher), micro_batch_size=cfg.data.micro_batch_size,
         global_batch_size=cfg.data.global_batch_size, dp_size=ctx.dp_size,
         bf16=device.type == "cuda" and cfg.run.precision == "bf16", lr=s2.lr, weight_decay=s2.weight_decay,
         grad_clip=s2.grad_clip, pipeline=ctx.pp_size > 1,
@@ -384,7 +423,8 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
     # DeepSpeed's default ZeRO-3 leaf classes are Hugging Face MoE blocks, which our models never
     # contain; an empty list skips the walk over the model that looks for them.
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})
-    if ds["zero_optimization"].get("stage") == 3 and ctx.dp_size == 1 and ctx.rank == 0:
+    explicit = cfg.parallel.zero_stage != "auto"  # auto never partitions over one rank
+    if ds["zero_optimization"].get("stage") == 3 and ctx.dp_size == 1 and ctx.rank == 0 and explicit:
         log.warning("ZeRO-3 over one data-parallel rank shards nothing, yet gathers and releases every layer's "
                     "parameters each step (host time: docs/benchmarks.md); parallel.zero_stage=1 "
                     "trains the same way without them")
@@ -476,7 +516,7 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     names = select_trainable(student, cfg.distill.stage2.trainable)
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
-    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student)
+    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher)
     engine = build_student_engine(student, ds_config, ctx)
     if cfg.run.precision == "bf16" and device.type == "cuda":
         teacher = teacher.to(torch.bfloat16)

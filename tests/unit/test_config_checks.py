@@ -176,13 +176,13 @@ def test_ranges_and_schedule():
 
 def test_all_problems_reported_together():
     with raises(r"(?s)config has 2 problems:.*zero_stage.*calibrate.init"):
-        validate_config(make("parallel.pp=2", "calibrate.init=nope"))
+        validate_config(make("parallel.pp=2", "parallel.zero_stage=3", "calibrate.init=nope"))
 
 
 def test_programmatic_configs_are_type_checked():
     cfg = make()
     cfg.parallel.zero_stage = 5
-    with raises(r"parallel.zero_stage: expected one of 0, 1, 2, 3, got 5"):
+    with raises(r"parallel.zero_stage: expected one of 'auto', 0, 1, 2, 3, got 5"):
         validate_config(cfg)
     cfg = dataclasses.replace(make(), model=dataclasses.replace(make().model, keep_fraction="half"))
     with raises("model.keep_fraction: expected float"):
