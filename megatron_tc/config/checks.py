@@ -108,6 +108,8 @@ def _range_errors(cfg: Config) -> list[str]:
     errors = [f"{k}={_get(cfg, k)} must be >= {lo}" for k, lo in _MIN_INT.items() if _get(cfg, k) < lo]
     for key, (lo, inclusive) in _MIN_FLOAT.items():
         value = _get(cfg, key)
+        if value is None:  # optional keys: None means the component's own default
+            continue
         if not math.isfinite(value) or value < lo or (value == lo and not inclusive):
             errors.append(f"{key}={value} must be {'>=' if inclusive else '>'} {lo}")
     m = cfg.model

@@ -146,8 +146,10 @@ class CalibrateConfig:
     align_steps: int = opt(300, "AdamW steps of per-layer alignment (strategies that align).")
     align_tokens: int = opt(4096, "Calibration tokens the alignment trains on: the first align_tokens of the "
                                   "data.calib_tokens (all of them when larger).")
-    lr_qkv: float = opt(3e-4, "Alignment learning rate of q/k/v/o projections.")
-    lr_gates: float = opt(3e-3, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, dt_bias).")
+    lr_qkv: Optional[float] = opt(None, "Alignment learning rate of the projections; None uses the strategy's own "
+                                        "(taylor_calibrate: 1e-4 as its authors; taylor_fit: 3e-4).")
+    lr_gates: Optional[float] = opt(None, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, "
+                                          "dt_bias); None uses the strategy's own (taylor_calibrate: 1e-3; taylor_fit: 3e-3).")
     stats_chunk_size: int = opt(128, "Queries per chunk when attention probabilities are computed for statistics (bounds memory).")
 
 

@@ -274,10 +274,52 @@ def test_alignment_keeps_best_heldout_step(setup):
 
 
 def test_policies(setup):
-    assert uniform(30, 8).keep == [3, 7, 10, 14, 18, 21, 25, 29]
-    assert uniform(4, 1).keep == [3]
+    assert uniform(28, 7).keep == [0, 4, 8, 12, 16, 20, 24]  # the authors' Qwen2.5-1.5B choice
+    assert uniform(30, 8).keep == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert uniform(4, 1).keep == [0]
     sel = readout_gap(setup[1], 1)
     assert len(sel.keep) == 1 and sel.scores[sel.keep[0]] == max(sel.scores.values())
+
+
+def test_ar_bypasses_one_layers_attention_in_the_teacher(setup):
+    """score(l) = ppl(teacher with layer l's attention output zeroed) - ppl(teacher), whatever the init."""
+    import copy
+
+    from megatron_tc.calibrate.policies import attention_removal, perplexity
+
+    teacher, _, batches, _ = setup
+    sel = attention_removal(teacher, 1, batches)
+    base = perplexity(teacher, batches)
+    for layer in range(3):
+        silent = copy.deepcopy(teacher)
+        torch.nn.init.zeros_(silent.layers[layer].mixer.o_proj.weight)  # the mixer now outputs zeros
+        assert sel.scores[layer] == pytest.approx(perplexity(silent, batches) - base, rel=1e-6)
+    assert sel.keep == [max(sel.scores, key=sel.scores.get)] and sel.details["init"] == "bypass"
+    assert perplexity(teacher, batches) == base  # the hook is gone
+
+
+def test_ga_ranks_one_layer_kept_students_by_perplexity(setup):
+    from megatron_tc.calibrate.policies import greedy_addition, perplexity
+    from megatron_tc.calibrate.strategies import PAPER_GA_ALIGN
+
+    teacher, stats, batches, _ = setup
+    assert PAPER_GA_ALIGN.lr_gates == 3e-3 and PAPER_GA_ALIGN.lr_proj == 1e-4  # scripts/greedy_layer_selection.py
+    stats3 = stats_of_all_layers()
+    sel = greedy_addition(teacher, 2, batches, init="taylor", stats=stats3, teacher_sha256="t")
+    for layer in range(3):
+        student = build_student(teacher, "".join("A" if i == layer else "G" for i in range(3)), "taylor", stats3, teacher_sha256="t")
+        assert sel.scores[layer] == pytest.approx(-perplexity(student, batches), rel=1e-6)
+    assert sel.keep == sorted(sorted(range(3), key=lambda l: -sel.scores[l])[:2])
+
+
+def stats_of_all_layers():
+    from megatron_tc.calibrate.stats import collect_stats
+
+    teacher, ids, doc_ids = tiny_teacher_and_rows()
+    batches = [{"input_ids": ids[r:r + 1], "doc_ids": doc_ids[r:r + 1]} for r in range(4)]
+    return collect_stats(teacher, batches, [0, 1, 2], {"teacher_sha256": "t", "seq_len": 24},
+                         readout_strategies=[get_strategy("taylor")], student_arch=teacher.arch.with_pattern("GGG"),
+                         chunk_size=5, progress=False)
 
 
 @pytest.mark.parametrize("lr_gates", [3e-2, 3.0])
