@@ -273,6 +273,17 @@ def test_alignment_keeps_best_heldout_step(setup):
         assert abs(relative_mse(student.layers[layer].mixer, held[layer]) - r["best"]) < 1e-5
 
 
+def test_api_splits_heldout_rows_from_the_calibration_batches(setup):
+    teacher, stats, batches, _ = setup
+    settings = AlignSettings(steps=2, eval_every=1, best_on="heldout")
+    _, report = calibrate_student(teacher, [1], "taylor_fit", calib_batches=batches, stats=stats, teacher_sha256="t",
+                                  align=settings, progress=False)
+    assert report["heldout_split"] == {"calibration": 3, "heldout": 1}
+    with pytest.raises(StrategyError, match="at least 2 calibration batches"):
+        calibrate_student(teacher, [1], "taylor_fit", calib_batches=batches[:1], stats=stats, teacher_sha256="t",
+                          align=settings, progress=False)
+
+
 def test_policies(setup):
     assert uniform(28, 7).keep == [0, 4, 8, 12, 16, 20, 24]  # the authors' Qwen2.5-1.5B choice
     assert uniform(30, 8).keep == [0, 3, 6, 9, 12, 15, 18, 21]
