@@ -157,9 +157,16 @@ class CalibrateConfig:
 class Stage1Config:
     """Stage 1: all converted layers aligned at once by MSE, teacher-forced."""
 
-    steps: int = opt(0, "Optimizer steps; 0 skips the stage's training.")
+    steps: int = opt(0, "Optimizer steps; 0 skips the stage's training (ignored when tokens or stage2_fraction is set).")
+    tokens: Optional[int] = opt(None, "Training tokens; sets the steps as tokens / (global_batch_size * seq_len).")
+    stage2_fraction: Optional[float] = opt(
+        None, "Training tokens as a fraction of distill.stage2.tokens (which must be set). The paper's recipe: "
+              "0.1667 (its authors run 100M stage-1 tokens before 600M stage-2 tokens); see configs/paper/recipe_stage1.yaml.")
     lr: float = opt(1e-3, "Peak learning rate.")
     warmup_steps: int = opt(0, "Linear warmup steps.")
+    loss: Literal["relative_mse", "rmse"] = opt(
+        "relative_mse", "Per-layer loss, averaged over layers: 'relative_mse' mean|o - y|^2 / mean|y|^2, or 'rmse' "
+                        "mean over tokens of |o - y| / sqrt(hidden) (the paper's authors').")
 
 
 @dataclass
