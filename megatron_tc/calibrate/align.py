@@ -6,7 +6,7 @@ teacher-forced, learns to reproduce the teacher's attention output after o_proj.
 
 The loss is the MSE  mean|GDN(x) - Y|^2  (absolute, the authors') or relative to mean|Y|^2 on
 the teacher's mixer input x and attention output Y after o_proj. AdamW groups (`AlignSettings.groups`):
-'ours' = gates/timescales (a_proj, b_proj, A_log, dt_bias, g_proj) and projections (q/k/v/o_proj,
+'taylor_fit' = gates/timescales (a_proj, b_proj, A_log, dt_bias, g_proj) and projections (q/k/v/o_proj,
 o_norm, convolutions); 'paper' = q/k/v weights and everything else but o_proj and o_norm, which
 stay frozen. The best parameters by the chosen criterion (held-out calibration tokens, or the
 training loss as the authors) are kept; with 'before_update' step 0 (the closed-form init) is a
@@ -87,17 +87,17 @@ PAPER_FROZEN = ("o_proj", "o_norm")
 
 def _param_groups(mixer: nn.Module, settings: AlignSettings) -> list[dict]:
     """AdamW groups of `settings.groups`; with 'paper' the frozen o_proj / o_norm lose requires_grad."""
-    if settings.groups not in ("ours", "paper"):
-        raise ValueError(f"groups must be 'ours' or 'paper', got {settings.groups!r}")
+    if settings.groups not in ("taylor_fit", "paper"):
+        raise ValueError(f"groups must be 'taylor_fit' or 'paper', got {settings.groups!r}")
     gates, proj = [], []
     for name, param in mixer.named_parameters():
-        if settings.groups == "ours":
+        if settings.groups == "taylor_fit":
             (gates if name.split(".")[0] in GATE_PARAMS else proj).append(param)
         elif name.split(".")[0] in PAPER_FROZEN:
             param.requires_grad_(False)
         else:  # the authors' "new" group holds every parameter that is not a q/k/v weight (biases too)
             (proj if name in PAPER_PROJ_WEIGHTS else gates).append(param)
-    gate_decay = 0.0 if settings.groups == "ours" else settings.weight_decay
+    gate_decay = 0.0 if settings.groups == "taylor_fit" else settings.weight_decay
     return [
         {"params": gates, "lr": settings.lr_gates, "weight_decay": gate_decay},
         {"params": proj, "lr": settings.lr_proj, "weight_decay": settings.weight_decay},

@@ -5,7 +5,7 @@ more worth keeping as attention), plus how the scores were obtained. As the pape
 them: `uniform` keeps layer 0 and every k-th; `ar` bypasses one layer's attention in the teacher and
 ranks layers by the perplexity increase; `ga` ranks one-layer-kept students initialized with
 taylor_calibrate (aligned) by perplexity. Perplexity is measured on calibration batches (the
-authors measure on their evaluation text). `readout_gap` (ours) reads the statistics pass only.
+authors measure on their evaluation text). `readout_gap` (taylor_fit's own) reads the statistics pass only.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def greedy_addition(
 
 
 def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit-closed") -> Selection:
-    """Ours: the attention output energy the initialized recurrence cannot explain, relative to
+    """The attention output energy the initialized recurrence cannot explain, relative to
     the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales."""
     scores = {}
     for layer in stats.layers:

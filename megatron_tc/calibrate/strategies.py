@@ -61,10 +61,10 @@ class AlignSettings:
     forcing: str = "teacher"
     loss: str = "relative"  # 'relative': mean|out - y|^2 / mean|y|^2; 'absolute': mean|out - y|^2
     betas: tuple[float, float] = (0.9, 0.95)
-    # 'ours': gates (a/b/g_proj, A_log, dt_bias) at lr_gates, every other parameter (o_proj and
+    # 'taylor_fit': gates (a/b/g_proj, A_log, dt_bias) at lr_gates, every other parameter (o_proj and
     # o_norm included) at lr_proj with weight_decay; 'paper': q/k/v_proj weights at lr_proj, every
     # other parameter but o_proj and o_norm at lr_gates, both with weight_decay; o_proj, o_norm frozen
-    groups: str = "ours"
+    groups: str = "taylor_fit"
     dtype: str = "float32"  # or 'bfloat16': the mixer, its inputs and targets in bf16 while aligning
     # with best_on='train', which parameters the lowest training loss keeps: 'before_update' (the
     # ones it was measured on; the closed form is a candidate) or 'after_update' (the authors' loop
@@ -308,7 +308,7 @@ def mean_input_direction(ctx: LayerContext) -> torch.Tensor:
 
 def candidate_prefix(readout: dict[str, torch.Tensor], count: int, heads: int) -> dict[str, torch.Tensor]:
     """The readout sums of the first `count` gate candidates (sums are laid out candidate-major,
-    index c*H + h), so an ablation whose candidates are a prefix of ours reuses ours' sums."""
+    index c*H + h), so an ablation whose candidates are a prefix of taylor_fit-closed's reuses its sums."""
     if readout["uy"].shape[0] == count:
         return readout
     n = count * heads
@@ -319,7 +319,7 @@ def candidate_prefix(readout: dict[str, torch.Tensor], count: int, heads: int) -
 
 @dataclass
 class TaylorFit(Strategy):
-    """Ours (docs/method.md): the closed form `taylor_fit-closed`, and `taylor_fit`, which aligns
+    """Our strategy (docs/method.md): the closed form `taylor_fit-closed`, and `taylor_fit`, which aligns
     from the same closed form but with the paper's damped output gate; each flag is one component
     for the ablations.
 
@@ -447,36 +447,36 @@ PAPER_ALIGN = AlignSettings(steps=300, lr_gates=1e-3, lr_proj=1e-4, weight_decay
                             best_state="after_update")
 # the authors' ga probes (scripts/greedy_layer_selection.py) align with lr 3e-3 for the gates
 PAPER_GA_ALIGN = replace(PAPER_ALIGN, lr_gates=3e-3)
-OURS_ALIGN = AlignSettings(best_on="heldout")
+TAYLOR_FIT_ALIGN = AlignSettings(best_on="heldout")
 
 register("naive", Strategy)
 register("zero_gate", ZeroGate)
 register("taylor", Taylor)
 register("taylor_calibrate", lambda: Taylor(name="taylor_calibrate", readout_key="taylor", align=replace(PAPER_ALIGN)))
-register("taylor_fit", lambda: TaylorFit(align=replace(OURS_ALIGN)))
-# ours' closed form (no alignment): the fitted output gate; readout_gap reads its sums
+register("taylor_fit", lambda: TaylorFit(align=replace(TAYLOR_FIT_ALIGN)))
+# taylor_fit's closed form with the fitted gate (no alignment): the fitted output gate; readout_gap reads its sums
 _FITTED_GATE = "taylor_fit-closed"
 register(_FITTED_GATE, lambda: TaylorFit(name=_FITTED_GATE, gate_fit=True,
-                                         description="ours' closed form: output gate chosen from γ W_v and near-constant "
+                                         description="taylor_fit's closed form: output gate chosen from γ W_v and near-constant "
                                                      "γ 1 x̄ᵀ/|x̄|² candidates + joint OLS scales after o_proj; no alignment"))
-# ablations of ours: one component changed at a time
-register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(OURS_ALIGN)))
-register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(OURS_ALIGN)))
+# ablations of taylor_fit: one component changed at a time
+register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(TAYLOR_FIT_ALIGN)))
+register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(TAYLOR_FIT_ALIGN)))
 register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", readout_key="taylor_fit",
-                                                 align=replace(OURS_ALIGN, best_on="train")))
-# the two halves of the difference to taylor_calibrate: ours' closed form with the authors'
-# alignment, and the authors' closed form with ours' alignment
+                                                 align=replace(TAYLOR_FIT_ALIGN, best_on="train")))
+# the two halves of the difference to taylor_calibrate: taylor_fit's closed form with the
+# authors' alignment, and the authors' closed form with taylor_fit's alignment
 register("taylor_fit-align", lambda: TaylorFit(name="taylor_fit-align", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))
-register("taylor_fit-init", lambda: Taylor(name="taylor_fit-init", readout_key="taylor", align=replace(OURS_ALIGN),
+register("taylor_fit-init", lambda: Taylor(name="taylor_fit-init", readout_key="taylor", align=replace(TAYLOR_FIT_ALIGN),
                                           description="the authors' closed form aligned as taylor_fit"))
-# aligned from the fitted gate (ours until 2026-11-30), and that without the mean-input candidates
+# aligned from the fitted gate (taylor_fit until 2026-11-30), and that without the mean-input candidates
 register("taylor_fit+gatefit", lambda: TaylorFit(name="taylor_fit+gatefit", gate_fit=True, readout_key=_FITTED_GATE,
-                                                 align=replace(OURS_ALIGN)))
+                                                 align=replace(TAYLOR_FIT_ALIGN)))
 register("taylor_fit-meangate", lambda: TaylorFit(name="taylor_fit-meangate", gate_fit=True, mean_gate=False,
-                                                  readout_key=_FITTED_GATE, align=replace(OURS_ALIGN)))
-# ours aligned on the partly converted student's own inputs, bottom to top (sequential.py): the
-# teacher's attention output, or its residual stream, as the target; same closed form and stats as ours
+                                                  readout_key=_FITTED_GATE, align=replace(TAYLOR_FIT_ALIGN)))
+# taylor_fit aligned on the partly converted student's own inputs, bottom to top (sequential.py): the
+# teacher's attention output, or its residual stream, as the target; same closed form and stats as taylor_fit
 register("taylor_fit-seq", lambda: TaylorFit(name="taylor_fit-seq", readout_key="taylor_fit",
-                                             align=replace(OURS_ALIGN, forcing="student")))
+                                             align=replace(TAYLOR_FIT_ALIGN, forcing="student")))
 register("taylor_fit-seqres", lambda: TaylorFit(name="taylor_fit-seqres", readout_key="taylor_fit",
-                                                align=replace(OURS_ALIGN, forcing="residual")))
+                                                align=replace(TAYLOR_FIT_ALIGN, forcing="residual")))

@@ -17,20 +17,20 @@ import torch
 
 from megatron_tc.calibrate.align import align_layer, collect_layer_io, relative_mse
 from megatron_tc.calibrate.statsfile import TaylorStats
-from megatron_tc.calibrate.strategies import PAPER_ALIGN, OURS_ALIGN, get_strategy
+from megatron_tc.calibrate.strategies import PAPER_ALIGN, TAYLOR_FIT_ALIGN, get_strategy
 from megatron_tc.calibrate.student import build_student
 from megatron_tc.calibrate.teacher_io import load_teacher, text_batches
 
 CONFIGS = {  # name -> (init, settings)
     "tc": ("taylor_calibrate", PAPER_ALIGN),
-    "tc-heldout": ("taylor_calibrate", OURS_ALIGN),
-    "ours": ("taylor_fit", OURS_ALIGN),
-    "ours-cos": ("taylor_fit", replace(OURS_ALIGN, schedule="cosine")),
-    "ours-proj1e-3": ("taylor_fit", replace(OURS_ALIGN, lr_proj=1e-3)),
-    "ours-proj1e-3-cos": ("taylor_fit", replace(OURS_ALIGN, lr_proj=1e-3, schedule="cosine")),
-    "ours-gates3e-3": ("taylor_fit", replace(OURS_ALIGN, lr_gates=3e-3)),
-    "ours-gates3e-2-cos": ("taylor_fit", replace(OURS_ALIGN, lr_gates=3e-2, schedule="cosine")),
-    "ours-rows2": ("taylor_fit", replace(OURS_ALIGN, batch_rows=2)),
+    "tc-heldout": ("taylor_calibrate", TAYLOR_FIT_ALIGN),
+    "ours": ("taylor_fit", TAYLOR_FIT_ALIGN),
+    "ours-cos": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, schedule="cosine")),
+    "ours-proj1e-3": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, lr_proj=1e-3)),
+    "ours-proj1e-3-cos": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, lr_proj=1e-3, schedule="cosine")),
+    "ours-gates3e-3": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, lr_gates=3e-3)),
+    "ours-gates3e-2-cos": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, lr_gates=3e-2, schedule="cosine")),
+    "ours-rows2": ("taylor_fit", replace(TAYLOR_FIT_ALIGN, batch_rows=2)),
 }
 
 
