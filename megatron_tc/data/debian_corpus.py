@@ -8,8 +8,9 @@ The packages are fetched with `apt-get download` (after `apt-get update`) into a
 with `dpkg-deb -x` and turned into plain-text documents: dictionary entries (dictd `.dict.dz`, in
 file order) grouped into documents of about DICT_DOC_CHARS characters; each Sphinx source page
 (`_sources/**/*.txt`, reStructuredText) one document; each Perl POD page one document with its
-markup stripped. The result is a `kind: text, split_by: file` source, split into calibration,
-training and evaluation documents by the run's manifest. PROVENANCE.json records every package's
+markup stripped; a paragraph that recurs (boilerplate of manual pages) is kept only where it first
+occurs, so no paragraph can land in two splits. The result is a `kind: text, split_by: file`
+source, split into calibration, training and evaluation documents by the run's manifest. PROVENANCE.json records every package's
 version, .deb sha256, licence and document counts; nothing here is committed to the repository.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .documents import DataError, Document, atomic_write_bytes
+from .overlap import MIN_PARAGRAPH_CHARS, _BLANK_LINE, normalise_paragraph
 
 DICT_DOC_CHARS = 200_000
 MIN_PAGE_CHARS = 1_000
@@ -132,6 +134,28 @@ def package_documents(root: Path, spec: DebianText) -> list[Document]:
     return docs
 
 
+def drop_repeated_paragraphs(docs: list[Document], seen: set[str]) -> tuple[list[Document], int]:
+    """Each paragraph that `overlap` compares (>= MIN_PARAGRAPH_CHARS normalised characters) kept
+    only where it first occurs (`seen` carries over between calls): manuals repeat boilerplate
+    ("On error -1 and errno is set..."), which would put one paragraph in two splits."""
+    out, dropped = [], 0
+    for doc in docs:
+        kept = []
+        for paragraph in _BLANK_LINE.split(doc.text):
+            norm = normalise_paragraph(paragraph)
+            if len(norm) >= MIN_PARAGRAPH_CHARS:
+                key = hashlib.sha256(norm.encode()).hexdigest()
+                if key in seen:
+                    dropped += 1
+                    continue
+                seen.add(key)
+            kept.append(paragraph)
+        text = "\n\n".join(kept)
+        if len(text.strip()) >= MIN_PAGE_CHARS or doc.name.split("/")[0].startswith("dict-"):
+            out.append(Document(doc.name, text))
+    return out, dropped
+
+
 def fetch_package(package: str, cache_dir: Path) -> Path:
     """The package's .deb in `cache_dir` (`apt-get download` when absent)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -171,10 +195,11 @@ def write_debian_corpus(out_dir: str | Path, cache_dir: str | Path | None = None
     out = Path(out_dir)
     cache = Path(cache_dir) if cache_dir else out.parent / (out.name + "_debs")
     provenance = {"source": "Debian packages (apt-get download)", "packages": []}
+    seen: set[str] = set()
     for spec in texts:
         deb = fetch_package(spec.package, cache)
         root = unpack(deb, cache / "unpacked" / spec.package)
-        docs = package_documents(root, spec)
+        docs, dropped = drop_repeated_paragraphs(package_documents(root, spec), seen)
         copyright_files = sorted(str(p.relative_to(root)) for p in root.glob("usr/share/doc/*/copyright"))
         for doc in docs:
             atomic_write_bytes(out / f"{doc.name}.txt", doc.text.encode("utf-8"))
@@ -182,6 +207,22 @@ def write_debian_corpus(out_dir: str | Path, cache_dir: str | Path | None = None
             "package": spec.package, "deb": deb.name, "version": deb.name.split("_")[1].replace("%3a", ":"),
             "sha256": _sha256(deb), "bytes": deb.stat().st_size, "licence": spec.licence,
             "copyright": copyright_files, "kind": spec.kind,
-            "documents": len(docs), "characters": sum(len(d.text) for d in docs)})
+            "documents": len(docs), "characters": sum(len(d.text) for d in docs), "repeated_paragraphs_dropped": dropped})
     atomic_write_bytes(out / "PROVENANCE.json", (json.dumps(provenance, indent=1) + "\n").encode())
     return provenance
+
+
+def corpus_token_counts(corpus_dir: str | Path, tokenizer: str, run_dir: str | Path, calibration_fraction: float = 0.01,
+                        eval_fraction: float = 0.01, seed: int = 0) -> dict:
+    """Documents and tokens per split of the corpus as a run reads it (manifest in `run_dir`, the
+    cached token streams of the data pipeline): {documents: {split: n}, tokens: {split: n}}."""
+    from .manifest import SPLITS, SplitConfig
+    from .pipeline import DataConfig, prepare_data
+    from .sources import SourceConfig
+
+    cfg = DataConfig(source=SourceConfig(kind="text", paths=[str(corpus_dir)], split_by="file"),
+                     split=SplitConfig(seed=seed, calibration_fraction=calibration_fraction, eval_fraction=eval_fraction),
+                     tokenizer=tokenizer)
+    data = prepare_data(cfg, run_dir)
+    return {"documents": {s: len(data.documents(s)) for s in SPLITS},
+            "tokens": {s: int(len(data.token_stream(s)[0].tokens)) for s in SPLITS}}

@@ -74,3 +74,18 @@ def test_a_built_package_becomes_documents_with_provenance(tmp_path):
     sphinx = DebianText("toy-doc", "sphinx", "usr/share/doc/toy/html/_sources/**/*.txt", "public-domain")
     (doc,) = package_documents(cache / "unpacked" / "toy-doc", sphinx)
     assert doc.name == "toy-doc/guide/intro" and doc.text.startswith("Introduction")
+
+
+def test_repeated_paragraphs_are_kept_only_where_they_first_occur():
+    from megatron_tc.data.debian_corpus import drop_repeated_paragraphs
+    from megatron_tc.data.documents import Document
+    from megatron_tc.data.overlap import paragraph_hashes
+
+    boiler = "On error -1 is returned and the errno variable is set appropriately by the call."
+    a = Document("dict-x/a", f"{boiler}\n\nFirst page's own paragraph, long enough to be compared with others.")
+    b = Document("dict-x/b", f"Second page's own paragraph, also long enough to be compared.\n\n{boiler.upper()}")
+    seen: set[str] = set()
+    (first,), dropped_a = drop_repeated_paragraphs([a], seen)
+    (second,), dropped_b = drop_repeated_paragraphs([b], seen)
+    assert (dropped_a, dropped_b) == (0, 1) and first.text == a.text
+    assert not paragraph_hashes(first.text) & paragraph_hashes(second.text)
