@@ -445,8 +445,10 @@ def get_strategy(name: str) -> Strategy:
 PAPER_ALIGN = AlignSettings(steps=300, lr_gates=1e-3, lr_proj=1e-4, weight_decay=0.01, batch_rows=0, best_on="train",
                             loss="absolute", betas=(0.9, 0.999), groups="paper", dtype="bfloat16",
                             best_state="after_update")
-# the authors' ga probes (scripts/greedy_layer_selection.py) align with lr 3e-3 for the gates
+# the authors' ga probes (scripts/greedy_layer_selection.py) align with lr 3e-3 for the gates, on
+# 8 rows of 256 tokens
 PAPER_GA_ALIGN = replace(PAPER_ALIGN, lr_gates=3e-3)
+PAPER_GA_TOKENS = 2048
 TAYLOR_FIT_ALIGN = AlignSettings(best_on="heldout")
 
 register("naive", Strategy)

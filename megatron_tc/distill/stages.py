@@ -159,8 +159,11 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
         extra: dict[str, Any] = {}
         if policy != "readout_gap":
             extra["teacher_sha256"] = teacher.sha256
-        if policy == "ga":
-            extra["calib_batches"] = _all_calibration_rows(ctx, alignment_tokens(ctx.cfg))
+        if policy == "ga":  # the probes align on as many tokens as the authors' (8 x 256)
+            from megatron_tc.calibrate.strategies import PAPER_GA_TOKENS
+
+            tokens = max(ctx.cfg.data.seq_len, min(alignment_tokens(ctx.cfg), PAPER_GA_TOKENS))
+            extra["calib_batches"] = _all_calibration_rows(ctx, tokens)
         chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)
