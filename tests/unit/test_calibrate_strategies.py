@@ -397,3 +397,19 @@ def test_taylor_calibrate_alignment_is_the_authors_loop(setup):
         # frozen (rounded to bf16 once: the authors' student is a bf16 model)
         torch.testing.assert_close(mixer.o_proj.weight, o_proj.bfloat16().float(), rtol=0, atol=0)
         torch.testing.assert_close(mixer.o_norm.weight, o_norm.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_ga_probes_are_aligned_taylor_calibrate_students(setup, monkeypatch):
+    from megatron_tc.calibrate import strategies
+    from megatron_tc.calibrate.policies import greedy_addition, perplexity
+
+    short = replace(strategies.PAPER_GA_ALIGN, steps=3)  # the authors' 300 steps, shortened for the test
+    monkeypatch.setattr(strategies, "PAPER_GA_ALIGN", short)
+    teacher, _, batches, _ = setup
+    stats3 = stats_of_all_layers()
+    sel = greedy_addition(teacher, 1, batches, stats=stats3, teacher_sha256="t")
+    assert sel.details["init"] == "taylor_calibrate"
+    student, report = calibrate_student(teacher, [2], "taylor_calibrate", calib_batches=batches, stats=stats3,
+                                        teacher_sha256="t", align=short, progress=False)
+    assert report["align"]["0"]["steps"] == 3
+    assert sel.scores[2] == pytest.approx(-perplexity(student, batches), rel=1e-6)
