@@ -4,11 +4,13 @@ teacher-forced, learns to reproduce the teacher's attention output after o_proj.
     data = collect_layer_io(teacher, batches, layers)            # one teacher forward
     reports = align_layers(mixers, data, settings, heldout=...)  # layers spread over ranks
 
-The loss is the relative MSE  mean|GDN(x) - Y|^2 / mean|Y|^2  on the teacher's mixer input x and
-attention output Y. Two AdamW groups: gates/timescales (a_proj, b_proj, A_log, dt_bias, g_proj)
-and projections (q/k/v/o_proj, o_norm, convolutions). The best parameters by the chosen criterion
-(held-out calibration tokens, or the training minibatch as the paper) are kept; step 0 (the
-closed-form init) is a candidate, so alignment never returns something worse by that criterion.
+The loss is the MSE  mean|GDN(x) - Y|^2  (absolute, the authors') or relative to mean|Y|^2 on
+the teacher's mixer input x and attention output Y after o_proj. AdamW groups (`AlignSettings.groups`):
+'taylor_fit' = gates/timescales (a_proj, b_proj, A_log, dt_bias, g_proj) and projections (q/k/v/o_proj,
+o_norm, convolutions); 'paper' = q/k/v weights and everything else but o_proj and o_norm, which
+stay frozen. The best parameters by the chosen criterion (held-out calibration tokens, or the
+training loss as the authors) are kept; with 'before_update' step 0 (the closed-form init) is a
+candidate, so alignment never returns something worse by that criterion.
 """
 from __future__ import annotations
 
@@ -69,33 +71,74 @@ def collect_layer_io(model: nn.Module, batches, layers: list[int], keep_resid: b
 def relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> float:
     """mean|mixer(x) - y|^2 / mean|y|^2 over all rows of `data`, in row batches."""
     err = ref = 0.0
+    dtype = next(mixer.parameters()).dtype
     with torch.no_grad():
         for start in range(0, data.x.shape[0], rows):
             part = data.rows(torch.arange(start, min(start + rows, data.x.shape[0]), device=data.x.device))
-            out = mixer(part.x, doc_ids=part.doc_ids)
+            out = mixer(part.x.to(dtype), doc_ids=part.doc_ids).float()
             err += float((out - part.y).double().pow(2).sum())
             ref += float(part.y.double().pow(2).sum())
     return err / max(ref, 1e-30)
 
 
+PAPER_PROJ_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+PAPER_FROZEN = ("o_proj", "o_norm")
+
+
 def _param_groups(mixer: nn.Module, settings: AlignSettings) -> list[dict]:
+    """AdamW groups of `settings.groups`; with 'paper' the frozen o_proj / o_norm lose requires_grad."""
+    if settings.groups not in ("taylor_fit", "paper"):
+        raise ValueError(f"groups must be 'taylor_fit' or 'paper', got {settings.groups!r}")
     gates, proj = [], []
     for name, param in mixer.named_parameters():
-        (gates if name.split(".")[0] in GATE_PARAMS else proj).append(param)
+        if settings.groups == "taylor_fit":
+            (gates if name.split(".")[0] in GATE_PARAMS else proj).append(param)
+        elif name.split(".")[0] in PAPER_FROZEN:
+            param.requires_grad_(False)
+        else:  # the authors' "new" group holds every parameter that is not a q/k/v weight (biases too)
+            (proj if name in PAPER_PROJ_WEIGHTS else gates).append(param)
+    gate_decay = 0.0 if settings.groups == "taylor_fit" else settings.weight_decay
     return [
-        {"params": gates, "lr": settings.lr_gates, "weight_decay": 0.0},
+        {"params": gates, "lr": settings.lr_gates, "weight_decay": gate_decay},
         {"params": proj, "lr": settings.lr_proj, "weight_decay": settings.weight_decay},
     ]
 
 
+def _loss(out: torch.Tensor, y: torch.Tensor, settings: AlignSettings) -> torch.Tensor:
+    err = (out.float() - y).pow(2).mean()
+    return err if settings.loss == "absolute" else err / y.pow(2).mean().clamp_min(1e-30)
+
+
+def _train_rows(n: int, settings: AlignSettings, generator) -> torch.Tensor:
+    """This step's rows: all of them (batch_rows 0), else batch_rows drawn at random."""
+    if settings.batch_rows <= 0:
+        return torch.arange(n)
+    return torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
+
+
+def _check(settings: AlignSettings, heldout) -> None:
+    choices = {"best_on": ("heldout", "train"), "schedule": ("constant", "cosine"), "loss": ("relative", "absolute"),
+               "dtype": ("float32", "bfloat16"), "best_state": ("before_update", "after_update")}
+    for key, allowed in choices.items():
+        if getattr(settings, key) not in allowed:
+            raise ValueError(f"align {key} must be one of {allowed}, got {getattr(settings, key)!r}")
+    if settings.best_on == "heldout" and heldout is None:
+        raise ValueError("best_on='heldout' needs held-out calibration data")
+
+
 def _minibatch_loss(mixer: nn.Module, train: LayerData, settings: AlignSettings, generator) -> float:
-    """Relative MSE of the current parameters on one random training minibatch (no update)."""
-    n = train.x.shape[0]
-    rows = torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
+    """Training loss of the current parameters on one training minibatch (no update)."""
+    rows = _train_rows(train.x.shape[0], settings, generator)
     with torch.no_grad():
         part = train.rows(rows.to(train.x.device))
-        out = mixer(part.x, doc_ids=part.doc_ids)
-        return float((out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30))
+        return float(_loss(mixer(part.x, doc_ids=part.doc_ids), part.y, settings))
+
+
+def _in_dtype(data: LayerData, dtype: torch.dtype) -> LayerData:
+    """Inputs in `dtype`; targets rounded to it (as a bf16 teacher computes them), kept fp32."""
+    if dtype == torch.float32:
+        return data
+    return LayerData(data.x.to(dtype), data.y.to(dtype).float(), data.doc_ids, data.resid)
 
 
 def align_layer(
@@ -104,47 +147,66 @@ def align_layer(
 ) -> dict:
     """Align one GDN mixer in place; returns {initial, best, best_step, final, curve}. `log(tag,
     value, step)` receives the training loss every step and the held-out loss every eval."""
-    if settings.best_on not in ("heldout", "train"):
-        raise ValueError(f"best_on must be 'heldout' or 'train', got {settings.best_on!r}")
-    if settings.best_on == "heldout" and heldout is None:
-        raise ValueError("best_on='heldout' needs held-out calibration data")
+    _check(settings, heldout)
+    dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    home = next(mixer.parameters()).dtype
+    mixer.to(dtype)
+    train = _in_dtype(train, dtype)
+    frozen = {name: p.requires_grad for name, p in mixer.named_parameters()}
+    try:
+        report = _align_steps(mixer, train, settings, heldout, seed, log, tag)
+    finally:
+        for name, param in mixer.named_parameters():
+            param.requires_grad_(frozen[name])
+        mixer.to(home)
+    return report
+
+
+def _align_steps(mixer, train: LayerData, settings: AlignSettings, heldout, seed: int, log, tag: str) -> dict:
     generator = torch.Generator(device="cpu").manual_seed(seed)  # the same rows on every device
-    if settings.schedule not in ("constant", "cosine"):
-        raise ValueError(f"schedule must be 'constant' or 'cosine', got {settings.schedule!r}")
-    optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=tuple(settings.betas))
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     scheduler = None
     if settings.schedule == "cosine":
         total = max(settings.steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     n, device = train.x.shape[0], train.x.device
     score = (lambda: relative_mse(mixer, heldout)) if settings.best_on == "heldout" else None
-    initial = score() if score else relative_mse(mixer, train.rows(torch.arange(min(n, settings.batch_rows), device=device)))
+    after_update = score is None and settings.best_state == "after_update"
+    if score:
+        initial = score()
+    else:
+        first = train.rows(torch.arange(n if settings.batch_rows <= 0 else min(n, settings.batch_rows), device=device))
+        with torch.no_grad():
+            initial = float(_loss(mixer(first.x, doc_ids=first.doc_ids), first.y, settings))
     best, best_step, best_state = initial, 0, copy.deepcopy(mixer.state_dict())
+    if after_update:  # the authors' loop never keeps the closed form itself
+        best, best_state = math.inf, None
     curve = [(0, initial)]
     mixer.train()
     for step in range(1, settings.steps + 1):
-        rows = torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
-        part = train.rows(rows.to(device))
-        out = mixer(part.x, doc_ids=part.doc_ids)
-        loss = (out - part.y).pow(2).mean() / part.y.pow(2).mean().clamp_min(1e-30)
-        if score is None and float(loss.detach()) < best:
-            # the paper's reading: the step with the lowest training loss. That loss was measured
-            # on the parameters *before* this step, so those are the ones kept (step - 1 updates).
+        part = train.rows(_train_rows(n, settings, generator).to(device))
+        loss = _loss(mixer(part.x, doc_ids=part.doc_ids), part.y, settings)
+        improved = score is None and float(loss.detach()) < best
+        if improved and not after_update:
+            # the loss was measured on the parameters *before* this step: those are kept (step - 1 updates)
             best, best_step, best_state = float(loss.detach()), step - 1, copy.deepcopy(mixer.state_dict())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(mixer.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         # torch < 2.13 creates Adam's step counters on the default device (a caller's
         # `torch.device(...)` context included); newer torch puts them on the CPU: do so everywhere
         with torch.device("cpu"):
             optimizer.step()
+        if improved and after_update:
+            best, best_step, best_state = float(loss.detach()), step, copy.deepcopy(mixer.state_dict())
         if scheduler is not None:
             scheduler.step()
         if log is not None:
             log(f"align/{tag}/train", float(loss.detach()), step)
         value = None
         if score is None:
-            if step == settings.steps:  # the last update is scored on one more minibatch
+            if step == settings.steps and not after_update:  # the last update is scored on one more minibatch
                 value = _minibatch_loss(mixer, train, settings, generator)
         elif step % settings.eval_every == 0 or step == settings.steps:
             mixer.eval()
@@ -155,9 +217,11 @@ def align_layer(
                 log(f"align/{tag}/heldout", value, step)
         if value is not None and value < best:
             best, best_step, best_state = value, step, copy.deepcopy(mixer.state_dict())
-    mixer.load_state_dict(best_state)
+    if best_state is not None:
+        mixer.load_state_dict(best_state)
     mixer.eval()
-    return {"initial": initial, "best": best, "best_step": best_step, "steps": settings.steps, "curve": curve}
+    return {"initial": initial, "best": best, "best_step": best_step, "steps": settings.steps, "curve": curve,
+            "loss": settings.loss}
 
 
 def _owner(position: int, world: int) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from megatron_tc.data.overlap import OverlapError, check_disjoint, text_record
 
 from .policies import POLICIES, select_layers, uniform
 from .stats import collect_stats, describe, log_stats
@@ -32,6 +33,9 @@ def _layers(text: str, num_layers: int) -> list[int]:
 def _data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--teacher", required=True, help="megatron_tc checkpoint, HF directory or .gguf")
     ap.add_argument("--text", required=True, help="calibration text file (never the evaluation text)")
+    ap.add_argument("--eval-text", default=None,
+                    help="the evaluation text: refused when the calibration text shares a paragraph with it "
+                         "(tools/calibrate.py also reports zero-shot perplexity on it)")
     ap.add_argument("--tokens", type=int, default=2048, help="calibration tokens (whole rows of --seq-len)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
@@ -49,7 +53,24 @@ def _writer(path):
 
 def _meta(args, teacher, tokens_used: int) -> dict:
     return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), "text": os.path.abspath(args.text),
-            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem]}
+            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem],
+            "text_record": text_record(args.text)}
+
+
+def _refuse_overlap(args, stats: TaylorStats | None = None) -> None:
+    """Exit with one error line when the calibration text (or the text a stats file was computed
+    on) shares a paragraph with --eval-text."""
+    if not args.eval_text:
+        return
+    evaluation = text_record(args.eval_text)
+    records = [text_record(args.text)]
+    if stats is not None and "text_record" in stats.meta:
+        records.append(stats.meta["text_record"])
+    try:
+        for record in records:
+            check_disjoint(record, evaluation)
+    except OverlapError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def stats_main(argv=None) -> int:
@@ -61,6 +82,7 @@ def stats_main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=128, help="queries per attention-probability chunk")
     ap.add_argument("--out", required=True, help="stats file to write")
     args = ap.parse_args(argv)
+    _refuse_overlap(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
@@ -95,6 +117,17 @@ def _keep(args, teacher, stats, batches) -> tuple[list[int], dict | None]:
     return sel.keep, sel.to_json()
 
 
+def _heldout_batches(args, teacher, strategy: str) -> list[dict]:
+    """The calibration tokens after --tokens (a quarter of --tokens by default, at least one row)."""
+    tokens = args.heldout_tokens if args.heldout_tokens is not None else max(args.seq_len, args.tokens // 4)
+    try:
+        return text_batches(args.text, teacher.tokenizer, tokens, args.seq_len, skip_tokens=args.tokens)
+    except ValueError as err:
+        raise SystemExit(f"error: --init {strategy} picks its best alignment step on held-out calibration tokens "
+                         f"({tokens} after the first --tokens {args.tokens} of {args.text}), but {err}; give a longer "
+                         "--text, fewer --tokens, or --heldout-tokens of at least --seq-len") from None
+
+
 def calibrate_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="teacher -> zero-shot hybrid student checkpoint (no training)")
     _data_args(ap)
@@ -104,27 +137,27 @@ def calibrate_main(argv=None) -> int:
     group.add_argument("--policy", choices=POLICIES, help="choose the kept layers with a policy")
     ap.add_argument("--num-keep", type=int, default=0, help="kept layers for --policy (default: a quarter)")
     ap.add_argument("--stats", default=None, help="reuse a stats file from tools/stats.py")
-    ap.add_argument("--heldout-tokens", type=int, default=512,
-                    help="calibration tokens after --tokens kept for best-step selection")
+    ap.add_argument("--heldout-tokens", type=int, default=None,
+                    help="calibration tokens after --tokens on which a strategy that needs them (taylor_fit) picks its "
+                         "best alignment step (default: a quarter of --tokens, at least one row)")
     ap.add_argument("--align-steps", type=int, default=None, help="override the strategy's alignment steps")
     ap.add_argument("--no-align", action="store_true")
-    ap.add_argument("--eval-text", default=None, help="also report zero-shot perplexity on this text")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=None, help="checkpoint directory to write")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    _refuse_overlap(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.eval_text and os.path.abspath(args.eval_text) == os.path.abspath(args.text):
-        print("warning: --eval-text is the calibration text; the numbers will be flattered", file=sys.stderr)
     teacher = load_teacher(args.teacher)
     strategy = get_strategy(args.init)
     batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
-    keep, selection = _keep(args, teacher, stats, batches)
+    _refuse_overlap(args, stats)
     heldout = None
-    if args.heldout_tokens >= args.seq_len:
-        heldout = text_batches(args.text, teacher.tokenizer, args.heldout_tokens, args.seq_len, skip_tokens=args.tokens)
+    if not args.no_align and strategy.align is not None and strategy.align.best_on == "heldout":
+        heldout = _heldout_batches(args, teacher, strategy.name)
+    keep, selection = _keep(args, teacher, stats, batches)
     align = False if args.no_align else True
     if align and strategy.align is not None and args.align_steps is not None:
         from dataclasses import replace
@@ -154,27 +187,43 @@ def calibrate_main(argv=None) -> int:
     return 0
 
 
+def _ga_stats(teacher, batches, args) -> TaylorStats:
+    """Statistics of every layer for ga's probe students (their init's readout sums)."""
+    arch = teacher.model.arch
+    strategy = get_strategy(args.init or "taylor_calibrate")
+    return collect_stats(teacher.model, batches, list(range(arch.num_layers)), _meta(args, teacher, 0),
+                         readout_strategies=[strategy] if strategy.needs_readout else [],
+                         student_arch=arch.with_pattern("G" * arch.num_layers), progress=not args.no_progress)
+
+
 def select_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="choose the layers kept as softmax attention; writes JSON")
     _data_args(ap)
     ap.add_argument("--policy", required=True, choices=POLICIES)
     ap.add_argument("--num-keep", type=int, default=0, help="default: a quarter of the layers")
     ap.add_argument("--stats", default=None, help="stats file (readout_gap; optional init stats for ar/ga)")
-    ap.add_argument("--init", default="taylor_fit-closed", help="closed-form init of the students ar/ga measure")
+    ap.add_argument("--init", default=None,
+                    help="ga: init of the one-layer-kept probe students (default taylor_calibrate, aligned, as its "
+                         "authors); ar: convert the layer with this init instead of bypassing its attention")
     ap.add_argument("--rounds", type=int, default=1, help="ga: 1 = one ranking, K = forward greedy")
     ap.add_argument("--out", required=True, help="JSON file: keep, scores, details")
     args = ap.parse_args(argv)
+    _refuse_overlap(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
+    _refuse_overlap(args, stats)
     batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
     num_keep = args.num_keep or max(1, round(teacher.model.arch.num_layers / 4))
     extra = {}
     if args.policy in ("ar", "ga"):
-        extra = {"init": args.init, "teacher_sha256": teacher.sha256}
+        extra = {"teacher_sha256": teacher.sha256}
+        if args.init is not None or args.policy == "ar":
+            extra["init"] = args.init
         if args.policy == "ga":
             extra["rounds"] = args.rounds
+            stats = stats or _ga_stats(teacher, batches, args)
         if not args.no_progress:
             from tqdm.auto import tqdm
 

@@ -30,6 +30,9 @@ DENOMINATOR = {
     "dist": "count", "entropy": "count", "sink": "count", "logit_var": "count",
     "out_energy": "count", "out_energy_o": "count", "zero_order_err": "count",
     "dist_nosink": "count2", "conc": "count2", "conc_nosink": "count3",
+    # the authors' closed form (strategies.Taylor): attention on the query's own key (their distance
+    # counts it as 0.5) and the mean over tokens of each head output's RMS over its channels
+    "self": "count", "y_rms": "count",
 }
 HEAD_KEYS = tuple(DENOMINATOR) + ("y_sum", "y_sq")
 KV_HEAD_KEYS = ("k_sum", "k_sq", "v_sum", "v_sq")
@@ -159,14 +162,15 @@ def _chunk_rows(
 
 def close_rows(
     rows: dict[str, torch.Tensor], y_ns: torch.Tensor, v_sink: torch.Tensor, d_sink: torch.Tensor,
-    vbar: torch.Tensor,
+    vbar: torch.Tensor, s_self: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-head fp64 sums over the queries of a slice from their per-row statistics (shared by
     the PyTorch chunks and the Triton kernel).
 
     rows {key: [B, H or 1, c]} (ROW_KEYS, see `_chunk_rows`), y_ns [B, H, c, D], v_sink
     [B, Hkv, c, D] the value at each query's sink, d_sink [B, 1, c] the distance to it, vbar
-    [B, Hkv, c, D] the mean visible value (the zero-order term). Returns (sums [H], y [B, H, c, D]).
+    [B, Hkv, c, D] the mean visible value (the zero-order term), s_self [B, H, c] each query's
+    logit on its own key (gives the "self" sum). Returns (sums [H], y [B, H, c, D]).
 
     The sink-free distribution q = e / z_rest is exactly representable however much mass the
     sink holds (in fp32, its p would underflow): entropy_ns = log z_rest - sum q s0 and
@@ -204,6 +208,8 @@ def close_rows(
         "dist_nosink": total(dist_ns, has2 & ok), "conc": total(1 - ent / torch.log(n.clamp_min(2)), has2),
         "conc_nosink": total(1 - ent_ns / torch.log(n_ns.clamp_min(2)), (n_ns >= 2) & ok),
     }
+    if s_self is not None:  # p_self = exp(s_self - m - log_z): the own key is always visible
+        sums["self"] = total((s_self - m - log_z).exp())
     return sums, y.view(b, h, c, d)
 
 
@@ -247,6 +253,8 @@ def attention_sums(
     v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
     d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
     sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
+    # each query's logit on its own key: [B, Hq, T]
+    s_self = (q.float() * scale * k.float().repeat_interleave(hq // hkv, dim=1)).sum(-1)
     ys = []
     kernel = use_stats_kernel(q)
     if kernel and doc_ids is not None and not documents_are_contiguous(doc_ids):
@@ -266,12 +274,13 @@ def attention_sums(
             part = slice(start, start + CLOSE_ROWS)
             at = slice(span.start + start, min(span.start + start + CLOSE_ROWS, span.stop))
             chunk, y = close_rows({key: r[:, :, part] for key, r in rows.items()}, y_ns[:, :, part],
-                                  v_sink[:, :, at], d_sink[..., at], vbar[:, :, at])
+                                  v_sink[:, :, at], d_sink[..., at], vbar[:, :, at], s_self[:, :, at])
             add_into(sums, chunk)
             ys.append(y)
     y = torch.cat(ys, dim=2)
     y64 = y.to(F64)
     sums["out_energy"] = y64.pow(2).sum(dim=(0, 2, 3))
+    sums["y_rms"] = y64.pow(2).mean(dim=-1).sqrt().sum(dim=(0, 2))
     sums["y_sum"] = y64.sum(dim=(0, 2))
     sums["y_sq"] = torch.einsum("bhtd,bhte->hde", y64, y64)
     # sum_t |O_h y_t|^2 = <O_h^T O_h, sum_t y_t y_t^T>: from y_sq, exact in fp64, no [B, H, T, hidden]

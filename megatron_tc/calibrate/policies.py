@@ -1,9 +1,11 @@
 """Retained-layer policies (docs/method.md section 6): which layers stay softmax attention.
 
 Every policy returns a `Selection`: the kept layers (sorted) and one score per layer (higher =
-more worth keeping as attention), plus how the scores were obtained. `ar` and `ga` measure
-perplexity of students built with a closed-form init (no alignment) on calibration batches;
-`readout_gap` reads the statistics pass only.
+more worth keeping as attention), plus how the scores were obtained. As the paper's authors define
+them: `uniform` keeps layer 0 and every k-th; `ar` bypasses one layer's attention in the teacher and
+ranks layers by the perplexity increase; `ga` ranks one-layer-kept students initialized with
+taylor_calibrate (aligned) by perplexity. Perplexity is measured on calibration batches (the
+authors measure on their evaluation text). `readout_gap` (taylor_fit's own) reads the statistics pass only.
 """
 from __future__ import annotations
 
@@ -36,11 +38,12 @@ class Selection:
 
 
 def uniform(num_layers: int, num_keep: int) -> Selection:
-    """Evenly spread; the last layer is always kept: round((i+1) L / K) - 1."""
+    """Layer 0 and every k-th after it, k = L // K (the authors' 28 layers, K = 7: 0, 4, ..., 24)."""
     if not 0 < num_keep <= num_layers:
         raise ValueError(f"num_keep={num_keep} must be in 1..{num_layers}")
-    keep = sorted({round((i + 1) * num_layers / num_keep) - 1 for i in range(num_keep)})
-    return Selection("uniform", keep, {l: float(l in keep) for l in range(num_layers)})
+    step = num_layers // num_keep
+    keep = [i * step for i in range(num_keep)]
+    return Selection("uniform", keep, {l: float(l in keep) for l in range(num_layers)}, {"every": step})
 
 
 @torch.no_grad()
@@ -64,31 +67,67 @@ def _build(teacher, keep, init, stats, sha, seed):
     return build_student(teacher, pattern_from_keep(teacher.arch.num_layers, keep), init, stats, seed, sha)
 
 
+class _BypassAttention:
+    """Within the block, layer `index`'s attention outputs zeros (only the residual passes)."""
+
+    def __init__(self, model: HybridLM, index: int):
+        self.mixer, self.handle = model.layers[index].mixer, None
+
+    def __enter__(self):
+        self.handle = self.mixer.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
 def attention_removal(
-    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_fit-closed",
+    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str | None = None,
     stats: TaylorStats | None = None, teacher_sha256: str | None = None, seed: int = 0, progress=None,
 ) -> Selection:
-    """`ar`: convert one layer at a time; score = perplexity increase over the teacher."""
+    """`ar`: score = perplexity increase over the teacher when one layer's attention is bypassed
+    (whatever the init). With `init`, the layer is converted with that closed form instead."""
     layers = list(range(teacher.arch.num_layers))
     base = perplexity(teacher, batches)
     scores = {}
     for layer in (progress(layers) if progress else layers):
-        student = _build(teacher, [l for l in layers if l != layer], init, stats, teacher_sha256, seed)
-        scores[layer] = perplexity(student, batches) - base
+        if init is None:
+            with _BypassAttention(teacher, layer):
+                scores[layer] = perplexity(teacher, batches) - base
+        else:
+            student = _build(teacher, [l for l in layers if l != layer], init, stats, teacher_sha256, seed)
+            scores[layer] = perplexity(student, batches) - base
     keep = sorted(sorted(layers, key=lambda l: -scores[l])[:num_keep])
-    return Selection("ar", keep, scores, {"init": init, "teacher_ppl": base})
+    return Selection("ar", keep, scores, {"init": init or "bypass", "teacher_ppl": base})
+
+
+def _probe(teacher, keep, init, stats, sha, seed, calib_batches, heldout_batches):
+    """A student keeping `keep` as attention: the init's closed form, aligned when it aligns (ga's
+    taylor_calibrate with the authors' probe learning rate)."""
+    from .strategies import PAPER_GA_ALIGN
+    from .student import calibrate_student
+
+    strategy = get_strategy(init)
+    if strategy.align is None:
+        return _build(teacher, keep, init, stats, sha, seed)
+    align = PAPER_GA_ALIGN if strategy.name == "taylor_calibrate" else True
+    student, _ = calibrate_student(teacher, keep, strategy, calib_batches=calib_batches, heldout_batches=heldout_batches,
+                                   stats=stats, teacher_sha256=sha, align=align, progress=False, seed=seed)
+    return student
 
 
 def greedy_addition(
-    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_fit-closed",
+    teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_calibrate",
     stats: TaylorStats | None = None, teacher_sha256: str | None = None, rounds: int = 1, seed: int = 0,
-    progress=None,
+    progress=None, calib_batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
 ) -> Selection:
     """`ga`: from all layers converted, add the attention layer that lowers perplexity most.
-    rounds=1: one ranking of one-layer-kept students (L evaluations); rounds=num_keep: forward
-    greedy selection (about K*L evaluations). Score = -perplexity of the student with the layer
-    added in the round that chose it (or of the single ranking)."""
+    rounds=1 (the authors'): one ranking of one-layer-kept students (L of them, each initialized
+    with `init` and aligned on `calib_batches`, default `batches`); rounds=num_keep: forward greedy
+    selection (about K*L students). Score = -perplexity of the student with the layer added in the
+    round that chose it (or of the single ranking)."""
     layers = list(range(teacher.arch.num_layers))
+    calib = calib_batches if calib_batches is not None else batches
     keep: list[int] = []
     scores: dict[int, float] = {}
     history = []
@@ -96,7 +135,8 @@ def greedy_addition(
         candidates = [l for l in layers if l not in keep]
         ppl = {}
         for layer in (progress(candidates) if progress else candidates):
-            ppl[layer] = perplexity(_build(teacher, keep + [layer], init, stats, teacher_sha256, seed), batches)
+            student = _probe(teacher, keep + [layer], init, stats, teacher_sha256, seed, calib, heldout_batches)
+            ppl[layer] = perplexity(student, batches)
         order = sorted(candidates, key=lambda l: ppl[l])
         history.append({str(l): ppl[l] for l in order})
         if rounds <= 1:
@@ -111,7 +151,7 @@ def greedy_addition(
 
 
 def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit-closed") -> Selection:
-    """Ours: the attention output energy the initialized recurrence cannot explain, relative to
+    """The attention output energy the initialized recurrence cannot explain, relative to
     the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales."""
     scores = {}
     for layer in stats.layers:

@@ -14,6 +14,10 @@ from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.model.ops import gated_delta_rule
 
 F64 = torch.float64
+# value scales c at which sum silu(c v)^2 is recorded ("vgrid"): the authors' output gate needs
+# the RMS of SiLU of the value projection after their per-head value scale, clamped to [0.1, 10],
+# is folded into it; that scale is known only after the pass, so the sum is interpolated (log-log)
+VALUE_SCALE_GRID = torch.logspace(-1.0, 1.0, 81, dtype=F64)
 
 
 def empty_readout_sums(
@@ -25,13 +29,14 @@ def empty_readout_sums(
     return {
         "G": zeros(c * h, c * h), "r": zeros(c * h), "uy": zeros(c, h), "uu": zeros(c, h), "yy": zeros(h),
         "YY": zeros(()), "beta": zeros(h), "g": zeros(h), "count": zeros(()),
+        "ry": zeros(h), "rr": zeros(h), "vgrid": zeros(h, len(VALUE_SCALE_GRID)),
     }
 
 
 @torch.no_grad()
-def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
-    """Run the GDN recurrence of `mixer` on x [B, T, hidden]. Returns (RMSNorm(o) * o_norm.weight
-    [B, T, H, D] fp32, g [B, T, H], beta [B, T, H]) — the layer output before the output gate."""
+def student_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
+    """Run the GDN recurrence of `mixer` on x [B, T, hidden]. Returns (o [B, T, H, D] fp32, the
+    raw read before o_norm, g [B, T, H], beta [B, T, H])."""
     x = x.to(mixer.q_proj.weight.dtype)  # the converted layer runs in its own dtype (fp32)
     q, k, v = mixer.qkv(x, doc_ids)
     g, beta = mixer.gates(x)
@@ -39,7 +44,38 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
         q.float(), k.float(), v.float(), g, beta, scale=mixer.head_dim**-0.5, doc_ids=doc_ids,
         use_qk_l2norm=True, chunk_size=mixer.chunk_size, backend="chunk" if not x.is_cuda else "auto",
     )
-    return mixer.o_norm(o.float()), g, beta
+    return o.float(), g, beta
+
+
+@torch.no_grad()
+def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
+    """(RMSNorm(o) * o_norm.weight [B, T, H, D] fp32, g, beta): the layer output before the gate."""
+    o, g, beta = student_read(mixer, x, doc_ids)
+    return mixer.o_norm(o), g, beta
+
+
+@torch.no_grad()
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+    """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
+    VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads)."""
+    v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
+    b, t, _ = v.shape
+    v = v.view(b * t, mixer.kv_heads, mixer.head_dim)
+    out = torch.stack([F.silu(float(c) * v).to(F64).pow(2).sum(dim=(0, 2)) for c in VALUE_SCALE_GRID], dim=1)
+    return out.repeat_interleave(mixer.num_heads // mixer.kv_heads, dim=0)
+
+
+def interpolate_value_grid(grid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """sum silu(scale_h v)^2 per head from `grid` [H, C] (value_silu_grid's sums), linear in
+    log(sum) against log(scale); scale [H] within the grid's range [0.1, 10]."""
+    log_c = VALUE_SCALE_GRID.log().to(grid.device)
+    log_s = scale.double().clamp(float(VALUE_SCALE_GRID[0]), float(VALUE_SCALE_GRID[-1])).log()
+    right = torch.searchsorted(log_c, log_s).clamp(1, len(log_c) - 1)
+    left = right - 1
+    w = (log_s - log_c[left]) / (log_c[right] - log_c[left])
+    rows = torch.arange(grid.shape[0], device=grid.device)
+    lo, hi = grid[rows, left].clamp_min(1e-300).log(), grid[rows, right].clamp_min(1e-300).log()
+    return ((1 - w) * lo + w * hi).exp()
 
 
 @torch.no_grad()
@@ -62,7 +98,8 @@ def readout_sums(
     """
     b, t, _ = x.shape
     h, d = mixer.num_heads, mixer.head_dim
-    normed, g, beta = student_normed_read(mixer, x, doc_ids)
+    raw, g, beta = student_read(mixer, x, doc_ids)
+    normed = mixer.o_norm(raw)
     yt = y.float().transpose(1, 2)  # [B, T, H, D]
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
     us, mapped = [], []
@@ -85,6 +122,10 @@ def readout_sums(
         "beta": beta.to(F64).sum(dim=(0, 1)),
         "g": g.to(F64).sum(dim=(0, 1)),
         "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
+        # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
+        "ry": (raw * yt).to(F64).sum(dim=(0, 1, 3)),
+        "rr": raw.to(F64).pow(2).sum(dim=(0, 1, 3)),
+        "vgrid": value_silu_grid(mixer, x),
     }
 
 

@@ -44,14 +44,14 @@ class LayerContext:
 
 @dataclass
 class AlignSettings:
-    """Per-layer alignment (align.py). best_on: 'train' (the step with the lowest minibatch loss,
-    the paper's reading) or 'heldout' (lowest loss on held-out calibration tokens, ours)."""
+    """Per-layer alignment (align.py). best_on: 'train' (the lowest training loss, the authors'
+    choice) or 'heldout' (lowest loss on held-out calibration tokens, taylor_fit's)."""
 
     steps: int = 300
-    lr_gates: float = 1e-2
-    lr_proj: float = 1e-4
+    lr_gates: float = 3e-3
+    lr_proj: float = 3e-4
     weight_decay: float = 0.0
-    batch_rows: int = 1
+    batch_rows: int = 1  # rows per step; 0 = every calibration row each step (the authors')
     eval_every: int = 10
     best_on: str = "heldout"
     schedule: str = "constant"  # or "cosine": both learning rates decay to 0 at the last step
@@ -59,6 +59,17 @@ class AlignSettings:
     # partly converted student's, bottom to top, with the teacher's attention output ('student') or
     # the teacher's residual stream ('residual') as the target (sequential.py)
     forcing: str = "teacher"
+    loss: str = "relative"  # 'relative': mean|out - y|^2 / mean|y|^2; 'absolute': mean|out - y|^2
+    betas: tuple[float, float] = (0.9, 0.95)
+    # 'taylor_fit': gates (a/b/g_proj, A_log, dt_bias) at lr_gates, every other parameter (o_proj and
+    # o_norm included) at lr_proj with weight_decay; 'paper': q/k/v_proj weights at lr_proj, every
+    # other parameter but o_proj and o_norm at lr_gates, both with weight_decay; o_proj, o_norm frozen
+    groups: str = "taylor_fit"
+    dtype: str = "float32"  # or 'bfloat16': the mixer, its inputs and targets in bf16 while aligning
+    # with best_on='train', which parameters the lowest training loss keeps: 'before_update' (the
+    # ones it was measured on; the closed form is a candidate) or 'after_update' (the authors' loop
+    # records that loss, then keeps the parameters after that step's update)
+    best_state: str = "before_update"
 
 
 def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
@@ -174,45 +185,116 @@ class ZeroGate(Strategy):
         return params
 
 
+# ---- the authors' closed form (FutureMLS-Lab/Taylor-Calibrate, src/init_ckpt_calibrated.py) ---------
+PAPER_SELF_DISTANCE = 0.5  # the query's own key counts as distance 0.5 (their `dist.clamp_min(0.5)`)
+PAPER_MIN_DISTANCE = 0.5
+PAPER_RATE_RANGE = (1e-3, 5.0)  # target decay rate g = ln2 / distance, clamped
+PAPER_BETA_RANGE = (0.3, 0.7)  # write strength from the head's entropy rank within its layer
+PAPER_ENTROPY_SPREAD = 1e-3  # floor of a layer's max - min mean head entropy
+PAPER_VALUE_SCALE_RANGE = (0.1, 10.0)
+
+
+def _need(ctx: LayerContext, sums: dict[str, torch.Tensor], keys: tuple[str, ...], what: str) -> None:
+    missing = [k for k in keys if k not in sums]
+    if missing:
+        raise StrategyError(f"layer {ctx.index}: the stats file has no {what} {missing} that taylor needs; it was "
+                            "written by an older version: recompute it with tools/stats.py (or the stats stage)")
+
+
+def paper_mean_distance(stats: TaylorStats, index: int) -> torch.Tensor:
+    """[H] mean over query tokens of sum_j p_ij max(i - j, 0.5), floored at 0.5."""
+    return (stats.mean(index, "dist") + PAPER_SELF_DISTANCE * stats.mean(index, "self")).clamp_min(PAPER_MIN_DISTANCE)
+
+
+def paper_decay_rate(distance: torch.Tensor) -> torch.Tensor:
+    """[H] target -g = ln2 / distance (a half-life of `distance` tokens), clamped to [1e-3, 5]."""
+    return (math.log(2.0) / distance).clamp(*PAPER_RATE_RANGE)
+
+
+def softplus_inverse(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def paper_write_strength(entropy: torch.Tensor) -> torch.Tensor:
+    """[H] beta* = 0.3 + 0.4 c, c = 1 - (e - min e) / max(max e - min e, 1e-3) over the layer's
+    heads (e: mean attention entropy): the most concentrated head writes hardest."""
+    spread = (entropy.max() - entropy.min()).clamp_min(PAPER_ENTROPY_SPREAD)
+    concentration = 1.0 - (entropy - entropy.min()) / spread
+    return PAPER_BETA_RANGE[0] + (PAPER_BETA_RANGE[1] - PAPER_BETA_RANGE[0]) * concentration
+
+
+def paper_b_proj(weight: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """Row h of the default b_proj [H, hidden] rescaled to mean |w| = logit(beta_h) / sqrt(hidden)
+    (a negative logit flips the row's sign). This sets the row's scale, not the mean write strength."""
+    w = weight.double()
+    row_mean = w.abs().mean(dim=1, keepdim=True).clamp_min(1e-8)
+    return (logit(beta.double()) / math.sqrt(w.shape[1]))[:, None] * w / row_mean
+
+
+def paper_value_scale(ry: torch.Tensor, rr: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[H] OLS scale of the raw recurrence read against the teacher's head output, clamped to
+    [0.1, 10]. ry = sum <y, o>, rr = sum |o|^2 for our read o, whose query carries d^-1/2; the
+    authors' read has no query scale (o' = sqrt(d) o), so their ratio is ry sqrt(d) / (rr d)."""
+    num, den = ry * math.sqrt(head_dim), rr * head_dim
+    return (num / den.clamp_min(1e-8)).clamp(*PAPER_VALUE_SCALE_RANGE)
+
+
+def paper_gate_scale(y_rms_mean: torch.Tensor, silu_v_sq: torch.Tensor, tokens: float, head_dim: int) -> float:
+    """alpha of g_proj = alpha W_v: 0.01 x (mean over tokens and heads of the teacher head output's
+    RMS) / RMS of SiLU(v) over tokens, heads and channels (v after the value scale).
+    y_rms_mean [H] per-head mean RMS; silu_v_sq [H] sum over tokens and channels of SiLU(v)^2."""
+    teacher_rms = float(y_rms_mean.mean())
+    gate_rms = math.sqrt(float(silu_v_sq.sum()) / (tokens * silu_v_sq.numel() * head_dim))
+    return PAPER_GATE_DAMPING * teacher_rms / max(gate_rms, 1e-8)
+
+
+def fold_value_scales(params: State, scales: torch.Tensor, head_dim: int) -> None:
+    """Multiply the v_proj rows (and bias) of head h by scales[h] (k/v heads repeated to query heads)."""
+    for key in ("v_proj.weight", "v_proj.bias"):
+        if key in params:
+            per_row = scales.to(params[key].dtype).repeat_interleave(head_dim)
+            params[key] = params[key] * (per_row[:, None] if params[key].dim() == 2 else per_row)
+
+
 @dataclass
 class Taylor(Strategy):
-    """The paper's closed form (our reading, docs/method.md)."""
+    """The paper's closed form as the authors' code computes it (`_taylor_analytical_init` with
+    `_calibrate_gates_inplace`; docs/method.md has the line-by-line correspondence)."""
 
     name: str = "taylor"
     needs_readout: bool = True
-    description: str = "half-life = mean attention distance; b_proj rescaled from concentration; g_proj = 0.01 W_v; per-head OLS value scale"
-
-    def target_half_life(self, ctx: LayerContext) -> torch.Tensor:
-        return _stats(ctx).mean(ctx.index, "dist").clamp(1.0, float(_stats(ctx).meta["seq_len"]))
-
-    def target_beta(self, ctx: LayerContext) -> torch.Tensor:
-        return _stats(ctx).mean(ctx.index, "conc").clamp(*BETA_RANGE)
-
-    def set_write_gate(self, ctx: LayerContext, params: State) -> None:
-        """Paper: rescale the bias-free b_proj so the mean input is written with the target."""
-        weight = ctx.default["b_proj.weight"].double()
-        stats = _stats(ctx)
-        x_mean = stats.layer(ctx.index)["x_sum"] / stats.layer(ctx.index)["count"]
-        at_mean = weight @ x_mean
-        lam = (logit(self.target_beta(ctx)) / at_mean.where(at_mean.abs() > 1e-12, torch.full_like(at_mean, 1e-12)))
-        lam = lam.clamp(-10.0, 10.0)
-        params["b_proj.weight"] = (weight * lam[:, None]).to(params["b_proj.weight"].dtype)
-        if "b_proj.bias" in params:
-            params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
+    description: str = ("the authors' closed form: A_log = 0, softplus(dt_bias) = ln2 / mean distance (self 0.5), "
+                        "a_proj at init; b_proj rows rescaled from the entropy rank (beta* in [0.3, 0.7]); OLS value "
+                        "scale on the raw read folded into v_proj; g_proj = alpha W_v")
 
     def closed_form(self, ctx: LayerContext) -> State:
+        if ctx.arch.gdn_kv_heads != ctx.arch.num_heads:
+            raise StrategyError(f"{self.name} scales values per query head: set gdn_expand_kv: true (the default)")
+        stats = _stats(ctx)
+        _need(ctx, stats.layer(ctx.index), ("self", "y_rms"), "attention statistics")
         params = copy_teacher(ctx)
-        set_half_life(params, self.target_half_life(ctx))
-        self.set_write_gate(ctx, params)
-        params["g_proj.weight"] = PAPER_GATE_DAMPING * value_per_query_head(ctx)
+        rate = paper_decay_rate(paper_mean_distance(stats, ctx.index))
+        params["A_log"] = torch.zeros_like(params["A_log"])
+        params["dt_bias"] = softplus_inverse(rate).to(params["dt_bias"].dtype)
+        beta = paper_write_strength(stats.mean(ctx.index, "entropy"))
+        params["b_proj.weight"] = paper_b_proj(ctx.default["b_proj.weight"], beta).to(params["b_proj.weight"].dtype)
+        if "b_proj.bias" in params:  # the authors' b_proj has no bias
+            params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
         return params
 
     def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
-        return [None]  # the value scale is fitted on the ungated read
+        return [None]  # the raw read (ry, rr) does not depend on the output gate
 
     def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
-        scales = readout["uy"][0] / readout["uu"][0].clamp_min(1e-30)
-        fold_head_scales(params, scales, ctx.arch.head_dim)
+        _need(ctx, readout, ("ry", "rr", "vgrid"), "readout sums")
+        from .readout import interpolate_value_grid
+
+        d = ctx.arch.head_dim
+        scales = paper_value_scale(readout["ry"], readout["rr"], d)
+        fold_value_scales(params, scales, d)
+        silu_v_sq = interpolate_value_grid(readout["vgrid"], scales)
+        alpha = paper_gate_scale(_stats(ctx).mean(ctx.index, "y_rms"), silu_v_sq, float(readout["count"]), d)
+        params["g_proj.weight"] = (alpha * params["v_proj.weight"].double()).to(params["g_proj.weight"].dtype)
         return params
 
 
@@ -226,7 +308,7 @@ def mean_input_direction(ctx: LayerContext) -> torch.Tensor:
 
 def candidate_prefix(readout: dict[str, torch.Tensor], count: int, heads: int) -> dict[str, torch.Tensor]:
     """The readout sums of the first `count` gate candidates (sums are laid out candidate-major,
-    index c*H + h), so an ablation whose candidates are a prefix of ours reuses ours' sums."""
+    index c*H + h), so an ablation whose candidates are a prefix of taylor_fit-closed's reuses its sums."""
     if readout["uy"].shape[0] == count:
         return readout
     n = count * heads
@@ -236,8 +318,8 @@ def candidate_prefix(readout: dict[str, torch.Tensor], count: int, heads: int) -
 
 
 @dataclass
-class TaylorFit(Taylor):
-    """Ours (docs/method.md): the closed form `taylor_fit-closed`, and `taylor_fit`, which aligns
+class TaylorFit(Strategy):
+    """Our strategy (docs/method.md): the closed form `taylor_fit-closed`, and `taylor_fit`, which aligns
     from the same closed form but with the paper's damped output gate; each flag is one component
     for the ablations.
 
@@ -248,6 +330,7 @@ class TaylorFit(Taylor):
     alignment of layer 0 stalled at 0.75 relative MSE against 0.29 from the damped gate."""
 
     name: str = "taylor_fit"
+    needs_readout: bool = True
     bias: bool = True  # b_proj bias sets the mean write strength
     sink_free: bool = True  # half-life and write target from sink-free attention
     gate_fit: bool = False  # output gate chosen from candidates + joint OLS after o_proj (else 0.01 W_v + per-head OLS)
@@ -265,7 +348,7 @@ class TaylorFit(Taylor):
 
     def set_write_gate(self, ctx: LayerContext, params: State) -> None:
         if not self.bias:
-            return super().set_write_gate(ctx, params)
+            return self.set_write_gate_at_mean_input(ctx, params)
         if "b_proj.bias" not in params:
             raise StrategyError(
                 f"{self.name} sets the mean write strength with a b_proj bias, but the student has "
@@ -273,6 +356,19 @@ class TaylorFit(Taylor):
             )
         params["b_proj.weight"] = torch.zeros_like(params["b_proj.weight"])
         params["b_proj.bias"] = logit(self.target_beta(ctx)).to(params["b_proj.bias"].dtype)
+
+    def set_write_gate_at_mean_input(self, ctx: LayerContext, params: State) -> None:
+        """Without a bias (the `taylor_fit-bias` ablation): rescale the bias-free b_proj so the mean
+        input is written with the target."""
+        weight = ctx.default["b_proj.weight"].double()
+        stats = _stats(ctx)
+        x_mean = stats.layer(ctx.index)["x_sum"] / stats.layer(ctx.index)["count"]
+        at_mean = weight @ x_mean
+        lam = (logit(self.target_beta(ctx)) / at_mean.where(at_mean.abs() > 1e-12, torch.full_like(at_mean, 1e-12)))
+        lam = lam.clamp(-10.0, 10.0)
+        params["b_proj.weight"] = (weight * lam[:, None]).to(params["b_proj.weight"].dtype)
+        if "b_proj.bias" in params:
+            params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
 
     def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
         """g_proj weights [H*D, hidden] the readout sums score: γ W_v (γ in GATE_GAMMAS), then
@@ -288,7 +384,12 @@ class TaylorFit(Taylor):
         return candidates
 
     def closed_form(self, ctx: LayerContext) -> State:
-        params = super().closed_form(ctx)
+        """Half-life = mean attention distance (own key at 0, clamped to [1, T]) with a_proj = 0;
+        the write gate; g_proj = 0.01 W_v (the fitted gate replaces it in finish)."""
+        params = copy_teacher(ctx)
+        set_half_life(params, self.target_half_life(ctx))
+        self.set_write_gate(ctx, params)
+        params["g_proj.weight"] = PAPER_GATE_DAMPING * value_per_query_head(ctx)
         if self.gate_fit:
             params["g_proj.weight"] = GATE_GAMMAS[0] * value_per_query_head(ctx)  # replaced in finish
         return params
@@ -296,8 +397,10 @@ class TaylorFit(Taylor):
     def finish(self, ctx: LayerContext, params: State, readout: dict[str, torch.Tensor]) -> State:
         """Per head, the candidate with the largest explained energy uy²/uu; then the joint
         least squares over heads after o_proj sets the per-head scales (folded into o_proj)."""
-        if not self.gate_fit:
-            return super().finish(ctx, params, readout)
+        if not self.gate_fit:  # per-head OLS scale of the normed, gated read, folded into o_proj
+            scales = readout["uy"][0] / readout["uu"][0].clamp_min(1e-30)
+            fold_head_scales(params, scales, ctx.arch.head_dim)
+            return params
         h, d = ctx.arch.num_heads, ctx.arch.head_dim
         candidates = self.gate_candidates(ctx, params)
         if readout["uy"].shape[0] < len(candidates):
@@ -336,31 +439,46 @@ def get_strategy(name: str) -> Strategy:
     return REGISTRY[name]()
 
 
-PAPER_ALIGN = AlignSettings(best_on="train")
-OURS_ALIGN = AlignSettings(best_on="heldout")
+# the authors' alignment (apply_taylor_calibrate): 300 steps on every calibration row, AdamW
+# (default betas) lr 1e-3 for gates / 1e-4 for q,k,v weights, weight decay 0.01, absolute MSE after
+# o_proj, o_proj and o_norm frozen, gradient norm clipped to 1, bf16, lowest full-batch loss kept
+PAPER_ALIGN = AlignSettings(steps=300, lr_gates=1e-3, lr_proj=1e-4, weight_decay=0.01, batch_rows=0, best_on="train",
+                            loss="absolute", betas=(0.9, 0.999), groups="paper", dtype="bfloat16",
+                            best_state="after_update")
+# the authors' ga probes (scripts/greedy_layer_selection.py) align with lr 3e-3 for the gates, on
+# 8 rows of 256 tokens
+PAPER_GA_ALIGN = replace(PAPER_ALIGN, lr_gates=3e-3)
+PAPER_GA_TOKENS = 2048
+TAYLOR_FIT_ALIGN = AlignSettings(best_on="heldout")
 
 register("naive", Strategy)
 register("zero_gate", ZeroGate)
 register("taylor", Taylor)
 register("taylor_calibrate", lambda: Taylor(name="taylor_calibrate", readout_key="taylor", align=replace(PAPER_ALIGN)))
-register("taylor_fit", lambda: TaylorFit(align=replace(OURS_ALIGN)))
-# ours' closed form (no alignment): the fitted output gate; ar / ga score students built with it
+register("taylor_fit", lambda: TaylorFit(align=replace(TAYLOR_FIT_ALIGN)))
+# taylor_fit's closed form with the fitted gate (no alignment): the fitted output gate; readout_gap reads its sums
 _FITTED_GATE = "taylor_fit-closed"
 register(_FITTED_GATE, lambda: TaylorFit(name=_FITTED_GATE, gate_fit=True,
-                                         description="ours' closed form: output gate chosen from γ W_v and near-constant "
+                                         description="taylor_fit's closed form: output gate chosen from γ W_v and near-constant "
                                                      "γ 1 x̄ᵀ/|x̄|² candidates + joint OLS scales after o_proj; no alignment"))
-# ablations of ours: one component changed at a time
-register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(OURS_ALIGN)))
-register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(OURS_ALIGN)))
-register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))
-# aligned from the fitted gate (ours until 2026-11-30), and that without the mean-input candidates
+# ablations of taylor_fit: one component changed at a time
+register("taylor_fit-bias", lambda: TaylorFit(name="taylor_fit-bias", bias=False, align=replace(TAYLOR_FIT_ALIGN)))
+register("taylor_fit-sinkfree", lambda: TaylorFit(name="taylor_fit-sinkfree", sink_free=False, align=replace(TAYLOR_FIT_ALIGN)))
+register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", readout_key="taylor_fit",
+                                                 align=replace(TAYLOR_FIT_ALIGN, best_on="train")))
+# the two halves of the difference to taylor_calibrate: taylor_fit's closed form with the
+# authors' alignment, and the authors' closed form with taylor_fit's alignment
+register("taylor_fit-align", lambda: TaylorFit(name="taylor_fit-align", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))
+register("taylor_fit-init", lambda: Taylor(name="taylor_fit-init", readout_key="taylor", align=replace(TAYLOR_FIT_ALIGN),
+                                          description="the authors' closed form aligned as taylor_fit"))
+# aligned from the fitted gate (taylor_fit until 2026-11-30), and that without the mean-input candidates
 register("taylor_fit+gatefit", lambda: TaylorFit(name="taylor_fit+gatefit", gate_fit=True, readout_key=_FITTED_GATE,
-                                                 align=replace(OURS_ALIGN)))
+                                                 align=replace(TAYLOR_FIT_ALIGN)))
 register("taylor_fit-meangate", lambda: TaylorFit(name="taylor_fit-meangate", gate_fit=True, mean_gate=False,
-                                                  readout_key=_FITTED_GATE, align=replace(OURS_ALIGN)))
-# ours aligned on the partly converted student's own inputs, bottom to top (sequential.py): the
-# teacher's attention output, or its residual stream, as the target; same closed form and stats as ours
+                                                  readout_key=_FITTED_GATE, align=replace(TAYLOR_FIT_ALIGN)))
+# taylor_fit aligned on the partly converted student's own inputs, bottom to top (sequential.py): the
+# teacher's attention output, or its residual stream, as the target; same closed form and stats as taylor_fit
 register("taylor_fit-seq", lambda: TaylorFit(name="taylor_fit-seq", readout_key="taylor_fit",
-                                             align=replace(OURS_ALIGN, forcing="student")))
+                                             align=replace(TAYLOR_FIT_ALIGN, forcing="student")))
 register("taylor_fit-seqres", lambda: TaylorFit(name="taylor_fit-seqres", readout_key="taylor_fit",
-                                                align=replace(OURS_ALIGN, forcing="residual")))
+                                                align=replace(TAYLOR_FIT_ALIGN, forcing="residual")))

@@ -75,6 +75,17 @@ def build_student(
     return student.eval()
 
 
+def split_heldout(calib_batches: Sequence[dict] | None, name: str) -> tuple[list[dict], list[dict]]:
+    """(first three quarters, last quarter, at least one batch) of the calibration batches: the
+    held-out rows a strategy picks its best alignment step on when the caller gives none."""
+    batches = list(calib_batches or [])
+    if len(batches) < 2:
+        raise StrategyError(f"{name} keeps its best alignment step on held-out calibration rows: pass heldout_batches, "
+                            f"or at least 2 calibration batches to split them from (got {len(batches)})")
+    cut = len(batches) - max(1, len(batches) // 4)
+    return batches[:cut], batches[cut:]
+
+
 def calibrate_student(
     teacher: HybridLM,
     keep: Sequence[int],
@@ -95,13 +106,18 @@ def calibrate_student(
 
     calib_batches: this rank's calibration batches (dicts with input_ids [B, T], optional doc_ids);
     used for statistics (when `stats` is None and the strategy needs them) and alignment.
-    heldout_batches: calibration-split batches the optimizer never sees (best-step selection).
+    heldout_batches: calibration-split batches the optimizer never sees (best-step selection); when
+    the strategy needs them and none are given, the last quarter of calib_batches (split_heldout).
     align: True = the strategy's own settings (None for naive/zero_gate/taylor), False = skip,
     or explicit AlignSettings. Returns (student, report)."""
     strategy = get_strategy(init) if isinstance(init, str) else init
     pattern = pattern_from_keep(teacher.arch.num_layers, keep)
     converted = converted_layers(pattern)
     report: dict = {"init": strategy.name, "pattern": pattern, "keep": sorted(keep)}
+    settings = strategy.align if align is True else (align or None)
+    if settings is not None and converted and settings.best_on == "heldout" and not heldout_batches:
+        calib_batches, heldout_batches = split_heldout(calib_batches, strategy.name)
+        report["heldout_split"] = {"calibration": len(calib_batches), "heldout": len(heldout_batches)}
     started = time.time()
     needs_stats = strategy.name not in ("naive", "zero_gate")
     if stats is None and needs_stats:
@@ -114,7 +130,6 @@ def calibrate_student(
         )
         report["stats_seconds"] = round(time.time() - started, 1)
     student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256)
-    settings = strategy.align if align is True else (align or None)
     if settings is not None and converted:
         if not calib_batches:
             raise StrategyError(f"alignment of {strategy.name!r} needs calibration batches")

@@ -88,7 +88,7 @@ _MIN_INT = {
 }
 _MIN_FLOAT = {  # key: (minimum, whether the minimum itself is allowed)
     "calibrate.lr_qkv": (0.0, False), "calibrate.lr_gates": (0.0, False),
-    "distill.stage1.lr": (0.0, False), "distill.stage2.lr": (0.0, False), "distill.stage2.min_lr": (0.0, True),
+    "distill.stage1.lr": (0.0, False), "distill.stage1.stage2_fraction": (0.0, False), "distill.stage2.lr": (0.0, False), "distill.stage2.min_lr": (0.0, True),
     "distill.stage2.weight_decay": (0.0, True), "distill.stage2.grad_clip": (0.0, True),
     "distill.stage2.temperature": (0.0, False), "distill.stage2.ce_weight": (0.0, True),
     "distill.stage2.hidden_weight": (0.0, True),
@@ -108,6 +108,8 @@ def _range_errors(cfg: Config) -> list[str]:
     errors = [f"{k}={_get(cfg, k)} must be >= {lo}" for k, lo in _MIN_INT.items() if _get(cfg, k) < lo]
     for key, (lo, inclusive) in _MIN_FLOAT.items():
         value = _get(cfg, key)
+        if value is None:  # optional keys: None means the component's own default
+            continue
         if not math.isfinite(value) or value < lo or (value == lo and not inclusive):
             errors.append(f"{key}={value} must be {'>=' if inclusive else '>'} {lo}")
     m = cfg.model
@@ -115,7 +117,13 @@ def _range_errors(cfg: Config) -> list[str]:
         errors.append(f"model.keep_fraction={m.keep_fraction} must be in (0, 1]")
     if m.keep_count is not None and m.keep_count < 0:
         errors.append(f"model.keep_count={m.keep_count} must be >= 0 (or null to use keep_fraction)")
-    for key in ("distill.stage2.tokens", "pretrain.tokens", "eval.seq_len", "eval.batch_size"):
+    s1 = cfg.distill.stage1
+    if s1.stage2_fraction is not None and cfg.distill.stage2.tokens is None:
+        errors.append(f"distill.stage1.stage2_fraction={s1.stage2_fraction} needs distill.stage2.tokens (the stage-2 "
+                      "budget it is a fraction of); set it, or give distill.stage1.tokens instead")
+    if s1.stage2_fraction is not None and s1.tokens is not None:
+        errors.append("distill.stage1.tokens and distill.stage1.stage2_fraction are both set; keep one")
+    for key in ("distill.stage2.tokens", "distill.stage1.tokens", "pretrain.tokens", "eval.seq_len", "eval.batch_size"):
         value = _get(cfg, key)
         if value is not None and value < 1:
             errors.append(f"{key}={value} must be >= 1 (or null)")

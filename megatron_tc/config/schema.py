@@ -151,8 +151,10 @@ class CalibrateConfig:
     align_steps: int = opt(300, "AdamW steps of per-layer alignment (strategies that align).")
     align_tokens: int = opt(4096, "Calibration tokens the alignment trains on: the first align_tokens of the "
                                   "data.calib_tokens (all of them when larger).")
-    lr_qkv: float = opt(3e-4, "Alignment learning rate of q/k/v/o projections.")
-    lr_gates: float = opt(3e-3, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, dt_bias).")
+    lr_qkv: Optional[float] = opt(None, "Alignment learning rate of the projections; None uses the strategy's own "
+                                        "(taylor_calibrate: 1e-4 as its authors; taylor_fit: 3e-4).")
+    lr_gates: Optional[float] = opt(None, "Alignment learning rate of gates and timescales (a/b/g projections, A_log, "
+                                          "dt_bias); None uses the strategy's own (taylor_calibrate: 1e-3; taylor_fit: 3e-3).")
     stats_chunk_size: int = opt(128, "Queries per chunk when attention probabilities are computed for statistics (bounds memory).")
 
 
@@ -160,9 +162,16 @@ class CalibrateConfig:
 class Stage1Config:
     """Stage 1: all converted layers aligned at once by MSE, teacher-forced."""
 
-    steps: int = opt(0, "Optimizer steps; 0 skips the stage's training.")
+    steps: int = opt(0, "Optimizer steps; 0 skips the stage's training (ignored when tokens or stage2_fraction is set).")
+    tokens: Optional[int] = opt(None, "Training tokens; sets the steps as tokens / (global_batch_size * seq_len).")
+    stage2_fraction: Optional[float] = opt(
+        None, "Training tokens as a fraction of distill.stage2.tokens (which must be set). The paper's recipe: "
+              "0.1667 (its authors run 100M stage-1 tokens before 600M stage-2 tokens); see configs/paper/recipe_stage1.yaml.")
     lr: float = opt(1e-3, "Peak learning rate.")
     warmup_steps: int = opt(0, "Linear warmup steps.")
+    loss: Literal["relative_mse", "rmse"] = opt(
+        "relative_mse", "Per-layer loss, averaged over layers: 'relative_mse' mean|o - y|^2 / mean|y|^2, or 'rmse' "
+                        "mean over tokens of |o - y| / sqrt(hidden) (the paper's authors').")
 
 
 @dataclass

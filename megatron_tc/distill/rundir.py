@@ -78,7 +78,7 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
               "data.calib_order", "calibrate.init", "calibrate.stats_chunk_size", "run.seed"),
     "init": ("calibrate", "model.gdn_conv_size", "model.gdn_expand_kv", "model.gdn_b_bias", "model.gdn_chunk_size",
              "run.seed"),
-    "stage1": ("distill.stage1", "data", "run.seed", "run.precision"),
+    "stage1": ("distill.stage1", "distill.stage2.tokens", "data", "run.seed", "run.precision"),
     "stage2": ("distill", "data", "run.seed", "run.precision"),
     "eval": ("eval", "data.source", "data.split", "data.eval_tokens", "data.seq_len"),
     "export": ("export", "parallel.tp", "parallel.pp"),

@@ -7,7 +7,8 @@ DeepSpeed engine (ZeRO over the data-parallel group) — map x_l to o_l, and the
 
     loss = mean_l  mean|o_l - y_l|^2 / mean|y_l|^2        (relative MSE, averaged over layers)
 
-so layers with large and small attention outputs weigh alike. Per-layer relative MSE goes to
+so layers with large and small attention outputs weigh alike (distill.stage1.loss='rmse': the paper's
+authors' mean per-token |o_l - y_l| / sqrt(hidden) instead). Per-layer relative MSE goes to
 TensorBoard (`stage1/mse/L{l}`); checkpoints, NaN policy and the schedule are those of stage 2.
 At the end the aligned mixers are merged into the student, saved by the caller. With parallel.tp > 1
 the student (in place) and a copy of the teacher are tensor-parallel (the mixers' outputs after the
@@ -15,6 +16,7 @@ row-parallel o_proj are whole, so the loss is unchanged) and the merge gathers t
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,28 @@ def relative_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
 
 
+def token_rmse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of |out_t - target_t| / sqrt(hidden) (fp32): the paper's authors' stage-1 loss."""
+    out, target = out.float(), target.float()
+    return torch.linalg.vector_norm(out - target, dim=-1).mean() * out.shape[-1] ** -0.5
+
+
+STAGE1_LOSSES = {"relative_mse": relative_mse, "rmse": token_rmse}
+
+
+def stage1_steps(cfg: Any) -> int:
+    """Optimizer steps of stage 1: from distill.stage1.tokens, or stage2_fraction of the stage-2
+    tokens, over global_batch_size * seq_len tokens per step; else distill.stage1.steps."""
+    s1 = cfg.distill.stage1
+    tokens = s1.tokens
+    if s1.stage2_fraction is not None:
+        tokens = s1.stage2_fraction * cfg.distill.stage2.tokens
+    if tokens is None:
+        return s1.steps
+    # a fraction written to a few digits (1/6 as 0.1666667) must not round up to one more step
+    return max(1, math.ceil(round(tokens / (cfg.data.global_batch_size * cfg.data.seq_len), 3)))
+
+
 def teacher_io(teacher: nn.Module, batch: dict[str, torch.Tensor], layers: list[int]):
     """(xs, ys): the teacher's mixer inputs and attention outputs of `layers` for one batch."""
     from megatron_tc.calibrate.capture import capture_layers
@@ -79,8 +103,9 @@ class Stage1Trainer(EngineOwner):
         self.compute_dtype = next(engine.module.parameters()).dtype
         self.layers, self.out_dir, self.tb, self.device = sorted(layers), out_dir, tb, device
         s1 = cfg.distill.stage1
-        self.steps = s1.steps
-        self.schedule = LRSchedule(max(1, s1.steps), min(s1.warmup_steps, max(1, s1.steps)), "cosine", 0.1)
+        self.steps = stage1_steps(cfg)
+        self.loss_fn = STAGE1_LOSSES[s1.loss]
+        self.schedule = LRSchedule(max(1, self.steps), min(s1.warmup_steps, max(1, self.steps)), "cosine", 0.1)
         self.manager = CheckpointManager(out_dir / "checkpoints", cfg.distill.keep_last)
         self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size}
         self.rank0 = ctx.rank == 0
@@ -110,7 +135,7 @@ class Stage1Trainer(EngineOwner):
             # the teacher may run in another precision than the engine's mixers (fp32 teacher, bf16 engine)
             xs = tuple(x.to(self.compute_dtype) for x in xs)
             outs = self.engine(xs, batch.get("doc_ids"))
-            losses = torch.stack([relative_mse(o, y) for o, y in zip(outs, ys)])
+            losses = torch.stack([self.loss_fn(o, y) for o, y in zip(outs, ys)])
             loss = losses.mean()
             if faults.active("nan_loss", step):
                 loss = loss * float("nan")

@@ -139,16 +139,17 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
 
     teacher = ctx.teacher()
     stats = None
-    if policy in ("readout_gap", "ar", "ga"):
-        # readout_gap reads these statistics; ar / ga score students initialized in closed form
-        # from them (taylor_fit-closed, as tools/select_layers.py --stats does)
+    if policy in ("readout_gap", "ga"):
+        # readout_gap reads these statistics; ga's probe students are initialized from them
+        # (taylor_calibrate, as its authors); ar bypasses attention in the teacher and needs none
         from megatron_tc.calibrate.stats import collect_stats
         from megatron_tc.calibrate.strategies import get_strategy
 
         arch = teacher.model.arch
+        readout = "taylor_fit-closed" if policy == "readout_gap" else "taylor"
         stats = collect_stats(teacher.model, ctx.calibration_batches(ctx.cfg.data.calib_tokens),
                               list(range(arch.num_layers)), {"teacher_sha256": teacher.sha256},
-                              readout_strategies=[get_strategy("taylor_fit-closed")],
+                              readout_strategies=[get_strategy(readout)],
                               student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
                               chunk_size=ctx.cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx),
                               progress=_progress(ctx))
@@ -158,6 +159,11 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
         extra: dict[str, Any] = {}
         if policy != "readout_gap":
             extra["teacher_sha256"] = teacher.sha256
+        if policy == "ga":  # the probes align on as many tokens as the authors' (8 x 256)
+            from megatron_tc.calibrate.strategies import PAPER_GA_TOKENS
+
+            tokens = max(ctx.cfg.data.seq_len, min(alignment_tokens(ctx.cfg), PAPER_GA_TOKENS))
+            extra["calib_batches"] = _all_calibration_rows(ctx, tokens)
         chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)
@@ -228,7 +234,8 @@ def _align_settings(cfg: Any, strategy: Any):
     if strategy.align is None:
         return None
     c = cfg.calibrate
-    return replace(strategy.align, steps=c.align_steps, lr_gates=c.lr_gates, lr_proj=c.lr_qkv)
+    lrs = {k: v for k, v in (("lr_gates", c.lr_gates), ("lr_proj", c.lr_qkv)) if v is not None}
+    return replace(strategy.align, steps=c.align_steps, **lrs)
 
 
 def build_naive_student(ctx: RunContext):
@@ -269,9 +276,11 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
             heldout = _all_calibration_rows(ctx, heldout_calibration_tokens(cfg),
                                             skip_tokens=cfg.data.calib_tokens)
         except DataError as err:
-            log.warning("no held-out calibration tokens for best-step selection (%s); keeping the best "
-                        "training-minibatch step instead", err)
-            settings = replace(settings, best_on="train")
+            raise DataError(
+                f"calibrate.init={strategy.name} keeps its best alignment step on held-out calibration tokens (the "
+                f"{heldout_calibration_tokens(cfg)} after the first data.calib_tokens={cfg.data.calib_tokens}), but the "
+                f"calibration split has too few ({err}); lower data.calib_tokens or raise "
+                "data.split.calibration_fraction") from None
     # ranks align different layers and log their curves: gathered to rank 0's writer afterwards
     curves = RankScalars(ctx.tb)
     student, report = calibrate_student(

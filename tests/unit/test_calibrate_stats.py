@@ -18,7 +18,8 @@ def reference_sums(q, k, v, scale, o_weight, doc_ids, window):
     logits = (q.double() @ k.transpose(-1, -2)) * scale
     pos = positions_from_doc_ids(doc_ids)
     out = {key: torch.zeros(hq, dtype=torch.float64) for key in
-           ("dist", "entropy", "sink", "logit_var", "conc", "dist_nosink", "conc_nosink", "zero_order_err", "out_energy", "out_energy_o")}
+           ("dist", "entropy", "sink", "logit_var", "conc", "dist_nosink", "conc_nosink", "zero_order_err", "out_energy",
+            "out_energy_o", "self", "y_rms")}
     o_heads = o_weight.double().view(o_weight.shape[0], hq, d)
     for bi in range(b):
         for ti in range(t):
@@ -39,6 +40,8 @@ def reference_sums(q, k, v, scale, o_weight, doc_ids, window):
                 out["logit_var"][h] += float(s.var(unbiased=False))
                 out["zero_order_err"][h] += float((y - v[bi, h, js].mean(0)).pow(2).sum())
                 out["out_energy"][h] += float(y.pow(2).sum())
+                out["self"][h] += float(p[-1])  # the query's own key is the last visible one
+                out["y_rms"][h] += float(y.pow(2).mean().sqrt())
                 out["out_energy_o"][h] += float((o_heads[:, h] @ y).pow(2).sum())
                 if n >= 2:
                     out["conc"][h] += 1 - ent / math.log(n)

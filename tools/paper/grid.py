@@ -12,7 +12,9 @@ init with stage 2) and then zero_shot (zero_gate); on request naive_long (SmolLM
 stage-2 budget), stage2_seed and stage2_seed2 (SmolLM2's stage-2 grid with run.seed 1 and 2: the run-to-run spread) and
 stage2_variant (taylor_fit alone with the grid's recipe: a variant named by --variant, compared with the grid's cells),
 and the stage-2 recipes stage2_warmup (a 2-step warmup), stage2_gdn (that, training the GDN mixers only)
-and stage2_lr (half the peak learning rate).
+and stage2_lr (half the peak learning rate); faithful, faithful_seed1 (SmolLM2: naive, zero_gate,
+taylor_calibrate, taylor_fit under uniform, ar, ga at 30M stage-2 tokens, run.seed 0 and 1) and
+faithful_recipe (init, stage 1, stage 2 under uniform).
 Each goes through megatron_tc.eval.grid, restricted to the named teachers (paths given here) and
 policies, with `taylor_fit` replaced by --variant. Finished cells are skipped; cells that would not end within
 --max-seconds stay pending (exit code 3) for the next call (how long a cell takes: this out dir's
@@ -37,7 +39,7 @@ CONFIGS = ROOT / "configs" / "paper"
 KINDS = ("small", "smollm2")
 # grid_<kind>_<part>.yaml; not every kind has every part
 PARTS = ("stage2", "zero_shot", "naive_long", "stage2_seed", "stage2_seed2", "stage2_variant", "stage2_warmup", "stage2_gdn",
-         "stage2_lr")
+         "stage2_lr", "faithful", "faithful_seed1", "faithful_recipe")
 # a part whose cells take as long as another part's (for --history)
 TIMED_LIKE = {part: "stage2" for part in PARTS if part.startswith("stage2_")}
 

@@ -1,0 +1,75 @@
+"""The paper's recipe as a pipeline option: stage 1 sized as a fraction of the stage-2 tokens, with
+the authors' per-token RMSE loss; refused when the fraction has no stage-2 budget to refer to."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_tc.config import ConfigError, apply_overrides, config_from_dict, load_config, validate_config
+from megatron_tc.distill.stage1 import relative_mse, stage1_steps, token_rmse
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides: str):
+    return config_from_dict(apply_overrides({"model": {"teacher": "t"}}, overrides))
+
+
+def test_stage1_steps_from_tokens_or_a_fraction_of_stage2():
+    base = ("data.global_batch_size=4", "data.seq_len=64")  # 256 tokens per step
+    assert stage1_steps(_cfg(*base, "distill.stage1.steps=7")) == 7
+    assert stage1_steps(_cfg(*base, "distill.stage1.tokens=1000")) == 4  # ceil(1000 / 256)
+    cfg = _cfg(*base, "distill.stage2.tokens=6144", "distill.stage1.stage2_fraction=0.1666667")
+    assert stage1_steps(cfg) == 4  # 1024 tokens: a sixth of 6144
+    validate_config(cfg, world_size=1)
+
+
+def test_stage1_fraction_needs_a_stage2_budget_and_excludes_tokens():
+    with pytest.raises(ConfigError, match="stage2_fraction=0.5 needs distill.stage2.tokens"):
+        validate_config(_cfg("distill.stage1.stage2_fraction=0.5"), world_size=1)
+    with pytest.raises(ConfigError, match="both set; keep one"):
+        validate_config(_cfg("distill.stage2.tokens=100", "distill.stage1.stage2_fraction=0.5",
+                             "distill.stage1.tokens=10"), world_size=1)
+    with pytest.raises(ConfigError, match="stage2_fraction=0.0 must be > 0"):
+        validate_config(_cfg("distill.stage2.tokens=100", "distill.stage1.stage2_fraction=0"), world_size=1)
+
+
+def test_rmse_is_the_mean_token_error_norm_over_sqrt_hidden():
+    out = torch.tensor([[[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]])
+    target = torch.zeros_like(out)
+    assert float(token_rmse(out, target)) == pytest.approx((5.0 + 2.0) / 2 / math.sqrt(4))
+    assert float(relative_mse(out, out * 2)) == pytest.approx(out.pow(2).mean() / (2 * out).pow(2).mean())
+
+
+def test_recipe_config_loads():
+    cfg = load_config(ROOT / "configs/paper/recipe_stage1.yaml", ["model.teacher=t", "distill.stage2.tokens=6291456"])
+    assert cfg.distill.stage1.loss == "rmse" and cfg.run.stages.index("stage1") < cfg.run.stages.index("stage2")
+    assert stage1_steps(cfg) * cfg.data.global_batch_size * cfg.data.seq_len == 6291456 // 6
+
+
+def test_tiny_run_with_the_recipe(tmp_path):
+    """init (taylor_calibrate) -> stage 1 (here half of the stage-2 tokens, rmse) -> stage 2, one
+    process, on a tiny random teacher."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.unit.test_select_stage import _tiny_teacher_and_text
+
+    teacher_and_text = _tiny_teacher_and_text(tmp_path)[2:]  # after configs/tiny.yaml and its run.stages
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "tools" / "distill.py"), "configs/tiny.yaml", *teacher_and_text, f"run.run_dir={run}",
+           "run.stages=[convert,select,stats,init,stage1,stage2]", "calibrate.init=taylor_calibrate",
+           "calibrate.align_steps=2", "distill.stage2.tokens=256", "distill.stage1.stage2_fraction=0.5",
+           "distill.stage1.loss=rmse", "distill.eval_interval=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    stage1 = [json.loads(line) for line in (run / "stage1/train_log.jsonl").read_text().splitlines()]
+    stage2 = [json.loads(line) for line in (run / "stage2/train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in stage1] == [1, 2] and [r["step"] for r in stage2] == [1, 2, 3, 4]  # 64 tokens a step
+    assert all(math.isfinite(r["loss"]) for r in stage1)
