@@ -85,7 +85,8 @@ def test_parts_of_a_kind_and_the_long_budget():
     from megatron_tc.eval.grid import load_grid
 
     driver = _driver()
-    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["naive_long", "stage2", "stage2_gdn", "stage2_lr",
+    assert sorted(driver.part_files("smollm2", ["naive_long"])) == ["faithful", "faithful_recipe", "faithful_seed1",
+                                                                      "naive_long", "stage2", "stage2_gdn", "stage2_lr",
                                                                       "stage2_seed", "stage2_seed2", "stage2_variant",
                                                                       "stage2_warmup", "zero_shot"]
     with pytest.raises(SystemExit, match=r"--parts naive_long: no such grid for kind 'small'"):
