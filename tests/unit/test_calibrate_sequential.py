@@ -76,7 +76,7 @@ def test_registered_strategies_and_bad_settings(setup):
     teacher, stats, batches = setup
     assert get_strategy("taylor_fit-seq").align.forcing == "student"
     assert get_strategy("taylor_fit-seqres").align.forcing == "residual"
-    assert get_strategy("taylor_fit-seq").readout_name == "taylor_fit"  # ours' closed form and statistics
+    assert get_strategy("taylor_fit-seq").readout_name == "taylor_fit"  # taylor_fit's closed form and statistics
     student = build_student(teacher, PATTERN, "taylor_fit", stats, teacher_sha256="t")
     with pytest.raises(ValueError, match="forcing 'student' or 'residual'"):
         align_student_forced(student, teacher, [0, 2], dataclasses.replace(SETTINGS, forcing="sideways"), batches)

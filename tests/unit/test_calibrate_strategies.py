@@ -208,7 +208,7 @@ def test_ours_sets_mean_write_strength_on_calibration_data(setup):
 
 @pytest.mark.parametrize("init,candidates", [("taylor_fit-closed", 8), ("taylor_fit-meangate", 5)])
 def test_ours_fitted_readout_beats_silence_and_matches_its_sums(setup, init, candidates):
-    """ours' closed form: 5 γ W_v candidates + 3 near-constant mean-input gates; the ablation without
+    """taylor_fit's closed form: 5 γ W_v candidates + 3 near-constant mean-input gates; the ablation without
     the mean gates reuses the first 5 candidates' sums."""
     stats, io = setup[1], setup[3]
     student = _student(setup, init)
@@ -240,15 +240,15 @@ def test_registry_and_errors(setup):
 
 
 def test_ours_aligns_from_the_damped_gate_with_its_own_value_scale(setup):
-    """taylor_fit: ours' write strength and timescale, the paper's 0.01 W_v gate, and a per-head
+    """taylor_fit: its own write strength and timescale, the paper's 0.01 W_v gate, and a per-head
     OLS value scale fitted on the read-out of *that* closed form (not the paper's); the fitted gate
-    is ours' closed form only, and `taylor_fit+gatefit` aligns from it."""
+    is taylor_fit's closed form only, and `taylor_fit+gatefit` aligns from it."""
     teacher, stats = setup[0], setup[1]
-    ours, closed = _student(setup, "taylor_fit"), _student(setup, "taylor_fit-closed")
+    fit, closed = _student(setup, "taylor_fit"), _student(setup, "taylor_fit-closed")
     assert get_strategy("taylor_fit").align is not None and get_strategy("taylor_fit-closed").align is None
     assert get_strategy("taylor_fit+gatefit").readout_name == "taylor_fit-closed"
     for layer in CONVERTED:
-        mixer, t = ours.layers[layer].mixer, teacher.layers[layer].mixer
+        mixer, t = fit.layers[layer].mixer, teacher.layers[layer].mixer
         v = t.v_proj.weight.view(2, 8, -1).repeat_interleave(2, 0).reshape(32, -1)
         torch.testing.assert_close(mixer.g_proj.weight, 0.01 * v)
         readout = stats.readout("taylor_fit", layer)

@@ -1,5 +1,5 @@
 """How the calibration tokens are shared out: statistics on data.calib_tokens, alignment on the first
-calibrate.align_tokens of them, ours' held-out step choice on the tokens after them."""
+calibrate.align_tokens of them, taylor_fit's held-out step choice on the tokens after them."""
 import pytest
 
 from megatron_tc.config import apply_overrides, config_from_dict

@@ -184,7 +184,7 @@ def test_student_checkpoint_scores_as_its_export_on_stock_hflm(student_ckpt, tas
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
     tok = word_tokenizer(WORDS)
     manager = TaskManager(include_path=task_dir, include_defaults=False)
-    ours = lm_eval.simple_evaluate(model=MegatronTCHFLM(pretrained=str(student_ckpt), tokenizer=tok, batch_size=3),
+    got = lm_eval.simple_evaluate(model=MegatronTCHFLM(pretrained=str(student_ckpt), tokenizer=tok, batch_size=3),
                                    tasks=[TASK], task_manager=manager, bootstrap_iters=0, log_samples=True)
     exported = transformers.AutoModelForCausalLM.from_pretrained(export_to_hf(student_ckpt, tmp_path / "hf"),
                                                                  trust_remote_code=True, dtype=torch.float32)
@@ -192,8 +192,8 @@ def test_student_checkpoint_scores_as_its_export_on_stock_hflm(student_ckpt, tas
                                              add_bos_token=adds_bos(tok)),
                                   tasks=[TASK], task_manager=manager, bootstrap_iters=0, log_samples=True)
     ll = lambda out: [r[0][0] for s in out["samples"][TASK] for r in s["resps"]]  # noqa: E731
-    assert ll(ours) == pytest.approx(ll(ref), rel=1e-5)
-    assert _acc(ours["results"]) == _acc(ref["results"])
+    assert ll(got) == pytest.approx(ll(ref), rel=1e-5)
+    assert _acc(got["results"]) == _acc(ref["results"])
 
 
 def test_bos_rule_follows_the_tokenizer():
