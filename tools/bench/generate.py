@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill", default="4096,32768", help="prompt lengths of the B=1 prefill comparison")
-    p.add_argument("--roles", default="teacher,student")
+    p.add_argument("--roles", default="teacher,student",
+                   help="teacher, student (captured decoding step on CUDA), student-eager (capture off)")
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
     args = p.parse_args(argv)
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         arch = PRESETS[name]()
         for role in args.roles.split(","):
             model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
+            if role == "student-eager":  # the same model with the CUDA-graph capture of its step off
+                model.decode_graphs = False
             kwargs = {"cache_implementation": "static"}
             cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
             cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
