@@ -34,6 +34,8 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", required=True, help="calibration text file (never the evaluation text)")
     ap.add_argument("--tokens", type=int, default=2048, help="calibration tokens (whole rows of --seq-len)")
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--bos", default="auto", choices=("auto", "true", "false"),
+                    help="start every row with BOS: auto = when the teacher's tokenizer adds BOS to encoded text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--tb", default=None, help="TensorBoard log directory")
     ap.add_argument("--no-progress", action="store_true")
@@ -47,9 +49,22 @@ def _writer(path):
     return TBWriter(path)
 
 
-def _meta(args, teacher, tokens_used: int) -> dict:
+def _bos_id(args, teacher) -> int | None:
+    from megatron_tc.data.bos import resolve_bos_id
+
+    return resolve_bos_id(teacher.tokenizer, args.bos)
+
+
+def _bos_record(args, bos_id: int | None) -> dict:
+    from megatron_tc.data.bos import bos_record
+
+    return bos_record(bos_id, args.bos)
+
+
+def _meta(args, teacher, bos_id: int | None) -> dict:
     return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), "text": os.path.abspath(args.text),
-            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem]}
+            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem],
+            **_bos_record(args, bos_id)}
 
 
 def stats_main(argv=None) -> int:
@@ -65,11 +80,12 @@ def stats_main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     layers = _layers(args.layers, teacher.model.arch.num_layers)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     student_arch = teacher.model.arch.with_pattern("G" * teacher.model.arch.num_layers)
     t0 = time.time()
-    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, 0), readout_strategies=strategies,
+    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id), readout_strategies=strategies,
                           student_arch=student_arch, chunk_size=args.chunk_size, progress=not args.no_progress)
     stats.meta["num_layers"] = teacher.model.arch.num_layers
     stats.meta["seconds"] = round(time.time() - t0, 1)
@@ -78,7 +94,7 @@ def stats_main(argv=None) -> int:
     if writer is not None:
         log_stats(stats, writer)
     print(json.dumps({"out": args.out, "tokens": stats.meta["tokens"], "seconds": stats.meta["seconds"],
-                      "layers": describe(stats)}, indent=1))
+                      "bos": stats.meta["bos"], "layers": describe(stats)}, indent=1))
     return 0
 
 
@@ -119,12 +135,14 @@ def calibrate_main(argv=None) -> int:
         print("warning: --eval-text is the calibration text; the numbers will be flattered", file=sys.stderr)
     teacher = load_teacher(args.teacher)
     strategy = get_strategy(args.init)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
     keep, selection = _keep(args, teacher, stats, batches)
     heldout = None
     if args.heldout_tokens >= args.seq_len:
-        heldout = text_batches(args.text, teacher.tokenizer, args.heldout_tokens, args.seq_len, skip_tokens=args.tokens)
+        heldout = text_batches(args.text, teacher.tokenizer, args.heldout_tokens, args.seq_len, skip_tokens=args.tokens,
+                               bos_id=bos_id)
     align = False if args.no_align else True
     if align and strategy.align is not None and args.align_steps is not None:
         from dataclasses import replace
@@ -133,15 +151,16 @@ def calibrate_main(argv=None) -> int:
     student, report = calibrate_student(
         teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
-        seed=args.seed, meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text)},
+        seed=args.seed, meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text), **_bos_record(args, bos_id)},
     )
+    report.update(_bos_record(args, bos_id))
     report.update(teacher_sha256=teacher.sha256, text=os.path.abspath(args.text), tokens=args.tokens,
                   seq_len=args.seq_len, selection=selection, converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
     if args.eval_text:
         from megatron_tc.eval.perplexity import evaluate_text
 
         result = evaluate_text(lambda ids: student(ids), args.eval_text, teacher.tokenizer, args.seq_len,
-                               args.eval_tokens, progress=not args.no_progress)
+                               args.eval_tokens, progress=not args.no_progress, bos_id=bos_id)
         report["eval"] = {"text": os.path.abspath(args.eval_text), "ppl": result.ppl, "tokens": result.tokens}
     if args.out:
         from megatron_tc.convert.checkpoint import save_checkpoint
@@ -168,7 +187,8 @@ def select_main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     num_keep = args.num_keep or max(1, round(teacher.model.arch.num_layers / 4))
     extra = {}
     if args.policy in ("ar", "ga"):
@@ -180,7 +200,8 @@ def select_main(argv=None) -> int:
 
             extra["progress"] = lambda xs: tqdm(xs, desc=args.policy, unit="student")
     sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
-    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens}
+    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens,
+                           **_bos_record(args, bos_id)}
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(json.dumps(out, indent=1) + "\n")

@@ -123,6 +123,8 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
             chosen = _policy_selection(ctx, policy, num_keep)
         keep, pattern = chosen.keep, pattern_from_keep(n, chosen.keep)
         selection = chosen.to_json()
+        if policy != "uniform":  # scored on calibration rows: say how they started
+            selection.update(ctx.data().bos_record())
     selection.update(pattern=pattern, teacher_sha256=teacher.sha256)
     if ctx.rank0:
         write_json(ctx.paths.selection, selection)
@@ -211,7 +213,7 @@ def run_stats(ctx: RunContext) -> dict[str, Any]:
     meta = {"teacher_sha256": teacher.sha256, "teacher_path": str(ctx.paths.teacher), "seq_len": cfg.data.seq_len,
             "documents": ctx.data().manifest.names("calibration"), "tokens_requested": cfg.data.calib_tokens,
             "calib_order": cfg.data.calib_order, "split_seed": cfg.data.split.seed,
-            "num_layers": teacher.model.arch.num_layers}
+            "num_layers": teacher.model.arch.num_layers, **ctx.data().bos_record()}
     stats = collect_stats(teacher.model, batches, converted, meta, readout_strategies=[strategy],
                           student_arch=teacher.model.arch.with_pattern(pattern.replace("|", "")), seed=cfg.run.seed,
                           chunk_size=cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx), progress=_progress(ctx))
@@ -281,6 +283,8 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
               "calibrate": {k: v for k, v in report.items() if k != "align"}}
     rank0_save_student(ctx, student, arch, ctx.paths.init_student, source)
     if ctx.rank0:
+        if calib is not None:
+            report.update(ctx.data().bos_record())
         write_json(ctx.paths.init_student.parent / "report.json", report)
     ctx.barrier()
     return {"init": strategy.name, "pattern": pattern, "seconds": report.get("seconds")}
