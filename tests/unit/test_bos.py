@@ -144,6 +144,26 @@ def test_evaluate_cli_equals_transformers_on_the_same_windows(family, tmp_path, 
         assert off["ppl"] == pytest.approx(_transformers_ppl(model, tok, text, 100, 16, False)[0], rel=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llama3"])
+def test_a_converted_teacher_scores_itself_as_transformers_does(family, tmp_path, capsys):
+    """The user's check: convert, then `evaluate.py --model T --teacher T` on the checkpoint."""
+    from megatron_tc.convert.hf_to_megatron import convert_hf_to_megatron
+    from megatron_tc.eval.cli import evaluate_main
+
+    model, tok, teacher_dir = _tiny_teacher(family, tmp_path)
+    convert_hf_to_megatron(teacher_dir, tmp_path / "ckpt")
+    text = synthetic_text(120, seed=6)
+    (tmp_path / "text.txt").write_text(text)
+    ckpt = str(tmp_path / "ckpt")
+    assert evaluate_main(["--model", ckpt, "--teacher", ckpt, "--text", str(tmp_path / "text.txt"), "--seq-len", "32",
+                          "--max-tokens", "120", "--json", "--no-progress", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref_ppl, ref_tokens = _transformers_ppl(model, tok, text, 120, 32, bos=True)
+    assert out["bos"] is True and out["tokens"] == ref_tokens == 120
+    assert out["teacher_ppl"] == pytest.approx(ref_ppl, rel=1e-4) and out["ppl"] == pytest.approx(ref_ppl, rel=1e-4)
+    assert out["kl"] == pytest.approx(0.0, abs=1e-6) and out["top1_agree"] == 1.0
+
+
 # ---- calibration rows and the statistics file --------------------------------------------------
 
 def test_statistics_rows_start_with_bos_and_the_file_records_it(tmp_path):
@@ -251,3 +271,34 @@ def test_prepared_data_follows_the_rule_and_is_unchanged_without_bos(family, tmp
                           tmp_path / "run_forced", tokenizer=tok)
     stream, _ = forced.token_stream("train")
     assert bool((np.asarray(stream.tokens)[stream.offsets[:-1]] == tok.bos_token_id).all())
+
+
+# ---- the pipeline: one convention from teacher to results ------------------------------------------
+
+def test_pipeline_records_the_convention_in_manifest_stats_and_results(tmp_path):
+    """tools/distill.py (one process) on a teacher whose tokenizer adds BOS the Llama-3 way."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_tc.calibrate.statsfile import TaylorStats
+
+    root = Path(__file__).resolve().parents[2]
+    _, tok, teacher_dir = _tiny_teacher("llama3", tmp_path)
+    write_synthetic_corpus(tmp_path / "text", n_docs=16, words_per_doc=(40, 120), seed=5)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "tools" / "distill.py"), "configs/tiny.yaml", f"run.run_dir={run}",
+           "run.stages=[convert,select,stats,init,stage2,eval]", f"model.teacher={teacher_dir}",
+           f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file", "calibrate.init=taylor",
+           "distill.stage2.steps=2", "data.seq_len=16", "data.calib_tokens=64", "data.eval_tokens=64"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    record = {"bos": True, "bos_token_id": tok.bos_token_id, "bos_setting": "auto"}
+    assert json.loads((run / "manifest.json").read_text())["data"] == record
+    assert {k: TaylorStats.load(run / "stats" / "stats.pt").meta[k] for k in record} == record
+    for name in ("eval/results.json", "run.json"):
+        assert {k: json.loads((run / name).read_text())[k] for k in record} == record
+    assert "windows of 16 tokens (each starting with BOS)" in (run / "eval" / "results.md").read_text()
