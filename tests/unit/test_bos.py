@@ -164,6 +164,20 @@ def test_a_converted_teacher_scores_itself_as_transformers_does(family, tmp_path
     assert out["kl"] == pytest.approx(0.0, abs=1e-6) and out["top1_agree"] == 1.0
 
 
+def test_long_context_prompts_start_with_bos():
+    from megatron_tc.eval.long_context import make_examples
+
+    tok = llama3_style_tokenizer()
+    keys = ["kabo", "seti", "mura", "dolu", "fena", "gori", "paki", "lomu"]
+    for ex in make_examples(tok, [256], samples=3, seed=1, value_digits=2, keys=keys, bos_id=tok.bos_token_id)[256]:
+        assert ex.prompt_ids[0] == tok.bos_token_id and tok.bos_token_id not in ex.prompt_ids[1:]
+        assert len(ex.prompt_ids) <= 256
+        text = tok.decode(ex.prompt_ids[1:] + ex.answer_ids)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ex.prompt_ids[1:] + ex.answer_ids
+    plain = make_examples(tok, [256], samples=3, seed=1, value_digits=2, keys=keys)[256]
+    assert all(ex.prompt_ids[0] != tok.bos_token_id for ex in plain)
+
+
 # ---- calibration rows and the statistics file --------------------------------------------------
 
 def test_statistics_rows_start_with_bos_and_the_file_records_it(tmp_path):
