@@ -278,13 +278,13 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         teacher.model, selection["keep"], strategy, calib_batches=calib, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
         writer=_TBAdapter(ctx.tb), progress=_progress(ctx), seed=cfg.run.seed)
+    if calib is not None:  # aligned on calibration rows: say how they started
+        report.update(ctx.data().bos_record())
     arch = student.arch.with_pattern(pattern)  # keep '|' stage marks of an explicit pattern
     source = {"teacher": str(ctx.paths.teacher), "teacher_sha256": teacher.sha256,
               "calibrate": {k: v for k, v in report.items() if k != "align"}}
     rank0_save_student(ctx, student, arch, ctx.paths.init_student, source)
     if ctx.rank0:
-        if calib is not None:
-            report.update(ctx.data().bos_record())
         write_json(ctx.paths.init_student.parent / "report.json", report)
     ctx.barrier()
     return {"init": strategy.name, "pattern": pattern, "seconds": report.get("seconds")}

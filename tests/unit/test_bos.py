@@ -306,13 +306,13 @@ def test_pipeline_records_the_convention_in_manifest_stats_and_results(tmp_path)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     cmd = [sys.executable, str(root / "tools" / "distill.py"), "configs/tiny.yaml", f"run.run_dir={run}",
            "run.stages=[convert,select,stats,init,stage2,eval]", f"model.teacher={teacher_dir}",
-           f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file", "calibrate.init=taylor",
+           f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file",
            "distill.stage2.steps=2", "data.seq_len=16", "data.calib_tokens=64", "data.eval_tokens=64"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     record = {"bos": True, "bos_token_id": tok.bos_token_id, "bos_setting": "auto"}
     assert json.loads((run / "manifest.json").read_text())["data"] == record
     assert {k: TaylorStats.load(run / "stats" / "stats.pt").meta[k] for k in record} == record
-    for name in ("eval/results.json", "run.json"):
+    for name in ("eval/results.json", "run.json", "init/report.json"):
         assert {k: json.loads((run / name).read_text())[k] for k in record} == record
     assert "windows of 16 tokens (each starting with BOS)" in (run / "eval" / "results.md").read_text()
