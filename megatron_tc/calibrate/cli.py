@@ -51,8 +51,12 @@ def _writer(path):
 
 def _bos_id(args, teacher) -> int | None:
     from megatron_tc.data.bos import resolve_bos_id
+    from megatron_tc.data.documents import DataError
 
-    return resolve_bos_id(teacher.tokenizer, args.bos)
+    try:
+        return resolve_bos_id(teacher.tokenizer, args.bos)
+    except DataError as err:
+        raise SystemExit(f"error: --bos {args.bos}: {err}") from None
 
 
 def _bos_record(args, bos_id: int | None) -> dict:

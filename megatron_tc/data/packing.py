@@ -117,6 +117,8 @@ def pack_window(stream: TokenStream, start: int, seq_len: int, pad_id: int,
 
 
 def _pack_bos_window(stream: TokenStream, start: int, T: int, pad_id: int, bos_id: int) -> dict[str, np.ndarray]:
+    """pack_window with BOS: BOS + stream[start : start + T - 1], or stream[start : start + T] when
+    stream[start] is its document's own BOS (the last input then context only); see the module doc."""
     tokens, offsets, L = stream.tokens, stream.offsets, len(stream.tokens)
     own_end = min(start + T - 1, L)  # this sequence's targets are the stream tokens [start, own_end)
     first_doc = int(np.searchsorted(offsets, start, side="right")) - 1
