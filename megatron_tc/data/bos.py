@@ -3,8 +3,9 @@
 Teachers whose tokenizer adds a BOS token (Gemma, Llama-3, most sentencepiece Llamas) were trained
 on sequences that open with it, and their attention sinks on it. A window cut from the middle of a
 text has no BOS of its own, so such a teacher scored on it is far off its training distribution
-(Gemma-3 270M on English prose: perplexity 128 without, 58 with; docs/benchmarks.md). The rule decides, once per run, whether every
-evaluation window, calibration row and training sequence gets one:
+(Gemma-3 270M on English prose: perplexity 128 without, 58 with; docs/benchmarks.md). The rule
+decides, once per run, whether every evaluation window, calibration row and training sequence
+gets one:
 
 * `auto` (the default): BOS exactly when the tokenizer adds it when encoding text with its special
   tokens. This is measured by encoding a probe, not read from `add_bos_token`: a Llama-3
