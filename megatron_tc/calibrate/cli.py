@@ -155,7 +155,8 @@ def calibrate_main(argv=None) -> int:
     student, report = calibrate_student(
         teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
-        seed=args.seed, meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text), **_bos_record(args, bos_id)},
+        seed=args.seed,
+        meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text), **_bos_record(args, bos_id)},
     )
     report.update(_bos_record(args, bos_id))
     report.update(teacher_sha256=teacher.sha256, text=os.path.abspath(args.text), tokens=args.tokens,

@@ -187,7 +187,8 @@ def test_statistics_rows_start_with_bos_and_the_file_records_it(tmp_path):
 
     _, tok, teacher_dir = _tiny_teacher("llama3", tmp_path)
     (tmp_path / "calib.txt").write_text(synthetic_text(200, seed=4))
-    rows = torch.cat([b["input_ids"] for b in text_batches(tmp_path / "calib.txt", tok, 60, 16, bos_id=tok.bos_token_id)])
+    batches = text_batches(tmp_path / "calib.txt", tok, 60, 16, bos_id=tok.bos_token_id)
+    rows = torch.cat([b["input_ids"] for b in batches])
     assert rows.shape == (4, 16) and bool((rows[:, 0] == tok.bos_token_id).all())
     assert not bool((rows[:, 1:] == tok.bos_token_id).any())
     plain = torch.cat([b["input_ids"] for b in text_batches(tmp_path / "calib.txt", tok, 60, 16)])
