@@ -38,6 +38,8 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
                          "(tools/calibrate.py also reports zero-shot perplexity on it)")
     ap.add_argument("--tokens", type=int, default=2048, help="calibration tokens (whole rows of --seq-len)")
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--bos", default="auto", choices=("auto", "true", "false"),
+                    help="start every row with BOS: auto = when the teacher's tokenizer adds BOS to encoded text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--tb", default=None, help="TensorBoard log directory")
     ap.add_argument("--no-progress", action="store_true")
@@ -51,10 +53,26 @@ def _writer(path):
     return TBWriter(path)
 
 
-def _meta(args, teacher, tokens_used: int) -> dict:
+def _bos_id(args, teacher) -> int | None:
+    from megatron_tc.data.bos import resolve_bos_id
+    from megatron_tc.data.documents import DataError
+
+    try:
+        return resolve_bos_id(teacher.tokenizer, args.bos)
+    except DataError as err:
+        raise SystemExit(f"error: --bos {args.bos}: {err}") from None
+
+
+def _bos_record(args, bos_id: int | None) -> dict:
+    from megatron_tc.data.bos import bos_record
+
+    return bos_record(bos_id, args.bos)
+
+
+def _meta(args, teacher, bos_id: int | None) -> dict:
     return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), "text": os.path.abspath(args.text),
             "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem],
-            "text_record": text_record(args.text)}
+            "text_record": text_record(args.text), **_bos_record(args, bos_id)}
 
 
 def _refuse_overlap(args, stats: TaylorStats | None = None) -> None:
@@ -87,11 +105,12 @@ def stats_main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     layers = _layers(args.layers, teacher.model.arch.num_layers)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     student_arch = teacher.model.arch.with_pattern("G" * teacher.model.arch.num_layers)
     t0 = time.time()
-    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, 0), readout_strategies=strategies,
+    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id), readout_strategies=strategies,
                           student_arch=student_arch, chunk_size=args.chunk_size, progress=not args.no_progress)
     stats.meta["num_layers"] = teacher.model.arch.num_layers
     stats.meta["seconds"] = round(time.time() - t0, 1)
@@ -100,7 +119,7 @@ def stats_main(argv=None) -> int:
     if writer is not None:
         log_stats(stats, writer)
     print(json.dumps({"out": args.out, "tokens": stats.meta["tokens"], "seconds": stats.meta["seconds"],
-                      "layers": describe(stats)}, indent=1))
+                      "bos": stats.meta["bos"], "layers": describe(stats)}, indent=1))
     return 0
 
 
@@ -117,11 +136,11 @@ def _keep(args, teacher, stats, batches) -> tuple[list[int], dict | None]:
     return sel.keep, sel.to_json()
 
 
-def _heldout_batches(args, teacher, strategy: str) -> list[dict]:
+def _heldout_batches(args, teacher, strategy: str, bos_id: int | None) -> list[dict]:
     """The calibration tokens after --tokens (a quarter of --tokens by default, at least one row)."""
     tokens = args.heldout_tokens if args.heldout_tokens is not None else max(args.seq_len, args.tokens // 4)
     try:
-        return text_batches(args.text, teacher.tokenizer, tokens, args.seq_len, skip_tokens=args.tokens)
+        return text_batches(args.text, teacher.tokenizer, tokens, args.seq_len, skip_tokens=args.tokens, bos_id=bos_id)
     except ValueError as err:
         raise SystemExit(f"error: --init {strategy} picks its best alignment step on held-out calibration tokens "
                          f"({tokens} after the first --tokens {args.tokens} of {args.text}), but {err}; give a longer "
@@ -151,12 +170,13 @@ def calibrate_main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     strategy = get_strategy(args.init)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
     _refuse_overlap(args, stats)
     heldout = None
     if not args.no_align and strategy.align is not None and strategy.align.best_on == "heldout":
-        heldout = _heldout_batches(args, teacher, strategy.name)
+        heldout = _heldout_batches(args, teacher, strategy.name, bos_id)
     keep, selection = _keep(args, teacher, stats, batches)
     align = False if args.no_align else True
     if align and strategy.align is not None and args.align_steps is not None:
@@ -166,15 +186,17 @@ def calibrate_main(argv=None) -> int:
     student, report = calibrate_student(
         teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
-        seed=args.seed, meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text)},
+        seed=args.seed,
+        meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text), **_bos_record(args, bos_id)},
     )
+    report.update(_bos_record(args, bos_id))
     report.update(teacher_sha256=teacher.sha256, text=os.path.abspath(args.text), tokens=args.tokens,
                   seq_len=args.seq_len, selection=selection, converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
     if args.eval_text:
         from megatron_tc.eval.perplexity import evaluate_text
 
         result = evaluate_text(lambda ids: student(ids), args.eval_text, teacher.tokenizer, args.seq_len,
-                               args.eval_tokens, progress=not args.no_progress)
+                               args.eval_tokens, progress=not args.no_progress, bos_id=bos_id)
         report["eval"] = {"text": os.path.abspath(args.eval_text), "ppl": result.ppl, "tokens": result.tokens}
     if args.out:
         from megatron_tc.convert.checkpoint import save_checkpoint
@@ -187,11 +209,11 @@ def calibrate_main(argv=None) -> int:
     return 0
 
 
-def _ga_stats(teacher, batches, args) -> TaylorStats:
+def _ga_stats(teacher, batches, args, bos_id: int | None) -> TaylorStats:
     """Statistics of every layer for ga's probe students (their init's readout sums)."""
     arch = teacher.model.arch
     strategy = get_strategy(args.init or "taylor_calibrate")
-    return collect_stats(teacher.model, batches, list(range(arch.num_layers)), _meta(args, teacher, 0),
+    return collect_stats(teacher.model, batches, list(range(arch.num_layers)), _meta(args, teacher, bos_id),
                          readout_strategies=[strategy] if strategy.needs_readout else [],
                          student_arch=arch.with_pattern("G" * arch.num_layers), progress=not args.no_progress)
 
@@ -214,7 +236,8 @@ def select_main(argv=None) -> int:
     teacher = load_teacher(args.teacher)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
     _refuse_overlap(args, stats)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len)
+    bos_id = _bos_id(args, teacher)
+    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
     num_keep = args.num_keep or max(1, round(teacher.model.arch.num_layers / 4))
     extra = {}
     if args.policy in ("ar", "ga"):
@@ -223,13 +246,14 @@ def select_main(argv=None) -> int:
             extra["init"] = args.init
         if args.policy == "ga":
             extra["rounds"] = args.rounds
-            stats = stats or _ga_stats(teacher, batches, args)
+            stats = stats or _ga_stats(teacher, batches, args, bos_id)
         if not args.no_progress:
             from tqdm.auto import tqdm
 
             extra["progress"] = lambda xs: tqdm(xs, desc=args.policy, unit="student")
     sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
-    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens}
+    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens,
+                           **_bos_record(args, bos_id)}
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(json.dumps(out, indent=1) + "\n")

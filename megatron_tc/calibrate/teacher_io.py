@@ -74,15 +74,18 @@ def weights_sha256(model: HybridLM) -> str:
 
 
 def text_batches(
-    path: str | os.PathLike, tokenizer: Any, tokens: int, seq_len: int, skip_tokens: int = 0, rows_per_batch: int = 1
+    path: str | os.PathLike, tokenizer: Any, tokens: int, seq_len: int, skip_tokens: int = 0, rows_per_batch: int = 1,
+    bos_id: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Tokens skip_tokens .. skip_tokens+tokens of a text file as [rows, seq_len] batches (whole
-    rows only; each row is a contiguous window, its first token the sink)."""
-    from megatron_tc.eval.perplexity import tokenize_file
+    rows only; each row is a contiguous window, its first token the sink). With `bos_id` every row
+    is BOS + seq_len - 1 tokens of the text (the evaluation windows' convention)."""
+    from megatron_tc.eval.perplexity import make_windows, tokenize_file
 
     ids = tokenize_file(path, tokenizer, skip_tokens + tokens)[skip_tokens:]
-    rows = ids.numel() // seq_len
-    if rows < 1:
+    full = [w for w in make_windows(ids, seq_len, bos_id) if w.shape[1] == seq_len] if ids.numel() >= 2 else []
+    if not full:
         raise ValueError(f"{path}: {ids.numel()} tokens after skipping {skip_tokens} is less than one row of {seq_len}")
-    grid = ids[: rows * seq_len].view(rows, seq_len)
+    grid = full[0]
+    rows = grid.shape[0]
     return [{"input_ids": grid[i : i + rows_per_batch]} for i in range(0, rows, rows_per_batch)]

@@ -125,7 +125,7 @@ class DataSplitConfig:
 class DataConfig:
     """Text sources, tokenization and batch sizes. The keys shared with
     `megatron_tc.data.pipeline.DataConfig` (source, split, tokenizer, seq_len, eos_token,
-    add_special_tokens, dedupe) have its names and meaning."""
+    add_special_tokens, bos, dedupe) have its names and meaning."""
 
     source: DataSourceConfig = section(DataSourceConfig, "Where documents come from.")
     split: DataSplitConfig = section(DataSplitConfig, "Calibration / evaluation / training assignment of documents.")
@@ -133,6 +133,10 @@ class DataConfig:
     seq_len: int = opt(512, "Tokens per packed training sequence (documents are packed with boundaries kept).")
     eos_token: Optional[str] = opt(None, "Separator appended after each document; None uses the tokenizer's EOS.")
     add_special_tokens: bool = opt(True, "Let the tokenizer add its own special tokens (e.g. BOS) to each document.")
+    bos: Literal["auto", True, False] = opt(
+        "auto", "Start every calibration row, training sequence and evaluation window with BOS (and every "
+        "document): 'auto' when the teacher's tokenizer adds BOS to encoded text (Gemma, Llama-3), true "
+        "always, false never. Recorded in the run manifest and every results file.")
     dedupe: bool = opt(True, "Drop exact-duplicate documents so no text can land in two splits.")
     micro_batch_size: int = opt(1, "Sequences per rank per forward/backward.")
     global_batch_size: int = opt(4, "Sequences per optimizer step over all data-parallel ranks (a multiple of micro_batch_size * dp).")

@@ -28,7 +28,7 @@ def section_fields(cls: type) -> dict[str, dataclasses.Field]:
 def type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return "one of " + ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in args)  # YAML spelling
     if origin in (Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")

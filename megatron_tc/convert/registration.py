@@ -16,7 +16,18 @@ from types import ModuleType
 from typing import Any, Callable
 
 _TRIGGERS = ("transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
+# Registering imports the Auto classes and PreTrainedModel: it waits until none of these is still
+# being imported (a trigger can complete inside a larger import: `from transformers import
+# AutoModelForCausalLM` runs configuration_auto inside modeling_auto, a model class runs both inside
+# modeling_utils), else it would import a half-initialized module and fail.
+_FIRE_AFTER = _TRIGGERS + ("transformers.modeling_utils",)
 _done = False
+
+
+def _importing(name: str) -> bool:
+    """Whether module `name` is still executing its import."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 def _register() -> None:
@@ -60,7 +71,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         self._busy = False
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _TRIGGERS or self._busy:
+        if fullname not in _FIRE_AFTER or self._busy:
             return None
         self._busy = True
         try:
@@ -69,10 +80,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             self._busy = False
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _CallbackLoader(spec.loader, self._fire)
+        spec.loader = _CallbackLoader(spec.loader, lambda: self._fire(fullname))
         return spec
 
-    def _fire(self) -> None:
+    def _fire(self, finished: str) -> None:
+        if any(_importing(name) for name in _FIRE_AFTER if name != finished):
+            return  # the enclosing import's own completion fires again
         if self in sys.meta_path:
             sys.meta_path.remove(self)
         _register()

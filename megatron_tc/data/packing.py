@@ -22,6 +22,14 @@ Boundary rules (the model masks attention across documents and resets the GDN st
   `position_ids` restart at 0 at every document start.
 * With `drop_last=False` (evaluation) the tail of the stream becomes a final sequence padded with
   `pad_id`; padding is its own segment (next doc id) with labels -100.
+
+With a BOS id (`megatron_tc.data.bos`: the teacher's tokenizer adds BOS), every sequence starts with
+BOS, as the teacher was trained: sequence i is BOS followed by the T-1 stream tokens
+[i*(T-1), i*(T-1) + T-1), which are its targets, each predicted once (the first from BOS, in the
+same segment as it, at position 0); the BOS itself is never a target, and the last input has no
+label (its next token opens the next sequence). A sequence whose first token already is its
+document's BOS starts with that one instead of a second, and takes one more stream token as
+context only (no label) in the freed slot. Without a BOS id nothing of the above applies.
 """
 from __future__ import annotations
 
@@ -64,15 +72,27 @@ class TokenStream:
         return cls(tokens=tokens, offsets=offsets)
 
 
-def num_sequences(stream_len: int, seq_len: int, drop_last: bool) -> int:
-    """Sequences of `seq_len` inputs (+1 label token) from a stream of `stream_len` tokens."""
+def num_sequences(stream_len: int, seq_len: int, drop_last: bool, bos: bool = False) -> int:
+    """Sequences of `seq_len` inputs (+1 label token) from a stream of `stream_len` tokens; with
+    `bos`, of BOS + seq_len - 1 stream tokens (every stream token is a target)."""
+    if bos:
+        per = seq_len - 1
+        return stream_len // per if drop_last else -(-stream_len // per)
     usable = max(stream_len - 1, 0)  # the final token is never an input with a label
     return usable // seq_len if drop_last else -(-usable // seq_len)
 
 
-def pack_window(stream: TokenStream, start: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def sequence_start(index: int, seq_len: int, bos: bool = False) -> int:
+    """Stream position of sequence `index`'s first token (after the BOS, with one)."""
+    return index * (seq_len - 1 if bos else seq_len)
+
+
+def pack_window(stream: TokenStream, start: int, seq_len: int, pad_id: int,
+                bos_id: int | None = None) -> dict[str, np.ndarray]:
     """One sequence starting at stream position `start`; returns int64 arrays of shape [T]:
-    input_ids, labels, doc_ids, position_ids."""
+    input_ids, labels, doc_ids, position_ids. With `bos_id`, BOS opens it (module doc)."""
+    if bos_id is not None:
+        return _pack_bos_window(stream, start, seq_len, pad_id, bos_id)
     T = seq_len
     end = min(start + T + 1, len(stream.tokens))
     window = np.asarray(stream.tokens[start:end], dtype=np.int64)
@@ -96,16 +116,56 @@ def pack_window(stream: TokenStream, start: int, seq_len: int, pad_id: int) -> d
     return out
 
 
+def _pack_bos_window(stream: TokenStream, start: int, T: int, pad_id: int, bos_id: int) -> dict[str, np.ndarray]:
+    """pack_window with BOS: BOS + stream[start : start + T - 1], or stream[start : start + T] when
+    stream[start] is its document's own BOS (the last input then context only); see the module doc."""
+    tokens, offsets, L = stream.tokens, stream.offsets, len(stream.tokens)
+    own_end = min(start + T - 1, L)  # this sequence's targets are the stream tokens [start, own_end)
+    first_doc = int(np.searchsorted(offsets, start, side="right")) - 1
+    has_own_bos = start == offsets[first_doc] and int(tokens[start]) == bos_id
+    prefix = 0 if has_own_bos else 1
+    src = np.arange(start, min(start + T - prefix, L))  # stream positions of the inputs after the prefix
+    doc = np.searchsorted(offsets, src, side="right") - 1
+    nxt = np.minimum(src + 1, L - 1)
+    has_label = (src + 1 < own_end) & (np.searchsorted(offsets, nxt, side="right") - 1 == doc)
+    n = prefix + len(src)
+    out = {
+        "input_ids": np.full(T, pad_id, np.int64),
+        "labels": np.full(T, IGNORE_INDEX, np.int64),
+        "doc_ids": np.empty(T, np.int64),
+        "position_ids": np.empty(T, np.int64),
+    }
+    out["input_ids"][prefix:n] = tokens[src]
+    out["labels"][prefix:n] = np.where(has_label, tokens[nxt], IGNORE_INDEX)
+    out["doc_ids"][prefix:n] = doc - doc[0]
+    in_first = doc == doc[0]
+    segment_start = np.maximum(offsets[doc], start)
+    out["position_ids"][prefix:n] = src - segment_start + np.where(in_first, prefix, 0)
+    if prefix:  # the BOS joins the first token's segment and predicts it
+        out["input_ids"][0], out["labels"][0] = bos_id, tokens[start]
+        out["doc_ids"][0] = out["position_ids"][0] = 0
+    if n < T:  # padding: a segment of its own
+        out["doc_ids"][n:] = out["doc_ids"][n - 1] + 1
+        out["position_ids"][n:] = np.arange(T - n)
+    return out
+
+
 class PackedSequences(torch.utils.data.Dataset):
-    """Fixed-length sequences over a token stream; item i is a dict of int64 tensors [T]."""
+    """Fixed-length sequences over a token stream; item i is a dict of int64 tensors [T].
+    `bos_id`: every sequence starts with BOS (module doc); None: no BOS is added."""
 
     def __init__(self, stream: TokenStream, seq_len: int, pad_id: int, drop_last: bool = True,
-                 fingerprint: str = "") -> None:
+                 fingerprint: str = "", bos_id: int | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if bos_id is not None and seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 when sequences start with BOS (BOS + one token), got {seq_len}")
         self.stream, self.seq_len, self.pad_id, self.drop_last = stream, seq_len, pad_id, drop_last
+        self.bos_id = bos_id
         self.fingerprint = f"{fingerprint}:T{seq_len}:{'drop' if drop_last else 'pad'}"
-        self._n = num_sequences(len(stream.tokens), seq_len, drop_last)
+        if bos_id is not None:
+            self.fingerprint += f":bos{bos_id}"
+        self._n = num_sequences(len(stream.tokens), seq_len, drop_last, bos=bos_id is not None)
 
     def __len__(self) -> int:
         return self._n
@@ -113,7 +173,9 @@ class PackedSequences(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self._n:
             raise IndexError(f"sequence {i} out of range ({self._n} sequences)")
-        return {k: torch.from_numpy(v) for k, v in pack_window(self.stream, i * self.seq_len, self.seq_len, self.pad_id).items()}
+        start = sequence_start(i, self.seq_len, self.bos_id is not None)
+        window = pack_window(self.stream, start, self.seq_len, self.pad_id, self.bos_id)
+        return {k: torch.from_numpy(v) for k, v in window.items()}
 
     def batch(self, indices: list[int] | np.ndarray) -> dict[str, torch.Tensor]:
         """Stacked sequences: dict of int64 tensors [B, T]."""

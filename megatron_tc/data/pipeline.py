@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from .bos import bos_record, parse_bos_setting, resolve_bos_id
 from .documents import DataError, Document
 from .loader import DistributedBatchLoader
 from .manifest import SPLITS, Manifest, SplitConfig, load_or_create_manifest
@@ -31,8 +32,9 @@ class DataConfig:
     tokenizer: path (HF dir, .gguf, sentencepiece .model), or None when the caller passes the
     teacher's tokenizer; seq_len: default sequence length; eos_token: separator appended after each
     document (default: the tokenizer's EOS); add_special_tokens: let the tokenizer add its own
-    (e.g. BOS) to each document; dedupe: drop exact-duplicate texts (keeps the first by load order),
-    so no text can land in two splits."""
+    (e.g. BOS) to each document; bos: "auto" | True | False, whether every sequence starts with BOS
+    (megatron_tc.data.bos; "auto" follows the tokenizer); dedupe: drop exact-duplicate texts (keeps
+    the first by load order), so no text can land in two splits."""
 
     source: SourceConfig = field(default_factory=SourceConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
@@ -40,6 +42,7 @@ class DataConfig:
     seq_len: int = 2048
     eos_token: str | None = None
     add_special_tokens: bool = True
+    bos: str | bool = "auto"
     dedupe: bool = True
 
     @classmethod
@@ -54,6 +57,8 @@ class DataConfig:
             raise DataError(f"unknown data config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         source = SourceConfig.from_dict(d.pop("source", {}) or {})
         split = SplitConfig.from_dict(d.pop("split", {}) or {})
+        if "bos" in d:
+            d["bos"] = parse_bos_setting(d["bos"])
         return cls(source=source, split=split, **d)
 
     @classmethod
@@ -81,7 +86,8 @@ def dedupe_documents(docs: list[Document]) -> tuple[list[Document], list[str]]:
 
 
 class PreparedData:
-    """The run's documents, manifest and (lazily tokenized, cached) token streams."""
+    """The run's documents, manifest and (lazily tokenized, cached) token streams. `bos_id`: the BOS
+    every sequence starts with (cfg.bos resolved against the tokenizer), or None."""
 
     def __init__(self, cfg: DataConfig, run_dir: Path | None, docs: list[Document], manifest: Manifest,
                  tokenizer: Any, model_vocab_size: int | None) -> None:
@@ -89,8 +95,13 @@ class PreparedData:
         self.model_vocab_size = model_vocab_size
         self.eos_id = resolve_eos_id(tokenizer, cfg.eos_token)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.bos_id = resolve_bos_id(tokenizer, cfg.bos)
         self._docs = {s: manifest.documents(s, docs) for s in SPLITS}
         self._streams: dict[str, tuple[TokenStream, str]] = {}
+
+    def bos_record(self) -> dict[str, Any]:
+        """The BOS convention, as results files record it (megatron_tc.data.bos.bos_record)."""
+        return bos_record(self.bos_id, self.cfg.bos)
 
     def documents(self, split: str) -> list[Document]:
         return list(self._docs[split])
@@ -99,7 +110,7 @@ class PreparedData:
         """(stream, cache key) of a split; tokenizes on first use and records token counts."""
         if split not in self._streams:
             stream, key = cached_token_stream(self.run_dir, split, self._docs[split], self.tokenizer,
-                                              self.eos_id, self.cfg.add_special_tokens)
+                                              self.eos_id, self.cfg.add_special_tokens, self.bos_id)
             if self.model_vocab_size is not None and len(stream.tokens):
                 check_token_ids_fit(int(stream.tokens.max()), self.model_vocab_size, f"the {split} data")
             self._streams[split] = (stream, key)
@@ -118,7 +129,8 @@ class PreparedData:
         """Packed sequences of a split (drop_last defaults to True for train, False otherwise)."""
         stream, key = self.token_stream(split)
         drop = (split == "train") if drop_last is None else drop_last
-        return PackedSequences(stream, seq_len or self.cfg.seq_len, self.pad_id, drop_last=drop, fingerprint=key)
+        return PackedSequences(stream, seq_len or self.cfg.seq_len, self.pad_id, drop_last=drop, fingerprint=key,
+                               bos_id=self.bos_id)
 
     def first_sequences(self, split: str, num_tokens: int, seq_len: int | None = None) -> dict[str, Any]:
         """The first ceil(num_tokens / T) packed sequences of a split, in manifest order: a dict of

@@ -2,7 +2,7 @@
 
 The cache is two .npy files (tokens int32, offsets int64) opened memory-mapped, under
 `<run_dir>/data_cache/<split>-<key>/`, where the key hashes the tokenizer fingerprint, the EOS id,
-the special-token setting and the (name, sha256) of every document in order: any change to the
+the special-token setting, the BOS rule (when on) and the (name, sha256) of every document in order: any change to the
 tokenizer or the documents lands in a new directory instead of silently reusing stale tokens.
 """
 from __future__ import annotations
@@ -26,9 +26,10 @@ CACHE_DIRNAME = "data_cache"
 
 
 def tokenize_documents(docs: list[Document], tok: Any, eos_id: int, add_special_tokens: bool = True,
-                       batch_size: int = 16, desc: str = "tokenize") -> TokenStream:
+                       batch_size: int = 16, desc: str = "tokenize", bos_id: int | None = None) -> TokenStream:
     """Each document -> its token ids (tokenizer's own special tokens, e.g. BOS, if
-    `add_special_tokens`) followed by `eos_id` (unless the tokenizer already ended it with EOS)."""
+    `add_special_tokens`) followed by `eos_id` (unless the tokenizer already ended it with EOS).
+    `bos_id` (the BOS rule of megatron_tc.data.bos is on): every document starts with it."""
     token_lists: list[np.ndarray] = []
     bar = tqdm(total=sum(len(d.text) for d in docs), unit="char", unit_scale=True, desc=desc, disable=None)
     for i in range(0, len(docs), batch_size):
@@ -37,31 +38,36 @@ def tokenize_documents(docs: list[Document], tok: Any, eos_id: int, add_special_
         for d, seq in zip(chunk, ids):
             if not seq or seq[-1] != eos_id:
                 seq = list(seq) + [eos_id]
+            if bos_id is not None and seq[0] != bos_id:
+                seq = [bos_id] + list(seq)
             token_lists.append(np.asarray(seq, dtype=np.int32))
             bar.update(len(d.text))
     bar.close()
     return TokenStream.from_token_lists(token_lists)
 
 
-def cache_key(docs: list[Document], tok_fingerprint: str, eos_id: int, add_special_tokens: bool) -> str:
+def cache_key(docs: list[Document], tok_fingerprint: str, eos_id: int, add_special_tokens: bool,
+              bos_id: int | None = None) -> str:
     payload = {"tokenizer": tok_fingerprint, "eos": eos_id, "special": add_special_tokens,
                "docs": [(d.name, d.sha256) for d in docs]}
+    if bos_id is not None:  # absent without BOS, so caches written before the rule existed still apply
+        payload["bos"] = bos_id
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:20]
 
 
 def cached_token_stream(run_dir: Path | str | None, split: str, docs: list[Document], tok: Any, eos_id: int,
-                        add_special_tokens: bool = True) -> tuple[TokenStream, str]:
+                        add_special_tokens: bool = True, bos_id: int | None = None) -> tuple[TokenStream, str]:
     """(stream, cache key). Loads `<run_dir>/data_cache/<split>-<key>` if present, else tokenizes
     and writes it atomically (tmp dir + rename). run_dir=None: tokenize without caching."""
     if not docs:
         raise DataError(f"the {split} split has no document")
-    key = cache_key(docs, tokenizer_fingerprint(tok), eos_id, add_special_tokens)
+    key = cache_key(docs, tokenizer_fingerprint(tok), eos_id, add_special_tokens, bos_id)
     if run_dir is None:
-        return tokenize_documents(docs, tok, eos_id, add_special_tokens, desc=f"tokenize {split}"), key
+        return tokenize_documents(docs, tok, eos_id, add_special_tokens, desc=f"tokenize {split}", bos_id=bos_id), key
     target = Path(run_dir) / CACHE_DIRNAME / f"{split}-{key}"
     if (target / "meta.json").is_file():
         return _load(target), key
-    stream = tokenize_documents(docs, tok, eos_id, add_special_tokens, desc=f"tokenize {split}")
+    stream = tokenize_documents(docs, tok, eos_id, add_special_tokens, desc=f"tokenize {split}", bos_id=bos_id)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{split}-"))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 directories
@@ -69,7 +75,7 @@ def cached_token_stream(run_dir: Path | str | None, split: str, docs: list[Docum
         np.save(tmp / "tokens.npy", stream.tokens)
         np.save(tmp / "offsets.npy", stream.offsets)
         meta = {"split": split, "key": key, "documents": [d.name for d in docs], "tokens": int(len(stream.tokens)),
-                "eos_id": eos_id, "add_special_tokens": add_special_tokens}
+                "eos_id": eos_id, "add_special_tokens": add_special_tokens, "bos_id": bos_id}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks completeness
         try:
             os.replace(tmp, target)

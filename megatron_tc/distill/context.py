@@ -92,7 +92,7 @@ class RunContext:
             dcfg = DataConfig.from_dict({
                 "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer,
                 "seq_len": d.seq_len, "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens,
-                "dedupe": d.dedupe})
+                "bos": d.bos, "dedupe": d.dedupe})
             teacher = self.teacher()
             tokenizer = teacher.tokenizer
             if d.tokenizer:  # another tokenizer for the data must map text exactly as the teacher's
@@ -129,12 +129,19 @@ class RunContext:
                                              order=self.cfg.data.calib_order)
 
     def eval_windows(self) -> list[torch.Tensor]:
-        """The held-out evaluation text as windows [n, T] (eval.perplexity's convention)."""
+        """The held-out evaluation text as windows [n, T] (eval.perplexity's convention; each starts
+        with BOS when data.bos resolves to one)."""
         from megatron_tc.eval.perplexity import make_windows
 
         tokens = self.cfg.eval.tokens or self.cfg.data.eval_tokens
         seq = self.cfg.eval.seq_len or self.cfg.data.seq_len
-        return make_windows(self.data().token_ids("eval", tokens), seq)
+        data = self.data()
+        return make_windows(data.token_ids("eval", tokens), seq, data.bos_id)
+
+    def bos_record(self) -> dict[str, Any] | None:
+        """The BOS convention of the run's data (megatron_tc.data.bos.bos_record), or None while
+        no stage has prepared the data."""
+        return None if self._data is None else self._data.bos_record()
 
 
 def _as_dict(section: Any) -> dict[str, Any]:

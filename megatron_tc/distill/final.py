@@ -66,7 +66,7 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
                         "path": str(path) if path else "(built in memory)"})
         del model
     summary = {"eval_tokens": scores["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
-               "documents": ctx.data().manifest.names("eval"), "rows": results}
+               "documents": ctx.data().manifest.names("eval"), **ctx.data().bos_record(), "rows": results}
     if ctx.rank0:
         write_json(ctx.paths.results, summary)
         table = format_table(summary)
@@ -88,8 +88,9 @@ def _init_name(ctx: RunContext) -> str:
 
 
 def format_table(summary: dict[str, Any]) -> str:
+    bos = " (each starting with BOS)" if summary.get("bos") else ""
     lines = [f"Held-out evaluation: {summary['eval_tokens']} predicted tokens in {summary['windows']} windows of "
-             f"{summary['seq_len']} tokens",
+             f"{summary['seq_len']} tokens{bos}",
              "",
              "| model | perplexity | KL(teacher‖student) | top-1 agreement |",
              "|---|---:|---:|---:|"]

@@ -150,7 +150,7 @@ def _prepare_data(ctx: RunContext, tokenizer: Any, vocab_size: int) -> Any:
     d = ctx.cfg.data
     dcfg = DataConfig.from_dict({
         "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer, "seq_len": d.seq_len,
-        "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens, "dedupe": d.dedupe})
+        "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens, "bos": d.bos, "dedupe": d.dedupe})
 
     def prepare():
         data = prepare_data(dcfg, ctx.paths.root, tokenizer=tokenizer, model_vocab_size=vocab_size)

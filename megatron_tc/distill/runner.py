@@ -102,10 +102,11 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     student = load_hybrid_lm(source)
     arch = student.arch
     rows = window_rows(ctx.eval_windows()) if evaluates_while_training(ctx.cfg.distill) else []
+    bos = ctx.data().bos_record()  # every rank: preparing the data is collective
     if ctx.rank0:
         write_json(ctx.paths.root / "run.json", {"name": ctx.paths.root.name, "init": ctx.cfg.calibrate.init,
                                                  "policy": ctx.cfg.model.policy, "teacher": ctx.cfg.model.teacher,
-                                                 "student": str(source)})
+                                                 "student": str(source), **bos})
     teacher = ctx.teacher().model
     trainer = build_stage2(ctx.cfg, ctx.par, student, teacher, _loader(ctx), rows,
                            ctx.paths.stage_dir("stage2"), ctx.tb, ctx.device,
@@ -289,6 +290,8 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
                 validate_against_arch(cfg, ctx.teacher().model.arch, dist.get_world_size())
             seconds = round(time.time() - t0, 1)
             if ctx.rank0:
+                if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used
+                    manifest.data["data"] = bos
                 manifest.mark(stage, "complete", fingerprints[stage], outputs(ctx.paths, cfg), seconds=seconds,
                               summary=summary)
             log.info("stage %s: done in %.1f s", stage, seconds)

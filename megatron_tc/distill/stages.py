@@ -123,6 +123,8 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
             chosen = _policy_selection(ctx, policy, num_keep)
         keep, pattern = chosen.keep, pattern_from_keep(n, chosen.keep)
         selection = chosen.to_json()
+        if policy != "uniform":  # scored on calibration rows: say how they started
+            selection.update(ctx.data().bos_record())
     selection.update(pattern=pattern, teacher_sha256=teacher.sha256)
     if ctx.rank0:
         write_json(ctx.paths.selection, selection)
@@ -217,7 +219,7 @@ def run_stats(ctx: RunContext) -> dict[str, Any]:
     meta = {"teacher_sha256": teacher.sha256, "teacher_path": str(ctx.paths.teacher), "seq_len": cfg.data.seq_len,
             "documents": ctx.data().manifest.names("calibration"), "tokens_requested": cfg.data.calib_tokens,
             "calib_order": cfg.data.calib_order, "split_seed": cfg.data.split.seed,
-            "num_layers": teacher.model.arch.num_layers}
+            "num_layers": teacher.model.arch.num_layers, **ctx.data().bos_record()}
     stats = collect_stats(teacher.model, batches, converted, meta, readout_strategies=[strategy],
                           student_arch=teacher.model.arch.with_pattern(pattern.replace("|", "")), seed=cfg.run.seed,
                           chunk_size=cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx), progress=_progress(ctx))
@@ -288,6 +290,8 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
         writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
     curves.gather()
+    if calib is not None:  # aligned on calibration rows: say how they started
+        report.update(ctx.data().bos_record())
     arch = student.arch.with_pattern(pattern)  # keep '|' stage marks of an explicit pattern
     source = {"teacher": str(ctx.paths.teacher), "teacher_sha256": teacher.sha256,
               "calibrate": {k: v for k, v in report.items() if k != "align"}}

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from megatron_tc.data.bos import bos_record, resolve_bos_id
+from megatron_tc.data.documents import DataError
 from megatron_tc.eval.loading import ModelLoadError, load_model, load_tokenizer
 from megatron_tc.eval.perplexity import EvalInputError, evaluate_text
 
@@ -17,7 +19,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
         prog="evaluate.py",
         description="Perplexity of a model on a text file; with --teacher also KL(teacher || student) per "
                     "token and top-1 agreement. Non-overlapping windows of --seq-len tokens; the first token "
-                    "of each window is not predicted (see megatron_tc/eval/perplexity.py).")
+                    "of each window is not predicted, or, when the teacher's tokenizer adds BOS, every window "
+                    "starts with BOS (see megatron_tc/eval/perplexity.py).")
     p.add_argument("--model", required=True, help="HF directory, .gguf, or megatron_tc checkpoint directory")
     p.add_argument("--teacher", help="teacher (same kinds of path as --model); adds kl, top1_agree, teacher_ppl")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
@@ -28,6 +31,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's, else the teacher's)")
+    p.add_argument("--bos", default="auto", choices=("auto", "true", "false"),
+                   help="start every window with BOS: auto = when the teacher's tokenizer (else the model's) "
+                        "adds BOS to encoded text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -41,18 +47,20 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         tokenizer = model.tokenizer or (teacher.tokenizer if teacher else None)
         if tokenizer is None:
             tokenizer = load_tokenizer(args.model)  # raises with a message naming --tokenizer
+        rule_tokenizer = teacher.tokenizer if teacher is not None and teacher.tokenizer is not None else tokenizer
+        bos_id = resolve_bos_id(rule_tokenizer, args.bos)
         result = evaluate_text(model, args.text, tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens,
                                teacher=teacher, batch_size=args.batch_size, device=args.device,
-                               progress=not args.no_progress and sys.stderr.isatty())
-    except (ModelLoadError, EvalInputError) as exc:
+                               progress=not args.no_progress and sys.stderr.isatty(), bos_id=bos_id)
+    except (ModelLoadError, EvalInputError, DataError) as exc:
         print(f"evaluate.py: error: {exc}", file=sys.stderr)
         return 2
     out = {"model": args.model, "teacher": args.teacher, "text": args.text, **result.to_dict(),
-           "dtype": args.dtype, "seconds": round(time.perf_counter() - start, 3)}
+           **bos_record(bos_id, args.bos), "dtype": args.dtype, "seconds": round(time.perf_counter() - start, 3)}
     if args.json:
         print(json.dumps(out))
     else:
-        for key in ("ppl", "teacher_ppl", "kl", "top1_agree", "tokens", "windows", "seconds"):
+        for key in ("ppl", "teacher_ppl", "kl", "top1_agree", "tokens", "windows", "bos", "seconds"):
             if out.get(key) is not None:
                 print(f"{key:>11}: {out[key]}")
     return 0

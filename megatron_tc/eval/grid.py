@@ -234,7 +234,11 @@ def _results_rows(run_dir: str) -> dict[str, dict[str, Any]]:
     if not os.path.isfile(path):
         raise GridError(f"{path} was not written: the cell's run.stages must end with 'eval'")
     with open(path, encoding="utf-8") as fh:
-        return {row["model"]: row for row in json.load(fh)["rows"]}
+        results = json.load(fh)
+    rows = {row["model"]: row for row in results["rows"]}
+    for row in rows.values():  # the windows' BOS convention (megatron_tc.data.bos), None before it was recorded
+        row.setdefault("bos", results.get("bos"))
+    return rows
 
 
 def _zero_shot_row(rows: dict[str, dict[str, Any]], init: str) -> dict[str, Any]:
@@ -249,7 +253,7 @@ def zero_shot_runner(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
     rows = _results_rows(cell.run_dir)
     row = _zero_shot_row(rows, cell.init)
     return {"ppl": row["ppl"], "kl": row["kl"], "top1_agree": row["top1_agree"], "teacher_ppl": rows["teacher"]["ppl"],
-            "naive_ppl": rows["naive zero-shot"]["ppl"], "student": row["path"]}
+            "naive_ppl": rows["naive zero-shot"]["ppl"], "student": row["path"], "bos": row["bos"]}
 
 
 def pipeline_runner(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
@@ -260,13 +264,13 @@ def pipeline_runner(cfg: Any, grid: Grid, cell: Cell) -> dict[str, Any]:
     run_cell_pipeline(grid, cell, [])
     curve = load_run(cell.run_dir)
     metrics = {"zero_shot_ppl": curve.zero_shot_ppl, "ppl": curve.final_ppl, "kl": curve.kl[-1] if curve.kl else None,
-               "teacher_ppl": curve.teacher_ppl, "train_tokens": curve.final_tokens}
+               "teacher_ppl": curve.teacher_ppl, "train_tokens": curve.final_tokens, "bos": curve.meta.get("bos")}
     if os.path.isfile(os.path.join(cell.run_dir, "eval", "results.json")):
         rows = _results_rows(cell.run_dir)
         final = rows.get("after distillation")
         if final is not None:
             metrics.update(ppl=final["ppl"], kl=final["kl"], top1_agree=final["top1_agree"])
-        metrics["teacher_ppl"] = rows["teacher"]["ppl"]
+        metrics.update(teacher_ppl=rows["teacher"]["ppl"], bos=rows["teacher"]["bos"])
     return metrics
 
 

@@ -58,6 +58,24 @@ def _shown_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def bos_convention(records: list[dict[str, Any]]) -> str:
+    """One line saying which teachers' evaluation windows start with BOS ('' when no cell recorded it)."""
+    by_teacher: dict[str, set] = {}
+    for r in records:
+        bos = (r.get("metrics") or {}).get("bos")
+        if bos is not None:
+            by_teacher.setdefault(r["teacher"], set()).add(bool(bos))
+    if not by_teacher:
+        return ""
+    parts = []
+    for label, value in (("start with BOS", True), ("have no BOS", False)):
+        names = [t for t, v in by_teacher.items() if value in v]
+        if names:
+            parts.append(f"{label} for {', '.join(names)}")
+    return ("Evaluation windows " + "; ".join(parts) + " (each teacher's tokenizer decides; see the BOS "
+            "convention in docs/evaluation.md).")
+
+
 def relative_ppl(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """{teacher: {policy: {init: ppl / teacher_ppl}}} over the finished cells that report both."""
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -82,6 +100,8 @@ def write_results(grid: Grid, records: list[dict[str, Any]]) -> tuple[str, str]:
     parts = [f"# Grid results ({grid.mode})",
              f"Base config: `{_shown_path(grid.base)}`; cells under `{_shown_path(grid.out)}`.",
              md_table(["teacher", "policy", "init", "status", *keys, "naive ppl / ppl", "seconds"], rows)]
+    if convention := bos_convention(records):
+        parts.append(convention)
     for teacher in grid.axes["teacher"]:
         pivot = [[init] + [fmt_num(next(((r.get("metrics") or {}).get("ppl") for r in records
                                          if (r["teacher"], r["policy"], r["init"]) == (teacher, p, init)), None))

@@ -37,13 +37,11 @@ from megatron_tc.eval.loading import LogitsFn, detect_kind, greedy_generate, loa
 
 
 def adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer puts BOS in front of a text by itself (the rule the teacher was trained
-    with); the harness then scores with BOS, as the model saw text."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return False
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bool(ids) and ids[0] == bos
+    """Whether the tokenizer puts BOS in front of a text by itself: the project's one BOS rule
+    (`megatron_tc.data.bos.tokenizer_adds_bos`), so lm-eval scores as `tools/evaluate.py` does."""
+    from megatron_tc.data.bos import tokenizer_adds_bos
+
+    return tokenizer_adds_bos(tokenizer)
 
 
 def load_hf_module(path: str | os.PathLike, device: str | torch.device, dtype: str) -> tuple[torch.nn.Module, Any]:

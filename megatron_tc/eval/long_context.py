@@ -11,6 +11,7 @@ the queried pair sits at a uniformly random depth (recorded per sample). Scoring
   from the same context (distractors the model has seen); correct if the gold one ranks first.
 
 `run_probe` reports accuracy per length for each model (teacher and student) over the same examples.
+With a BOS id (the teacher's tokenizer adds BOS, `megatron_tc.data.bos`) every prompt starts with it.
 Lengths from 1k to 32k tokens are the intended use (on a GPU for real models); tests use tiny ones.
 """
 from __future__ import annotations
@@ -74,10 +75,11 @@ def _split_answer(tokenizer: Any, prompt: str, answer: str, prompt_ids: list[int
 
 
 def make_example(tokenizer: Any, length: int, rng: random.Random, keys: Sequence[str], values: Sequence[str],
-                 num_candidates: int = 4) -> ProbeExample:
-    """One prompt of about `length` tokens (never more) listing distinct key-value pairs."""
+                 num_candidates: int = 4, bos_id: int | None = None) -> ProbeExample:
+    """One prompt of about `length` tokens (never more, BOS included) listing distinct key-value pairs."""
+    prefix = [] if bos_id is None else [bos_id]
     header = _encode(tokenizer, HEADER + "\n")
-    budget = length - len(header) - 8  # room for the query line
+    budget = length - len(prefix) - len(header) - 8  # room for the query line
     order_k, order_v = rng.sample(list(keys), len(keys)), rng.sample(list(values), len(values))
     lines, used = [], 0
     for k, v in zip(order_k, order_v):
@@ -92,28 +94,29 @@ def make_example(tokenizer: Any, length: int, rng: random.Random, keys: Sequence
     q = rng.randrange(len(lines))
     key, value = lines[q]
     prompt = HEADER + "\n" + "".join(f"{k} = {v}\n" for k, v in lines) + f"{key} ="
-    prompt_ids = _encode(tokenizer, prompt)
+    prompt_ids = prefix + _encode(tokenizer, prompt)
     while len(prompt_ids) > length and len(lines) > num_candidates:  # per-line counts were approximate
         drop = next(i for i in range(len(lines) - 1, -1, -1) if i != q)
         lines.pop(drop)
         q -= drop < q
         prompt = HEADER + "\n" + "".join(f"{k} = {v}\n" for k, v in lines) + f"{key} ="
-        prompt_ids = _encode(tokenizer, prompt)
+        prompt_ids = prefix + _encode(tokenizer, prompt)
     others = rng.sample([v for i, (_, v) in enumerate(lines) if i != q], num_candidates - 1)
     gold = rng.randrange(num_candidates)
     texts = others[:gold] + [value] + others[gold:]
-    candidates = [_split_answer(tokenizer, prompt, " " + t, prompt_ids) for t in texts]
+    candidates = [_split_answer(tokenizer, prompt, " " + t, prompt_ids[len(prefix):]) for t in texts]
     return ProbeExample(prompt_ids=prompt_ids, answer_ids=candidates[gold], candidates=candidates, gold=gold,
                         depth=q / max(1, len(lines) - 1))
 
 
 def make_examples(tokenizer: Any, lengths: Sequence[int], samples: int, seed: int = 0, value_digits: int = 4,
-                  num_candidates: int = 4, keys: Sequence[str] | None = None) -> dict[int, list[ProbeExample]]:
-    """The same examples for every model: {length: [ProbeExample] * samples}."""
+                  num_candidates: int = 4, keys: Sequence[str] | None = None,
+                  bos_id: int | None = None) -> dict[int, list[ProbeExample]]:
+    """The same examples for every model: {length: [ProbeExample] * samples}; `bos_id` opens every prompt."""
     rng = random.Random(seed)
     keys = list(keys) if keys is not None else key_words(max(2000, max(lengths) // 3), seed=seed)
     values = value_words(value_digits)
-    return {L: [make_example(tokenizer, L, rng, keys, values, num_candidates) for _ in range(samples)]
+    return {L: [make_example(tokenizer, L, rng, keys, values, num_candidates, bos_id) for _ in range(samples)]
             for L in lengths}
 
 
@@ -166,6 +169,7 @@ def run_probe(models: Mapping[str, LoadedModel | LogitsFn], examples: Mapping[in
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_tc.data.bos import bos_record, resolve_bos_id
     from megatron_tc.eval.loading import load_model
 
     p = argparse.ArgumentParser(prog="python -m megatron_tc.eval.long_context",
@@ -180,16 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--tokenizer")
+    p.add_argument("--bos", default="auto", choices=("auto", "true", "false"),
+                   help="start every prompt with BOS: auto = when the teacher's tokenizer (else the model's) adds BOS")
     p.add_argument("--out", help="write JSON here (e.g. <run_dir>/long_context.json, picked up by report.py)")
     args = p.parse_args(argv)
     models = {"student": load_model(args.model, args.device, args.dtype, tokenizer=args.tokenizer)}
     if args.teacher:
         models = {"teacher": load_model(args.teacher, args.device, args.dtype), **models}
     tokenizer = models["student"].tokenizer or models.get("teacher", models["student"]).tokenizer
+    teacher_tok = models["teacher"].tokenizer if "teacher" in models else None
+    bos_id = resolve_bos_id(teacher_tok or tokenizer, args.bos)
     examples = make_examples(tokenizer, [int(x) for x in args.lengths.split(",")], args.samples, seed=args.seed,
-                             value_digits=args.value_digits)
+                             value_digits=args.value_digits, bos_id=bos_id)
     result = run_probe(models, examples, method=args.method, device=args.device)
-    result.update(model=args.model, teacher=args.teacher)
+    result.update(model=args.model, teacher=args.teacher, **bos_record(bos_id, args.bos))
     text = json.dumps(result, indent=1)
     if args.out:
         tmp = f"{args.out}.tmp-{os.getpid()}"

@@ -1,13 +1,19 @@
 """Perplexity, KL(teacher || student) and top-1 agreement over a text file.
 
-Convention (the same for every model, so numbers are comparable):
-- The text is tokenized as one string, without special tokens (no BOS is inserted), and the first
-  `max_tokens` tokens are kept.
-- Those tokens are cut into non-overlapping windows of `seq_len` tokens; a last shorter window is
-  scored too if it has at least 2 tokens. Each window is an independent forward pass.
-- Inside a window, the token at position t+1 is predicted from positions <= t. The first token of a
-  window has no prediction, so every token is *predicted at most once*, and `tokens` (the count the
-  averages are over) is `max_tokens - number_of_windows`.
+Convention (the same for every model of one teacher, so numbers are comparable):
+- The text is tokenized as one string, without special tokens, and the first `max_tokens` tokens
+  are kept.
+- Without BOS (the teacher's tokenizer adds none; `megatron_tc.data.bos`): those tokens are cut into
+  non-overlapping windows of `seq_len` tokens; a last shorter window is scored too if it has at
+  least 2 tokens. The first token of a window has no prediction, so every token is *predicted at
+  most once*, and `tokens` (the count the averages are over) is `max_tokens - number_of_windows`.
+- With BOS (the teacher's tokenizer adds one, as Gemma's and Llama-3's do): every window is BOS
+  followed by the next `seq_len - 1` tokens, and all of those are predicted, the first from BOS
+  alone, so `tokens` is `max_tokens`; the BOS is never a target. A window whose first token already
+  is a BOS (a document start in a token stream) takes `seq_len` tokens and does not score that BOS.
+  This is what transformers computes with `labels=input_ids` on the same BOS-prefixed windows.
+- Inside a window, the token at position t+1 is predicted from positions <= t; each window is an
+  independent forward pass.
 - ppl = exp(mean NLL). KL is per token: mean over predicted positions of
   sum_v p_teacher(v) * (log p_teacher(v) - log p_student(v)), in nats. top1_agree is the fraction of
   predicted positions where argmax student logits == argmax teacher logits.
@@ -42,6 +48,7 @@ class EvalResult:
     kl: float | None = None  # mean KL(teacher || student) per predicted token, nats
     top1_agree: float | None = None
     teacher_ppl: float | None = None  # the teacher's perplexity on the same windows
+    bos: bool | None = None  # whether every window started with BOS (set by evaluate_text)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -98,10 +105,13 @@ def tokenize_file(path: str | os.PathLike, tokenizer: Any, max_tokens: int) -> t
     return torch.tensor(ids[:max_tokens], dtype=torch.long)
 
 
-def make_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    """Non-overlapping windows: [ids [n_full, seq_len]] plus a tail [1, r] if 2 <= r < seq_len."""
+def make_windows(ids: torch.Tensor, seq_len: int, bos_id: int | None = None) -> list[torch.Tensor]:
+    """Non-overlapping windows: [ids [n_full, seq_len]] plus a tail [1, r] if 2 <= r < seq_len.
+    With `bos_id`, every window starts with BOS (module doc)."""
     if seq_len < 2:
         raise EvalInputError(f"seq_len={seq_len}: a window needs at least 2 tokens")
+    if bos_id is not None:
+        return _bos_windows(ids, seq_len, bos_id)
     n_full = ids.numel() // seq_len
     out = []
     if n_full:
@@ -109,6 +119,26 @@ def make_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     tail = ids[n_full * seq_len:]
     if tail.numel() >= 2:
         out.append(tail.view(1, -1))
+    return out
+
+
+def _bos_windows(ids: torch.Tensor, seq_len: int, bos_id: int) -> list[torch.Tensor]:
+    rows, pos, n = [], 0, ids.numel()
+    bos = torch.tensor([bos_id], dtype=ids.dtype)
+    while pos < n:
+        if int(ids[pos]) == bos_id:  # the text's own BOS opens this window
+            take = min(seq_len, n - pos)
+            row = ids[pos:pos + take]
+        else:
+            take = min(seq_len - 1, n - pos)
+            row = torch.cat([bos, ids[pos:pos + take]])
+        pos += take
+        if row.numel() >= 2:
+            rows.append(row)
+    full = [r for r in rows if r.numel() == seq_len]
+    out = [torch.stack(full)] if full else []
+    if rows and rows[-1].numel() < seq_len:
+        out.append(rows[-1].view(1, -1))
     return out
 
 
@@ -170,8 +200,11 @@ def evaluate_windows(model: LogitsFn, windows: list[torch.Tensor], teacher: Logi
 
 def evaluate_text(model: LogitsFn, text: str | os.PathLike, tokenizer: Any, seq_len: int, max_tokens: int,
                   teacher: LogitsFn | None = None, batch_size: int = 1, device: str | torch.device = "cpu",
-                  progress: bool = True) -> EvalResult:
-    """Perplexity (and KL / top-1 agreement against `teacher`) on the first `max_tokens` of a file."""
+                  progress: bool = True, bos_id: int | None = None) -> EvalResult:
+    """Perplexity (and KL / top-1 agreement against `teacher`) on the first `max_tokens` of a file;
+    `bos_id`: windows start with BOS (megatron_tc.data.bos.resolve_bos_id of the teacher's tokenizer)."""
     ids = tokenize_file(text, tokenizer, max_tokens)
-    return evaluate_windows(model, make_windows(ids, seq_len), teacher=teacher, batch_size=batch_size,
-                            device=device, progress=progress)
+    result = evaluate_windows(model, make_windows(ids, seq_len, bos_id), teacher=teacher, batch_size=batch_size,
+                              device=device, progress=progress)
+    result.bos = bos_id is not None
+    return result

@@ -64,11 +64,12 @@ def _read_json(path: str) -> Any | None:
 
 
 def _runs_section(result: dict[str, Any]) -> str:
+    bos = {True: "yes", False: "no"}  # whether the run's windows start with BOS (run.json; "—" before it was recorded)
     rows = [[r["name"], r["meta"].get("init", "—"), r["meta"].get("policy", "—"), r["meta"].get("teacher", "—"),
-             fmt_num(r["zero_shot_ppl"]), fmt_num(r["final_ppl"]), fmt_num(r["final_kl"]),
-             fmt_tokens(r["final_tokens"])] for r in result["runs"]]
-    return md_table(["run", "init", "policy", "teacher", "zero-shot ppl", "final ppl", "final KL", "tokens trained"],
-                    rows)
+             bos.get(r["meta"].get("bos"), "—"), fmt_num(r["zero_shot_ppl"]), fmt_num(r["final_ppl"]),
+             fmt_num(r["final_kl"]), fmt_tokens(r["final_tokens"])] for r in result["runs"]]
+    return md_table(["run", "init", "policy", "teacher", "BOS", "zero-shot ppl", "final ppl", "final KL",
+                     "tokens trained"], rows)
 
 
 def _targets_section(result: dict[str, Any]) -> str:

@@ -321,6 +321,8 @@ def test_zero_shot_grid_runs_the_real_pipeline_per_cell(tiny_teacher, tmp_path):
     assert zero_gate["ppl"] != naive["ppl"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert f"| tiny | uniform | zero_gate | ok | {zero_gate['ppl']:.4g} |" in md
+    assert naive["bos"] is zero_gate["bos"] is False  # the sentencepiece tokenizer adds no BOS
+    assert "Evaluation windows have no BOS for tiny (" in md
     assert json.loads((tmp_path / "out" / "results.json").read_text())["cells"][1]["metrics"]["ppl"] == zero_gate["ppl"]
 
 

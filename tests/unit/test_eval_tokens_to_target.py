@@ -144,8 +144,13 @@ def test_plot_is_a_valid_png(run_dirs, tmp_path):
 
 def test_report_has_tables_and_figure(run_dirs, tmp_path):
     out = tmp_path / "report"
+    meta = json.loads(open(os.path.join(run_dirs[0], "run.json")).read())
+    with open(os.path.join(run_dirs[0], "run.json"), "w") as fh:  # a run that recorded its BOS convention
+        json.dump(meta | {"bos": True}, fh)
     path = write_report(run_dirs, str(out), ks=(1.0, 2.0))
     text = open(path).read()
+    assert f"| {meta['name']} | {meta['init']} | uniform | — | yes |" in text
+    assert "| BOS |" in text and text.count("| uniform | — | — |") == len(run_dirs) - 1
     assert "| taylor_fit |" in text and "not reached" in text and "≥ 100.00x" in text and "10.00x" in text
     assert "![eval perplexity vs training tokens](ppl_vs_tokens.png)" in text
     _assert_png(out / "ppl_vs_tokens.png")

@@ -71,6 +71,8 @@ def test_cpu_launcher_runs_the_whole_pipeline_then_resumes_and_skips(tiny_assets
     # the closing table, with every row the quickstart promises
     results = json.loads((run_dir / "eval/results.json").read_text())
     names = [r["model"] for r in results["rows"]]
+    assert results["bos"] is False  # the sentencepiece tokenizer adds no BOS: plain windows
+    assert json.loads((run_dir / "manifest.json").read_text())["data"]["bos"] is False
     assert names == ["teacher", "naive zero-shot", "taylor_calibrate zero-shot", "after stage 1", "after distillation"]
     assert "| after distillation |" in second.stdout and str(run_dir / "tensorboard") in second.stdout
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -34,6 +34,7 @@ def test_every_stage_key_names_a_config_field(stage):
     ("data.calib_order=stream", "select"),
     ("run.seed=7", "select"),
     ("data.calib_tokens=4096", "select"),
+    ("data.bos=false", "select"),  # calibration rows, training sequences and eval windows change
     ("calibrate.init=naive", "stats"),
     ("distill.stage2.lr=1e-3", "stage2"),
     ("eval.batch_size=4", "eval"),
