@@ -65,7 +65,7 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     config.dtype = store_dtype
     with atomic_output_dir(out, overwrite) as tmp:
         config.save_pretrained(str(tmp))
-        _save_weights(weights, tmp, cast)
+        save_weights(weights, tmp, cast)
         for name, data in tokenizer.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
@@ -165,7 +165,7 @@ def _remote_code() -> dict[str, str]:
 
 
 # ---- weights ------------------------------------------------------------------------------------
-def _save_weights(weights: Lazies, directory: Path, cast: torch.dtype | None = None,
+def save_weights(weights: Lazies, directory: Path, cast: torch.dtype | None = None,
                   max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors + index past `max_shard_bytes`;
     each file written one tensor at a time (`cast`: dtype of the floating tensors, None: keep)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_tc.convert import layout
-from megatron_tc.convert.checkpoint import load_checkpoint, resolve_dtype, save_checkpoint
+from megatron_tc.convert.checkpoint import lazy_checkpoint, resolve_dtype, save_checkpoint
 from megatron_tc.convert.fsutil import check_output_dir
 from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
 from megatron_tc.convert.hf_mapping import HFMappingError, arch_from_hf_config, hf_to_tc_names
@@ -75,10 +75,18 @@ def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: in
 
 def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """A single-device `HybridLM` (eval mode) from a megatron_tc checkpoint (every shard verified)."""
+    """A single-device `HybridLM` (eval mode) from a megatron_tc checkpoint (every shard verified).
+
+    Floating weights get `dtype` (default fp32). The model is built on the meta device and each
+    weight is read straight into its final dtype, so the peak memory is the model plus one tensor."""
+    from megatron_tc.convert.hf_student import reset_rope_buffers
     from megatron_tc.model import HybridLM
 
-    arch, state = load_checkpoint(path)
-    model = HybridLM(arch)
-    model.load_state_dict(state, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    info, lazies = lazy_checkpoint(path)
+    with torch.device("meta"):
+        model = HybridLM(info.arch)
+    want = dtype or torch.float32
+    state = {name: lazy.materialize(want if lazy.dtype.is_floating_point else None) for name, lazy in lazies.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    reset_rope_buffers(model)
+    return model.to(device=device).eval()
