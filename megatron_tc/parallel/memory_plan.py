@@ -194,7 +194,7 @@ def teacher_arch(source: str) -> ArchConfig:
     from megatron_tc.bench import models
     from megatron_tc.convert.hf_mapping import arch_from_hf_config
 
-    presets = {**models.PRESETS, "llama3-8b": llama3_8b, "llama3-70b": llama3_70b}
+    presets = models.PRESETS
     if source in presets:
         return presets[source]()
     path = Path(source)
@@ -208,14 +208,3 @@ def teacher_arch(source: str) -> ArchConfig:
     arch = arch_from_hf_config(json.loads(config.read_text()))
     return dataclasses.replace(arch, layer_pattern="A" * arch.num_layers)
 
-
-def llama3_8b() -> ArchConfig:
-    return ArchConfig(family="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128, intermediate_size=14336, rope_theta=500000.0, norm_eps=1e-5,
-                      max_position_embeddings=8192)
-
-
-def llama3_70b() -> ArchConfig:
-    return ArchConfig(family="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                      head_dim=128, intermediate_size=28672, rope_theta=500000.0, norm_eps=1e-5,
-                      max_position_embeddings=8192)

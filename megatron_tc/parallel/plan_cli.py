@@ -54,7 +54,7 @@ def search(base: PlanInput, gpus: int, gpu_gib: float, headroom: float = 0.9) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="bytes per GPU and tokens/s of a stage-2 run (teacher + student)")
-    p.add_argument("--teacher", required=True, help="preset (llama3-8b, llama3-70b, llama-1b, smollm2-135m), an HF "
+    p.add_argument("--teacher", required=True, help="preset (llama3-8b, llama3-70b, llama3-8b-8l, llama-1b, smollm2-135m), an HF "
                                                     "config.json or model directory, or a megatron_tc checkpoint")
     p.add_argument("--student-pattern", help="'A'/'G' per layer (default: a quarter attention, the uniform policy)")
     p.add_argument("--tp", type=int, default=1)
