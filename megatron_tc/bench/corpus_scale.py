@@ -79,8 +79,12 @@ def loader_rss(prefix: str, steps: int, seq_len: int, batch: int) -> dict[str, A
     start = time.perf_counter()
     for _ in range(steps):
         loader.next_step()
+    status = Path("/proc/self/status").read_text()
+    kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("RssAnon", "RssFile")}
     return {"documents": stream.num_docs, "tokens": int(len(stream.tokens)),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            # the store's pages the batches touched are file-backed (page cache, reclaimable)
+            "rss_anon_mib": round(kib["RssAnon"] / 1024, 1), "rss_file_mib": round(kib["RssFile"] / 1024, 1),
             "batches_per_s": round(steps / (time.perf_counter() - start), 1)}
 
 
