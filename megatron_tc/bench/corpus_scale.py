@@ -120,7 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[-1], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    import tokenizers
+    import torch
+    import transformers
+
     result = {"date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+              "software": {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+              "config": {"tokenizer": args.tokenizer, "workers": args.workers or os.cpu_count(), "chunk_docs": 256,
+                         "doc_chars": 20000, "loader": {"steps": args.steps, "seq_len": 2048, "global_batch": 8}},
               "command": " ".join(["python", "tools/bench/corpus_scale.py", *(argv if argv is not None else sys.argv[1:])]),
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
