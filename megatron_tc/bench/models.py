@@ -48,7 +48,23 @@ def tiny() -> ArchConfig:
                       head_dim=16, intermediate_size=128, tie_embeddings=True)
 
 
-PRESETS = {"smollm2-135m": smollm2_135m, "llama-1b": llama_1b, "tiny": tiny}
+def llama3_8b(num_layers: int = 32) -> ArchConfig:
+    """Llama-3-8B's shape (hidden 4096, 32 heads x 128, 8 KV heads, FFN 14336, vocabulary 128256,
+    untied); fewer layers for a model that must fit one device with its optimizer state."""
+    return ArchConfig(family="llama", vocab_size=128256, hidden_size=4096, num_layers=num_layers, num_heads=32,
+                      num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0, norm_eps=1e-5,
+                      max_position_embeddings=8192)
+
+
+def llama3_70b() -> ArchConfig:
+    """Llama-3-70B's shape: 80 layers, hidden 8192, 64 heads x 128, 8 KV heads, FFN 28672."""
+    return ArchConfig(family="llama", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                      num_kv_heads=8, head_dim=128, intermediate_size=28672, rope_theta=500000.0, norm_eps=1e-5,
+                      max_position_embeddings=8192)
+
+
+PRESETS = {"smollm2-135m": smollm2_135m, "llama-1b": llama_1b, "tiny": tiny, "llama3-8b": llama3_8b,
+           "llama3-8b-8l": lambda: llama3_8b(8), "llama3-70b": llama3_70b}
 
 
 def quarter_pattern(num_layers: int) -> str:

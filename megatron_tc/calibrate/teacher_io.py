@@ -35,28 +35,29 @@ def load_teacher(path: str | os.PathLike) -> Teacher:
 
     kind, directory, gguf = detect_kind(path)
     if kind == "megatron_tc":
-        from megatron_tc.convert.checkpoint import load_checkpoint
+        from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
 
-        arch, state = load_checkpoint(directory)  # verifies every file (tokenizer too) before use
-        tokenizer = load_tokenizer(path)
+        # every file (tokenizer too) verified before use; each weight read straight into the
+        # model built on the meta device (peak: the fp32 model plus one tensor)
+        model = load_hybrid_lm(directory, dtype=torch.float32)
         files = _tokenizer_files(directory / "tokenizer")
-    else:
-        tokenizer = load_tokenizer(path)
-        from transformers import AutoModelForCausalLM
+        return Teacher(model, weights_sha256(model), load_tokenizer(path), files, str(path))
+    tokenizer = load_tokenizer(path)
+    from transformers import AutoModelForCausalLM
 
-        from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
+    from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
 
-        kwargs = {"gguf_file": gguf} if gguf else {}
-        hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs)
-        arch = arch_from_hf_config(hf.config)
-        state = hf_to_tc_state_dict(hf.state_dict(), arch)
-        files = _tokenizer_files(directory)
-        if not files and tokenizer is not None:
-            import tempfile
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs)
+    arch = arch_from_hf_config(hf.config)
+    state = hf_to_tc_state_dict(hf.state_dict(), arch)
+    files = _tokenizer_files(directory)
+    if not files and tokenizer is not None:
+        import tempfile
 
-            with tempfile.TemporaryDirectory() as tmp:
-                tokenizer.save_pretrained(tmp)
-                files = _tokenizer_files(Path(tmp))
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            files = _tokenizer_files(Path(tmp))
     model = HybridLM(arch)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:

@@ -16,7 +16,6 @@ statistics files that must not be applied to another teacher.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,13 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from megatron_tc.convert import layout
 from megatron_tc.convert.errors import CheckpointError, ConversionError
 from megatron_tc.convert.fsutil import atomic_output_dir, check_output_dir, sha256_file
+from megatron_tc.convert.lazy import LazyTensor, Leaf, MemorySource, SafetensorsFile, materialize_state, sources_of
+from megatron_tc.convert.lazy_layout import Lazies, resize_vocab_lazy, shard_lazy, unshard_lazy
+from megatron_tc.convert.safetensors_stream import target_dtype, write_safetensors
 from megatron_tc.model.config import ArchConfig, pad_vocab
 
 FORMAT, FORMAT_VERSION = "megatron_tc", 1
@@ -76,24 +77,28 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 # ---- writing ------------------------------------------------------------------------------------
-def save_checkpoint(state: StateDict, arch: ArchConfig, out: str | os.PathLike, tp: int = 1, pp: int = 1, *,
+def save_checkpoint(state: StateDict | Lazies, arch: ArchConfig, out: str | os.PathLike, tp: int = 1, pp: int = 1, *,
                     dtype: str | torch.dtype | None = None, source: dict[str, Any] | None = None,
                     tokenizer_files: dict[str, bytes] | None = None, overwrite: bool = False,
                     progress: bool = False) -> Path:
     """Write an unsharded HybridLM `state` as a (tp, pp) checkpoint at `out`; returns `out`.
 
-    The vocabulary is padded with zero rows to a multiple of 128 * tp (rows past
-    `arch.vocab_size` in `state` are dropped: they never produce logits). `dtype` casts floating
-    tensors (None / "auto": keep). Every check runs before anything is written."""
+    `state` holds tensors or lazy tensors (`lazy.py`); either way the shards are written one
+    tensor at a time, so lazy sources (a checkpoint being resharded, HF safetensors files) are
+    never loaded whole. The vocabulary is padded with zero rows to a multiple of 128 * tp (rows
+    past `arch.vocab_size` in `state` are dropped: they never produce logits). `dtype` casts
+    floating tensors (None / "auto": keep). Every check runs before anything is written."""
     check_output_dir(out, overwrite)
     layout.check_tp(arch, tp)
     stages = layout.stage_ranges(arch, pp)
     cast = resolve_dtype(dtype)
-    if cast is not None:
-        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    state, arch = layout.resize_vocab(state, arch, pad_vocab(arch.vocab_size, tp, VOCAB_MULTIPLE))
-    shards = layout.to_megatron_shards(state, arch, tp, pp)
-    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})
+    lazies = {k: v if isinstance(v, LazyTensor) else Leaf(MemorySource({k: v}), k, list(v.shape), v.dtype)
+              for k, v in state.items()}
+    padded = pad_vocab(arch.vocab_size, tp, VOCAB_MULTIPLE)
+    lazies = resize_vocab_lazy(lazies, arch.vocab_size, padded)
+    arch = dataclasses.replace(arch, padded_vocab_size=padded)
+    shards = shard_lazy(lazies, arch, tp, pp)
+    dtypes = sorted({_dtype_name(target_dtype(v, cast)) for v in lazies.values()})
     config = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "arch": arch.to_dict(),
@@ -109,10 +114,10 @@ def save_checkpoint(state: StateDict, arch: ArchConfig, out: str | os.PathLike, 
         items = sorted(shards.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         for (t, p), tensors in tqdm(items, desc="writing shards", disable=not progress):
             name = shard_filename(t, p)
-            tensors = {k: v.contiguous() for k, v in tensors.items()}
-            data = save(tensors, metadata={"format": "pt"})  # bytes: hashed without reading the file back
-            (tmp / name).write_bytes(data)
-            files[name] = _file_entry(tmp / name, tensors, data)
+            digest = write_safetensors(tmp / name, tensors, cast, metadata={"format": "pt"})
+            files[name] = {"sha256": digest, "size": (tmp / name).stat().st_size,
+                           "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(target_dtype(v, cast))}
+                                       for k, v in sorted(tensors.items())}}
         for rel, data in (tokenizer_files or {}).items():
             target = tmp / TOKENIZER_DIR / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -125,13 +130,12 @@ def save_checkpoint(state: StateDict, arch: ArchConfig, out: str | os.PathLike, 
     return Path(out)
 
 
-def _file_entry(path: Path, tensors: StateDict | None = None, data: bytes | None = None) -> dict[str, Any]:
-    digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_file(path)
-    entry: dict[str, Any] = {"sha256": digest, "size": path.stat().st_size}
-    if tensors is not None:
-        entry["tensors"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                            for k, v in sorted(tensors.items())}
-    return entry
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -227,10 +231,60 @@ def load_shards(path: str | os.PathLike) -> tuple[CheckpointInfo, dict[tuple[int
     return info, {rank: _load_verified(info.path, files, name) for rank, name in names.items()}
 
 
+def _manifest_leaves(path: Path, files: dict[str, Any], name: str) -> Lazies:
+    """Lazy tensors of shard `name` from the manifest's shapes and dtypes (nothing is read)."""
+    source = SafetensorsFile(path / name)
+    return {k: Leaf(source, k, v["shape"], getattr(torch, v["dtype"])) for k, v in files[name].get("tensors", {}).items()}
+
+
+def _check_header(path: Path, files: dict[str, Any], name: str) -> None:
+    """The shard's safetensors header lists exactly the manifest's tensors (after its sha256 matched)."""
+    found = {k: {"shape": shape, "dtype": _dtype_name(dtype)} for k, (shape, dtype) in SafetensorsFile(path / name).header().items()}
+    if found != files[name].get("tensors", {}):
+        raise CheckpointError(f"{path / name}: tensors do not match {MANIFEST} (names, shapes or dtypes differ)")
+
+
+def lazy_checkpoint(path: str | os.PathLike) -> tuple[CheckpointInfo, Lazies]:
+    """(info, unsharded HybridLM lazy tensors) of a checkpoint; every file is verified first."""
+    info = read_info(path)
+    files = _read_manifest(info.path)
+    names = {(t, p): shard_filename(t, p) for t in range(info.tp) for p in range(info.pp)}
+    _verify_files(info.path, files, sorted(names.values()) + [f"{TOKENIZER_DIR}/{f}" for f in info.tokenizer_files])
+    for name in names.values():
+        _check_header(info.path, files, name)
+    shards = {rank: _manifest_leaves(info.path, files, name) for rank, name in names.items()}
+    return info, unshard_lazy(shards, info.arch, info.tp, info.pp)
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[ArchConfig, StateDict]:
     """(arch, unsharded HybridLM state dict); the vocabulary keeps the checkpoint's padding."""
-    info, shards = load_shards(path)
-    return info.arch, layout.from_megatron_shards(shards, info.arch, info.tp, info.pp)
+    info, lazies = lazy_checkpoint(path)
+    return info.arch, materialize_state(lazies)
+
+
+def load_rank(path: str | os.PathLike, tp: int, pp: int, tp_rank: int, pp_rank: int) -> StateDict:
+    """Megatron-named tensors of rank (tp_rank, pp_rank) in a (tp, pp) layout, read from a
+    checkpoint of any layout: only the slices this rank holds are read, and only the files they
+    come from are verified. Equal to `load_shard` of the checkpoint resharded to (tp, pp)."""
+    info = read_info(path)
+    layout.check_tp(info.arch, tp)
+    layout.stage_ranges(info.arch, pp)
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise CheckpointError(f"rank (tp={tp_rank}, pp={pp_rank}) is outside tp={tp}, pp={pp}")
+    files = _read_manifest(info.path)
+    names = {(t, p): shard_filename(t, p) for t in range(info.tp) for p in range(info.pp)}
+    missing = [n for n in names.values() if n not in files]
+    if missing:
+        raise CheckpointError(f"{info.path / missing[0]} is not listed in {info.path / MANIFEST}")
+    shards = {rank: _manifest_leaves(info.path, files, name) for rank, name in names.items()}
+    padded = pad_vocab(info.arch.vocab_size, tp, VOCAB_MULTIPLE)
+    lazies = resize_vocab_lazy(unshard_lazy(shards, info.arch, info.tp, info.pp), info.arch.vocab_size, padded)
+    mine = shard_lazy(lazies, dataclasses.replace(info.arch, padded_vocab_size=padded), tp, pp)[tp_rank, pp_rank]
+    needed = sorted({s.path.name for lazy in mine.values() for s in sources_of(lazy) if isinstance(s, SafetensorsFile)})
+    _verify_files(info.path, files, needed)
+    for name in needed:
+        _check_header(info.path, files, name)
+    return materialize_state(mine)
 
 
 def load_shard_hybrid(path: str | os.PathLike, tp_rank: int, pp_rank: int) -> StateDict:
@@ -248,15 +302,16 @@ def load_shard_hybrid(path: str | os.PathLike, tp_rank: int, pp_rank: int) -> St
 # ---- resharding ---------------------------------------------------------------------------------
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, tp: int, pp: int, *, overwrite: bool = False,
             progress: bool = False) -> Path:
-    """Rewrite checkpoint `src` with another (tp, pp) at `dst`, shard to shard (no HF detour).
+    """Rewrite checkpoint `src` with another (tp, pp) at `dst`, shard to shard (no HF detour),
+    one tensor at a time: each output tensor reads only the source slices it is made of.
 
     The vocabulary padding follows the new tp; source info and tokenizer files are kept."""
     check_output_dir(dst, overwrite)
-    info, shards = load_shards(src)
+    info = read_info(src)
     layout.check_tp(info.arch, tp)
     layout.stage_ranges(info.arch, pp)
-    state = layout.from_megatron_shards(shards, info.arch, info.tp, info.pp)
+    info, lazies = lazy_checkpoint(src)
     tokenizer = {rel: (info.path / TOKENIZER_DIR / rel).read_bytes() for rel in info.tokenizer_files}
     source = dict(info.source, resharded_from={"tp": info.tp, "pp": info.pp, "manifest_sha256": checkpoint_hash(src)})
-    return save_checkpoint(state, info.arch, dst, tp, pp, source=source, tokenizer_files=tokenizer,
+    return save_checkpoint(lazies, info.arch, dst, tp, pp, source=source, tokenizer_files=tokenizer,
                            overwrite=overwrite, progress=progress)

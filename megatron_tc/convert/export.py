@@ -6,7 +6,9 @@ transformers. A hybrid student becomes a `megatron_tc_hybrid` directory: config,
 tokenizer and the self-contained model code of `megatron_tc.export` (copied verbatim), so it
 loads with `trust_remote_code=True` where only torch and transformers are installed, or with
 `AutoModelForCausalLM.from_pretrained` after `import megatron_tc`.
-The vocabulary padding of the checkpoint is removed in both cases.
+The vocabulary padding of the checkpoint is removed in both cases. Weights are written one
+tensor at a time, each read slice by slice from the checkpoint's shards (`lazy.py`), so exporting
+holds one tensor, not the model.
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from megatron_tc.convert.checkpoint import StateDict, load_checkpoint, read_info, resolve_dtype
+from megatron_tc.convert.checkpoint import lazy_checkpoint, load_checkpoint, read_info, resolve_dtype
 from megatron_tc.convert.errors import ConversionError
 from megatron_tc.convert.fsutil import atomic_output_dir, check_output_dir
 from megatron_tc.convert.hf_mapping import HFMappingError, arch_from_hf_config, tc_to_hf_state_dict
+from megatron_tc.convert.lazy_layout import Lazies
+from megatron_tc.convert.safetensors_stream import target_dtype, write_safetensors
 from megatron_tc.export import remote_code
 from megatron_tc.model.config import ArchConfig
 
@@ -42,12 +45,9 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     the megatron_tc_hybrid format."""
     check_output_dir(out, overwrite)
     cast = resolve_dtype(dtype)
-    info = read_info(ckpt)
-    arch, state = load_checkpoint(ckpt)
-    state, arch = _unpad_vocab(state, arch)
-    if cast is not None:
-        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    store_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    info, state = lazy_checkpoint(ckpt)
+    state, arch = _unpad_vocab(state, info.arch)
+    store_dtype = str(target_dtype(next(iter(state.values())), cast)).removeprefix("torch.")
     tokenizer = {rel: (info.path / "tokenizer" / rel).read_bytes() for rel in info.tokenizer_files}
     source_config = info.source.get("hf_config") or {}
     if info.is_teacher_shaped and not as_student:
@@ -63,7 +63,7 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     config.dtype = store_dtype
     with atomic_output_dir(out, overwrite) as tmp:
         config.save_pretrained(str(tmp))
-        _save_weights(weights, tmp)
+        save_weights(weights, tmp, cast)
         for name, data in tokenizer.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
@@ -87,11 +87,12 @@ def student_model_from_checkpoint(ckpt: str | os.PathLike, dtype: str | torch.dt
     return (model.to(cast) if cast is not None else model).eval()
 
 
-def _unpad_vocab(state: StateDict, arch: ArchConfig) -> tuple[StateDict, ArchConfig]:
+def _unpad_vocab(state: Lazies, arch: ArchConfig) -> tuple[Lazies, ArchConfig]:
+    """The embedding and head cut to the real vocabulary (lazy slices or tensors alike)."""
     out = dict(state)
     for name in ("embed_tokens.weight", "lm_head.weight"):
         if name in out:
-            out[name] = out[name][: arch.vocab_size]
+            out[name] = out[name].narrow(0, 0, arch.vocab_size)
     return out, dataclasses.replace(arch, padded_vocab_size=arch.vocab_size)
 
 
@@ -171,26 +172,27 @@ def student_hf_config(arch: ArchConfig, source_config: dict[str, Any]) -> Any:
 
 
 # ---- weights ------------------------------------------------------------------------------------
-def _save_weights(weights: StateDict, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index past `max_shard_bytes`."""
-    weights = {k: v.contiguous().clone() for k, v in weights.items()}  # no shared storage (tied views)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+def save_weights(weights: Lazies, directory: Path, cast: torch.dtype | None = None,
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index past `max_shard_bytes`;
+    each file written one tensor at a time (`cast`: dtype of the floating tensors, None: keep)."""
+    shards: list[Lazies] = [{}]
+    size = total = 0
     for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes(target_dtype(tensor, cast))
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor
         size += nbytes
+        total += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(directory / "model.safetensors", shards[0], cast, metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        write_safetensors(directory / name, shard, cast, metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

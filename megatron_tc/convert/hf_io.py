@@ -2,8 +2,10 @@
 .bin, or GGUF (a .gguf file, or a directory holding exactly one; transformers dequantizes it).
 
 `read_hf_config` is cheap (no weights) and rejects unsupported architectures, so callers can
-check TP/PP before loading anything; `read_hf` returns the config, the state dict under HF names
-and the tokenizer files (as bytes, to be carried into the checkpoint).
+check TP/PP before loading anything; `read_hf` returns the config, the weights under HF names as
+lazy tensors (`lazy.py`: safetensors are read slice by slice when written out, pytorch .bin files
+are memory-mapped; GGUF is dequantized in memory by transformers) and the tokenizer files (as
+bytes, to be carried into the checkpoint).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from megatron_tc.convert.errors import ConversionError
 from megatron_tc.convert.fsutil import sha256_file, sha256_files
 from megatron_tc.convert.hf_mapping import MODEL_TYPES
 from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
+from megatron_tc.convert.lazy import LazyTensor, SafetensorsFile, lazy_state
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(MODEL_TYPES)) + (STUDENT_MODEL_TYPE,)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -41,7 +44,7 @@ class HFLocation:
 @dataclass
 class HFModel:
     config: Any  # a transformers PreTrainedConfig
-    state: StateDict  # HF names (tied models: no lm_head.weight)
+    state: dict[str, LazyTensor]  # HF names (tied models: no lm_head.weight)
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)  # format, path, sha256, model_type, hf_config
 
@@ -108,12 +111,18 @@ def _weight_files(directory: Path) -> list[Path]:
     raise ConversionError(f"{directory} has no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
 
 
-def _load_weights(files: list[Path]) -> StateDict:
-    from safetensors.torch import load_file
-
-    state: StateDict = {}
+def _lazy_weights(files: list[Path]) -> dict[str, LazyTensor]:
+    """Every weight file's tensors as lazy tensors; nothing is read but headers (.bin files are
+    memory-mapped, so only the pages a slice touches are read)."""
+    state: dict[str, LazyTensor] = {}
     for file in files:
-        part = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu", weights_only=True)
+        if file.suffix == ".safetensors":
+            part = SafetensorsFile(file).leaves()
+        else:
+            part = lazy_state(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        twice = sorted(set(part) & set(state))
+        if twice:
+            raise ConversionError(f"{file} holds tensors that another weight file also holds: {twice[:5]}")
         state.update(part)
     return state
 
@@ -142,17 +151,18 @@ def _read_gguf(loc: HFLocation, config: Any) -> tuple[StateDict, dict[str, bytes
 
 
 def read_hf(path: str | os.PathLike, config_and_location: tuple[Any, HFLocation] | None = None) -> HFModel:
-    """Config, HF-named state dict (dtype as stored; GGUF dequantized to fp32) and tokenizer files.
+    """Config, HF-named lazy tensors (dtype as stored; GGUF dequantized to fp32) and tokenizer files.
 
     `config_and_location`: what `read_hf_config(path)` returned, to skip reading it again."""
     config, loc = config_and_location or read_hf_config(path)
     if loc.gguf_file is not None:
-        state, tokenizer = _read_gguf(loc, config)
+        tensors, tokenizer = _read_gguf(loc, config)
+        state = lazy_state(tensors)
         digest, fmt = sha256_file(loc.directory / loc.gguf_file), "gguf"
         source_path = loc.directory / loc.gguf_file
     else:
         files = _weight_files(loc.directory)
-        state, tokenizer = _load_weights(files), _tokenizer_files(loc.directory)
+        state, tokenizer = _lazy_weights(files), _tokenizer_files(loc.directory)
         digest, fmt = sha256_files(files), files[0].suffix.lstrip(".")
         source_path = loc.directory
     hf_config = config.to_dict()

@@ -161,19 +161,30 @@ def _check_keys(have: set[str], expected: set[str], optional: set[str], what: st
         )
 
 
-def hf_to_tc_state_dict(sd: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
-    """HF `*ForCausalLM` state dict -> HybridLM state dict (vocab rows zero-padded)."""
+def hf_to_tc_names(names: set[str], arch: ArchConfig) -> dict[str, str]:
+    """{HybridLM name: HF name} for an HF `*ForCausalLM` state dict holding `names` (a tied
+    model's `lm_head.weight`, if present, is left out); missing or unexpected names raise."""
     pairs = _name_pairs(arch)
     head = set() if arch.tie_embeddings else {"lm_head.weight"}
     tied_head = {"lm_head.weight"} if arch.tie_embeddings else set()
-    _check_keys(set(sd), {h for h, _ in pairs} | {"model.embed_tokens.weight"} | head, tied_head, "HF state dict")
+    _check_keys(set(names), {h for h, _ in pairs} | {"model.embed_tokens.weight"} | head, tied_head, "HF state dict")
+    out = {tc: hf for hf, tc in pairs}
+    out["embed_tokens.weight"] = "model.embed_tokens.weight"
+    if not arch.tie_embeddings:
+        out["lm_head.weight"] = "lm_head.weight"
+    return out
+
+
+def hf_to_tc_state_dict(sd: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """HF `*ForCausalLM` state dict -> HybridLM state dict (vocab rows zero-padded)."""
+    names = hf_to_tc_names(set(sd), arch)
     embed = sd["model.embed_tokens.weight"]
     if embed.shape[0] != arch.vocab_size:
         raise HFMappingError(f"embed_tokens has {embed.shape[0]} rows but arch.vocab_size is {arch.vocab_size}")
-    out = {tc: sd[hf] for hf, tc in pairs}
-    out["embed_tokens.weight"] = _pad_rows(embed, arch.padded_vocab_size)
-    if not arch.tie_embeddings:
-        out["lm_head.weight"] = _pad_rows(sd["lm_head.weight"], arch.padded_vocab_size)
+    out = {tc: sd[hf] for tc, hf in names.items()}
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = _pad_rows(out[name], arch.padded_vocab_size)
     return out
 
 

@@ -1,4 +1,8 @@
-"""HF model (teacher family, or an exported hybrid student) -> megatron_tc checkpoint."""
+"""HF model (teacher family, or an exported hybrid student) -> megatron_tc checkpoint.
+
+Safetensors sources are converted one tensor at a time: each output shard's tensors are read
+slice by slice from the HF files (`lazy.py`), so the resident memory is bounded by the largest
+tensor of one rank, not by the model."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +14,11 @@ from typing import Any
 import torch
 
 from megatron_tc.convert import layout
-from megatron_tc.convert.checkpoint import StateDict, load_checkpoint, resolve_dtype, save_checkpoint
+from megatron_tc.convert.checkpoint import lazy_checkpoint, resolve_dtype, save_checkpoint
 from megatron_tc.convert.fsutil import check_output_dir
 from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
-from megatron_tc.convert.hf_mapping import arch_from_hf_config, hf_to_tc_state_dict
+from megatron_tc.convert.hf_mapping import HFMappingError, arch_from_hf_config, hf_to_tc_names
+from megatron_tc.convert.lazy_layout import Lazies
 from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
 from megatron_tc.convert.hf_student import arch_of as student_arch
 from megatron_tc.model.config import ArchConfig
@@ -28,8 +33,9 @@ def arch_of_hf_config(config: Any) -> ArchConfig:
     return arch_from_hf_config(config)
 
 
-def hybrid_state_from_hf(model: HFModel) -> tuple[ArchConfig, StateDict]:
-    """(arch, unsharded HybridLM state dict) of a model read by `read_hf`."""
+def hybrid_state_from_hf(model: HFModel) -> tuple[ArchConfig, Lazies]:
+    """(arch, unsharded HybridLM lazy tensors) of a model read by `read_hf`; the vocabulary rows
+    are as the source has them (`save_checkpoint` pads them)."""
     arch = arch_of_hf_config(model.config)
     if model.config.model_type == STUDENT_MODEL_TYPE:
         prefix = "model."
@@ -37,7 +43,11 @@ def hybrid_state_from_hf(model: HFModel) -> tuple[ArchConfig, StateDict]:
         if bad:
             raise ValueError(f"exported student has tensors outside `model.`: {bad[:5]}")
         return arch, {k[len(prefix):]: v for k, v in model.state.items()}
-    return arch, hf_to_tc_state_dict(model.state, arch)
+    names = hf_to_tc_names(set(model.state), arch)
+    rows = model.state["model.embed_tokens.weight"].shape[0]
+    if rows != arch.vocab_size:
+        raise HFMappingError(f"embed_tokens has {rows} rows but arch.vocab_size is {arch.vocab_size}")
+    return arch, {tc: model.state[hf] for tc, hf in names.items()}
 
 
 def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, *,
@@ -66,10 +76,18 @@ def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: in
 
 def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """A single-device `HybridLM` (eval mode) from a megatron_tc checkpoint (every shard verified)."""
+    """A single-device `HybridLM` (eval mode) from a megatron_tc checkpoint (every shard verified).
+
+    Floating weights get `dtype` (default fp32). The model is built on the meta device and each
+    weight is read straight into its final dtype, so the peak memory is the model plus one tensor."""
+    from megatron_tc.convert.hf_student import reset_rope_buffers
     from megatron_tc.model import HybridLM
 
-    arch, state = load_checkpoint(path)
-    model = HybridLM(arch)
-    model.load_state_dict(state, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    info, lazies = lazy_checkpoint(path)
+    with torch.device("meta"):
+        model = HybridLM(info.arch)
+    want = dtype or torch.float32
+    state = {name: lazy.materialize(want if lazy.dtype.is_floating_point else None) for name, lazy in lazies.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    reset_rope_buffers(model)
+    return model.to(device=device).eval()

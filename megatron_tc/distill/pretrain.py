@@ -232,6 +232,7 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
     log.info("pretrain: %s, %.1fM parameters, %d layers, hidden %d", arch.family,
              sum(p.numel() for p in model.parameters()) / 1e6, arch.num_layers, arch.hidden_size)
     ds_config = stage2_deepspeed_config(tcfg, par, ctx.device, str(ctx.paths.tensorboard), model)
+    model.set_activation_checkpointing(cfg.parallel.activation_checkpointing)
     engine = build_student_engine(model, ds_config, par)
     trainer = PretrainTrainer(tcfg, par, engine, None, loader, rows, out_dir, _RenamedTB(ctx.tb), ctx.device,
                               arch.vocab_size, eval_log=out_dir / "eval_log.jsonl")

@@ -514,6 +514,7 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     if ctx.tp_size > 1:
         student, teacher = shard_over_tp(student, teacher, ctx)
     names = select_trainable(student, cfg.distill.stage2.trainable)
+    student.set_activation_checkpointing(cfg.parallel.activation_checkpointing)  # ZeRO-3 path; PP has its own
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
     ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher)

@@ -265,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=Path("docs/results"), help="the curated result files")
     ap.add_argument("--page", type=Path, action="append",
-                    help="a page with marked blocks (repeatable; default docs/results.md, docs/benchmarks.md, docs/data.md, README.md)")
+                    help="a page with marked blocks (repeatable; default every docs/*.md and README.md)")
     ap.add_argument("--assets", type=Path, default=Path("docs/assets"), help="where the figures go")
     ap.add_argument("--no-figures", action="store_true", help="tables only")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is out of date")
     args = ap.parse_args(argv)
-    pages = args.page or [Path("docs/results.md"), Path("docs/benchmarks.md"), Path("docs/data.md"), Path("README.md")]
+    pages = args.page or [*sorted(Path("docs").glob("*.md")), Path("README.md")]
     try:
         generated = blocks(load_results(args.results))
         stale = []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import Attention
 from .cache import HybridCache
@@ -59,6 +60,7 @@ class HybridLM(nn.Module):
     forward(input_ids [B, T]) -> logits [B, T, vocab_size] (padding rows of the vocab are cut).
     Parts for pipeline / stage-1 code: `embed(ids)`, `layers[i](x, position_ids, doc_ids)`,
     `norm`, `logits(h)` (LM head on normed hidden states), `resolve_positions(...)`.
+    `set_activation_checkpointing(True)` recomputes every decoder layer in backward.
     """
 
     def __init__(self, arch: ArchConfig, init_std: float = 0.02) -> None:
@@ -69,7 +71,18 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.norm_eps, arch.norm_unit_offset)
         self.lm_head = None if arch.tie_embeddings else nn.Linear(arch.hidden_size, arch.padded_vocab_size, bias=False)
+        self.activation_checkpointing = False
         self.reset_parameters()
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Keep only each decoder layer's input during a training forward and recompute the layer
+        in backward (`torch.utils.checkpoint`, RNG state preserved), attention and GDN layers
+        alike: activation memory falls from every layer's intermediates to one [B, T, hidden]
+        tensor per layer, for about one more forward. The reentrant form: its recompute is a whole
+        forward and backward of the layer, so ZeRO-3's per-module gather/release hooks pair up
+        (the non-reentrant form stops the recompute early and leaves them unpaired). Applies only
+        when gradients are enabled and no decoding cache is used; the results are unchanged."""
+        self.activation_checkpointing = enabled
 
     # ---- initialization ------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -157,8 +170,14 @@ class HybridLM(nn.Module):
             raise ValueError("doc_ids (packed documents) cannot be combined with a decoding cache")
         position_ids = self.resolve_positions(input_ids, position_ids, doc_ids, cache)
         x = self.embed(input_ids)
+        recompute = getattr(self, "activation_checkpointing", False) and cache is None and torch.is_grad_enabled()
+        if recompute and not x.requires_grad:
+            x.requires_grad_(True)  # frozen embedding: the reentrant recompute needs an input with a gradient
         for layer in self.layers:
-            x = layer(x, position_ids, doc_ids, cache)
+            if recompute:
+                x = checkpoint(layer, x, position_ids, doc_ids, None, use_reentrant=True)
+            else:
+                x = layer(x, position_ids, doc_ids, cache)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         x = self.norm(x)

@@ -148,7 +148,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "save", boom)
+    monkeypatch.setattr(ckpt, "write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save_checkpoint(synthetic_state(arch), arch, tmp_path / "ck")
     assert list(tmp_path.iterdir()) == []

@@ -212,3 +212,27 @@ def tp2_pp2_resume_matches_uninterrupted(rank: int, world_size: int, root: str) 
             assert torch.equal(value, second.student_state[name]), name
     else:
         assert second.student_state is None
+
+
+def activation_checkpointing_equals_plain(rank: int, world_size: int, root: str) -> None:
+    """parallel.activation_checkpointing=true on the ZeRO-3 path (pp = 1), with a frozen embedding
+    (trainable=mixers): every student layer goes through the checkpoint, and the losses and final
+    weights equal the plain run's."""
+    from megatron_tc.model import transformer
+
+    root = Path(root)
+    plain = run_once(root / "plain", 3, distill__stage2__trainable="mixers")
+    calls = []
+    real = transformer.checkpoint
+    transformer.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        ckpt = run_once(root / "ckpt", 3, distill__stage2__trainable="mixers", parallel__activation_checkpointing="true")
+    finally:
+        transformer.checkpoint = real
+    assert len(calls) >= 3 * 2 * 4, f"{len(calls)} checkpointed layer calls"  # steps x micro-batches x layers
+    if rank == 0:
+        a, b = _records(root / "plain/train_log.jsonl"), _records(root / "ckpt/train_log.jsonl")
+        for x, y in zip(a, b):
+            assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (x["loss"], y["loss"])
+        for name, value in plain.student_state.items():
+            torch.testing.assert_close(ckpt.student_state[name], value, rtol=1e-5, atol=1e-6, msg=name)

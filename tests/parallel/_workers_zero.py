@@ -50,7 +50,7 @@ def single_process_run(data, device: str = "cpu", dtype: torch.dtype = torch.flo
     return losses, {k: v.detach().clone() for k, v in student.state_dict().items()}, clipped / len(data)
 
 
-def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
+def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False
               ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """ZeRO-3 over ctx's DP group (TP inside when ctx.tp_size > 1): step losses (averaged over the
     global batch) and the final full student state dict, on every rank."""
@@ -60,6 +60,9 @@ def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
     from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel, gather_full
 
     student, teacher = (apply_tensor_parallel(place(m, device, dtype), ctx) for m in models(ctx.tp_size))
+    student.set_activation_checkpointing(activation_checkpointing)
+    recomputed = []
+    student.layers[0].mixer.register_forward_hook(lambda *_: recomputed.append(torch.is_grad_enabled()))
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
     # the shipped template, with persistence off: this tiny model's tensors would otherwise all
     # stay whole on every rank (below stage3_param_persistence_threshold) and nothing be sharded
@@ -91,6 +94,8 @@ def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
         dist.all_reduce(total, group=ctx.dp_group)
         losses.append(total.item())
     assert engine.global_steps == len(data)
+    forwards = sum(len(step[ctx.dp_rank::ctx.dp_size]) for step in data)
+    assert len(recomputed) == forwards * (2 if activation_checkpointing else 1), "layer 0 ran an unexpected number of times"
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = dict(engine.module.named_parameters())
@@ -104,7 +109,7 @@ def zero3_run(ctx, data, device: str = "cpu", dtype: torch.dtype = torch.float32
     return losses, state
 
 
-def zero3_matches_single_process(rank: int, world_size: int) -> None:
+def zero3_matches_single_process(rank: int, world_size: int, activation_checkpointing: bool = False) -> None:
     data = batches(STEPS, GLOBAL_BATCH, 1, SEQ)  # per step: GLOBAL_BATCH micro-batches of one sequence
     want_losses, want_state, clipped = single_process_run(data)
     assert clipped > 0, "the reference never clipped: gradient clipping would go untested"
@@ -112,10 +117,15 @@ def zero3_matches_single_process(rank: int, world_size: int) -> None:
     ctx = init_parallel(tp=1, pp=1)
     try:
         assert ctx.dp_size == 2
-        losses, got_state = zero3_run(ctx, data)
+        losses, got_state = zero3_run(ctx, data, activation_checkpointing=activation_checkpointing)
         assert_no_live_engines()  # the student's (ZeRO-3 optimizer) and the teacher's (inference) engine
         for got, want in zip(losses, want_losses):
             assert_close(torch.tensor(got), torch.tensor(want), "ZeRO-3 step loss")
         assert_same_weights(got_state, want_state, "ZeRO-3 final")
     finally:
         destroy_parallel()
+
+
+def zero3_with_activation_checkpointing_matches_single_process(rank: int, world_size: int) -> None:
+    """The reference runs without checkpointing; ZeRO-3 recomputes every student layer in backward."""
+    zero3_matches_single_process(rank, world_size, activation_checkpointing=True)

@@ -48,3 +48,9 @@ def test_tp2_pp2_stage2_equals_pp2_and_resumes_exactly(tmp_path):
                  "TP=2 x PP=2 vs PP=2 step losses", 1e-5)
     got, want = torch.load(tmp_path / "full/student.pt"), torch.load(tmp_path / "pp2/student.pt")
     assert_same_weights(got, want, "TP=2 x PP=2 vs PP=2 student")
+
+
+def test_activation_checkpointing_on_the_zero3_path_equals_the_plain_run(tmp_path):
+    """parallel.activation_checkpointing=true with pp = 1 (ZeRO-3, trainable=mixers): every layer is
+    checkpointed and 3 steps give the plain run's losses and weights."""
+    run_distributed(_workers_distill.activation_checkpointing_equals_plain, 2, str(tmp_path), timeout=240)

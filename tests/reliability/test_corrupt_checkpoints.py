@@ -13,6 +13,7 @@ import torch
 
 from megatron_tc.convert import checkpoint as ckpt
 from megatron_tc.convert.errors import CheckpointError
+from megatron_tc.convert.lazy import SafetensorsFile
 from tests.reliability._rundir import Job, checkpoints, teacher_and_student
 
 LAST = ckpt.shard_filename(1, 1)  # the last file load_shards reads
@@ -70,8 +71,8 @@ def test_damaged_checkpoint_is_named_and_nothing_is_loaded(sharded, fault, monke
     damage, message, allowed_loads = FAULTS[fault]
     damage(sharded)
     loads = []
-    real_load_file = ckpt.load_file
-    monkeypatch.setattr(ckpt, "load_file", lambda path, *a, **k: loads.append(path) or real_load_file(path, *a, **k))
+    real_read = SafetensorsFile.read  # every tensor read of a checkpoint goes through it
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, *a: loads.append(self.path) or real_read(self, *a))
     from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
 
     with pytest.raises(CheckpointError, match=message) as err:

@@ -260,8 +260,10 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
         student = HybridLM(arch.with_pattern(quarter_pattern(arch.num_layers)))
     teacher = teacher.to(dtype).eval().requires_grad_(False)
     select_trainable(student, args.trainable)
+    student.set_activation_checkpointing(args.activation_checkpointing)
     base = {"model": name, "mode": "deepspeed-zero3" if ctx is not None else "torch-amp", "B": args.batch, "T": args.seq,
-            "trainable": args.trainable, "student_params_M": sum(p.numel() for p in student.parameters()) / 1e6}
+            "trainable": args.trainable, "student_params_M": sum(p.numel() for p in student.parameters()) / 1e6,
+            "activation_checkpointing": args.activation_checkpointing}
     try:
         report.add("checks", {"model": name, **gradient_check(student, teacher, device, args.check_t)})
     except Exception as exc:
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (kernel compilation)")
     p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
     p.add_argument("--deepspeed", action="store_true", help="student under DeepSpeed ZeRO-3 (one rank)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute every student layer in backward")
     p.add_argument("--deepspeed-config", default=None,
                    help="DeepSpeed JSON instead of configs/deepspeed/zero3.json ('auto' values filled as in stage 2)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
