@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_tc.bench.models import forward_flops

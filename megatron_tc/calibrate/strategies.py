@@ -8,7 +8,7 @@ accumulated by the statistics pass (`stats.collect_readout_stats`) using `closed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch

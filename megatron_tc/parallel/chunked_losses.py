@@ -29,7 +29,7 @@ from torch import Tensor
 
 from megatron_tc.model.fused import with_eager_fallback
 
-from .losses import ProcessGroup, _all_reduce, check_ce_inputs, _fp32_or_wider, _pad_grad, _real_columns, _shard_range
+from .losses import ProcessGroup, _all_reduce, check_ce_inputs, _fp32_or_wider, _real_columns, _shard_range
 
 # logits per chunk: 64M (e.g. 1365 tokens at vocabulary 49152). Compiled (CUDA), a chunk's fp32
 # values live in registers only; eager (CPU, fallback) each fp32 temporary is 256 MiB. Fewer,

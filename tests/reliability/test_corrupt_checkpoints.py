@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_tc.convert import checkpoint as ckpt
 from megatron_tc.convert.errors import CheckpointError

@@ -88,7 +88,7 @@ def test_taylor_decay_and_write_strength_rules_by_hand(setup):
     torch.testing.assert_close(paper_value_scale(torch.tensor([8.0, 1e-3, 1e3]), torch.tensor([1.0, 1.0, 1.0]), 4),
                                torch.tensor([4.0, 0.1, 10.0]))
 
-    teacher, stats = setup[0], setup[1]
+    stats = setup[1]
     student = _student(setup, "taylor")
     for layer in CONVERTED:
         mixer, sums = student.layers[layer].mixer, stats.layer(layer)
@@ -229,7 +229,7 @@ def test_ours_fitted_readout_beats_silence_and_matches_its_sums(setup, init, can
 def test_registry_and_errors(setup):
     with pytest.raises(StrategyError, match="unknown init strategy 'nope'"):
         get_strategy("nope")
-    teacher, stats = setup[0], setup[1]
+    stats = setup[1]
     arch = teacher.arch.with_pattern(PATTERN)
     no_bias = arch.__class__(**{**arch.to_dict(), "gdn_b_bias": False})
     ctx = LayerContext(0, no_bias, dict(teacher.layers[0].mixer.state_dict()), default_gdn_state(no_bias, 0), stats)
@@ -243,7 +243,7 @@ def test_ours_aligns_from_the_damped_gate_with_its_own_value_scale(setup):
     """taylor_fit: its own write strength and timescale, the paper's 0.01 W_v gate, and a per-head
     OLS value scale fitted on the read-out of *that* closed form (not the paper's); the fitted gate
     is taylor_fit's closed form only, and `taylor_fit+gatefit` aligns from it."""
-    teacher, stats = setup[0], setup[1]
+    stats = setup[1]
     fit, closed = _student(setup, "taylor_fit"), _student(setup, "taylor_fit-closed")
     assert get_strategy("taylor_fit").align is not None and get_strategy("taylor_fit-closed").align is None
     assert get_strategy("taylor_fit+gatefit").readout_name == "taylor_fit-closed"

@@ -16,7 +16,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_tc.distill.checkpointing import CheckpointError, CheckpointManager, TrainState, atomic_write_text
 from megatron_tc.testing import free_port

@@ -1,5 +1,4 @@
 """Associative-recall probe: prompt construction, exact scoring through both methods, real tiny models."""
-import random
 
 import pytest
 import torch
