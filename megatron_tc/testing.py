@@ -131,3 +131,24 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
             reports.append(f"--- rank {r} exited with code {p.exitcode} without a Python exception")
     if reports:
         raise AssertionError(f"{len(reports)} of {world_size} ranks failed:\n" + "\n".join(reports))
+
+
+def write_tiny_teacher(root, n_docs: int = 40, words_per_doc: tuple[int, int] = (50, 300)):
+    """root/teacher: a random 4-layer Llama (hidden 64) saved as an HF directory with a 320-piece
+    sentencepiece tokenizer trained on synthetic text; root/text: `n_docs` synthetic documents.
+    Returns `root` (a pathlib.Path)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megatron_tc.data.synthetic import train_tiny_tokenizer, write_synthetic_corpus
+
+    root = Path(root)
+    tok = AutoTokenizer.from_pretrained(str(train_tiny_tokenizer(root / "teacher", vocab_size=320)))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(root / "teacher"))
+    write_synthetic_corpus(root / "text", n_docs=n_docs, words_per_doc=words_per_doc)
+    return root

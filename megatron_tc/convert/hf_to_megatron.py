@@ -80,8 +80,8 @@ def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",
 
     Floating weights get `dtype` (default fp32). The model is built on the meta device and each
     weight is read straight into its final dtype, so the peak memory is the model plus one tensor."""
-    from megatron_tc.convert.hf_student import reset_rope_buffers
     from megatron_tc.model import HybridLM
+    from megatron_tc.model.attention import Attention
 
     info, lazies = lazy_checkpoint(path)
     with torch.device("meta"):
@@ -89,5 +89,7 @@ def load_hybrid_lm(path: str | os.PathLike, device: str | torch.device = "cpu",
     want = dtype or torch.float32
     state = {name: lazy.materialize(want if lazy.dtype.is_floating_point else None) for name, lazy in lazies.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    reset_rope_buffers(model)
+    for layer in model.layers:  # RoPE tables are buffers, not weights: recomputed (fp32) off the meta device
+        if isinstance(layer.mixer, Attention):
+            layer.mixer.rope.reset_buffers(layer.mixer.q_proj.weight.device)
     return model.to(device=device).eval()

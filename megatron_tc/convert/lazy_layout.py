@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron_tc.convert.errors import ConversionError
 from megatron_tc.convert.layout import (
-    _LAYER_RE, _MEGATRON_LAYER_RE, _QKV_PARTS, EMBED, FINAL_NORM, HEAD, REPLICATED, ROWS, _layer_table, check_tp,
+    _MEGATRON_LAYER_RE, _QKV_PARTS, EMBED, FINAL_NORM, HEAD, REPLICATED, ROWS, _group_layers, _layer_table, check_tp,
     stage_ranges,
 )
 from megatron_tc.convert.lazy import Cat, LazyTensor, Replicated, Zeros
@@ -67,14 +67,7 @@ def shard_lazy(state: Lazies, arch: ArchConfig, tp: int, pp: int) -> dict[tuple[
     if arch.padded_vocab_size % tp:
         raise ConversionError(f"padded_vocab_size={arch.padded_vocab_size} is not divisible by tp={tp}")
     stages = stage_ranges(arch, pp)
-    layers: dict[int, Lazies] = {}
-    top: Lazies = {}
-    for name, tensor in state.items():
-        match = _LAYER_RE.match(name)
-        if match:
-            layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-        else:
-            top[name] = tensor
+    layers, top = _group_layers(state)
     if sorted(layers) != list(range(arch.num_layers)):
         raise ConversionError(f"state dict has layers {sorted(layers)}, architecture needs 0..{arch.num_layers - 1}")
     shards: dict[tuple[int, int], Lazies] = {(t, p): {} for t in range(tp) for p in range(pp)}

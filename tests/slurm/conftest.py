@@ -34,17 +34,6 @@ def slurm_cluster() -> None:
 @pytest.fixture(scope="module")
 def tiny_assets(tmp_path_factory, slurm_cluster):
     """A tiny random Llama teacher (HF directory with a sentencepiece tokenizer) and a text corpus."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from megatron_tc.testing import write_tiny_teacher
 
-    from megatron_tc.data.synthetic import train_tiny_tokenizer, write_synthetic_corpus
-
-    root = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(str(train_tiny_tokenizer(root / "teacher", vocab_size=320)))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(str(root / "teacher"))
-    write_synthetic_corpus(root / "text", n_docs=40, words_per_doc=(50, 300))
-    return root
+    return write_tiny_teacher(tmp_path_factory.mktemp("tiny"), n_docs=40, words_per_doc=(50, 300))
