@@ -471,7 +471,7 @@ register("taylor_fit-heldout", lambda: TaylorFit(name="taylor_fit-heldout", read
 register("taylor_fit-align", lambda: TaylorFit(name="taylor_fit-align", readout_key="taylor_fit", align=replace(PAPER_ALIGN)))
 register("taylor_fit-init", lambda: Taylor(name="taylor_fit-init", readout_key="taylor", align=replace(TAYLOR_FIT_ALIGN),
                                           description="the authors' closed form aligned as taylor_fit"))
-# aligned from the fitted gate (taylor_fit until 2026-11-30), and that without the mean-input candidates
+# aligned from the fitted gate, and that without the mean-input candidates
 register("taylor_fit+gatefit", lambda: TaylorFit(name="taylor_fit+gatefit", gate_fit=True, readout_key=_FITTED_GATE,
                                                  align=replace(TAYLOR_FIT_ALIGN)))
 register("taylor_fit-meangate", lambda: TaylorFit(name="taylor_fit-meangate", gate_fit=True, mean_gate=False,

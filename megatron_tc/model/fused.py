@@ -88,7 +88,7 @@ def aligned(args: tuple) -> tuple:
     has seen them aligned at compile time. ZeRO-3 hands out parameters as views into its gathered
     flat buffer, packed end to end: after SmolLM2's nine-head A_log (18 bytes in bf16) every view
     is misaligned, which the 1.1B model (sizes all multiples of 8) never shows, and only SmolLM2's
-    compiled ZeRO-3 step died with CUDA "misaligned address" (2026-11-29, H200). Suspected, not yet
+    compiled ZeRO-3 step died with CUDA "misaligned address" (H200). Suspected, not yet
     confirmed as the cause (tests/gpu/test_fused_model_cuda.py). Aligned tensors pass through
     untouched; the copies are of the small parameters that follow such odd sizes."""
     if not any(isinstance(a, torch.Tensor) and a.data_ptr() % ALIGNMENT_BYTES for a in args):

@@ -43,7 +43,7 @@ TP_RATIO = 3.0
 TENSOR_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # A tensor of a few elements (A_log, dt_bias: one per head) averages nothing: in bf16 its gradient is
 # a sum over every token with cancellation, and the two runs' roundings land where they land. On two
-# H200s (2026-11-29) TP=2's A_log gradient (4 heads) was 0.177 from fp64 where one GPU's was 0.0517
+# H200s, TP=2's A_log gradient (4 heads) was 0.177 from fp64 where one GPU's was 0.0517
 # (ratio 3.4; on CPU-gloo below 2). Bugs stay visible above this floor: a missing reduction halves a
 # gradient (error 0.5), a head swap or wrong sign gives 1-2.
 SMALL_TENSOR, SMALL_TENSOR_FLOOR_BF16 = 16, 0.2
@@ -61,7 +61,7 @@ def exact_numerics(device: str) -> None:
     if device == "cpu":  # the workers also run on CPU/gloo (a dry run of this suite's logic)
         return
     # Deterministic kernels where torch has them (cuBLAS needs its workspace setting before the first
-    # GEMM): on 2026-11-29 the same one-GPU fp32 run gave different losses on GPU 0 and GPU 1
+    # GEMM): the same one-GPU fp32 run gave different losses on GPU 0 and GPU 1
     # (1.34e-6 vs 5.74e-7 from fp64), and the reference must not move between runs.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Triton kernels (fla's, if a test uses them) multiply fp32 in TF32 unless told otherwise; fla's
@@ -201,7 +201,7 @@ def tp2_matches_one_gpu(rank: int, world_size: int, device: str = "cuda") -> Non
 # ---- PP = 2 -------------------------------------------------------------------------------------
 def _pp2_fp32_like_one_gpu(rank, what, pp_rank, device, got_l, one_l, trained, single, exact) -> None:
     """fp32 PP=2 against one GPU. On CPU-gloo the two agree within 1e-5. On two H200s they do not
-    (2026-11-29 and twice on 2026-11-30, the same numbers each time: losses 1.07e-5 and stage-0
+    (three runs, the same numbers each time: losses 1.07e-5 and stage-0
     weights 1.9e-4 apart, the one-GPU run itself 2.3e-5 / 6.0e-5 from fp64), with TF32 off, the GDN
     op on the PyTorch 'chunk' path (`place`) and deterministic kernels. Not traced; what fits: GEMMs
     of the two runs round differently at ~1e-7 (kernel choice per device and per buffer, another

@@ -37,7 +37,7 @@ def test_stats_with_teacher_on_gpu_dp2_equal_cpu_single_process(tmp_path):
     assert got.meta["tokens"] == ref.meta["tokens"] == 96
     for key, want in ref.sums.items():
         # 1e-4 relative, plus 1e-5 absolute for sums of many terms near 0 such as `conc` (1 - entropy /
-        # log(n) per row, each rounded at fp32's ~1e-7 of 1): on two H200s (2026-11-29) its GPU sum
+        # log(n) per row, each rounded at fp32's ~1e-7 of 1): on two H200s its GPU sum
         # was 1.19e-6 from the CPU's (3.3e-4 of its 3.6e-3). A row counted twice or lost moves a sum by
         # a quarter here (4 rows).
         err = float((got.sums[key] - want).abs().max())

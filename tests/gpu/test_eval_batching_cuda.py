@@ -1,7 +1,7 @@
 """Batched evaluation on CUDA (`eval.batch_size`, megatron_tc.distill.evaluation.score_rows): 16
 windows per forward score what one window per forward scores, in fp32 and bf16, with the GDN
 layers on fla. On CPU the two are bitwise equal (tests/unit/test_eval_batched_windows.py, and a
-6.3M-parameter teacher on 65k tokens in bf16, 2026-11-30); on the GPU, GEMMs of another row count
+6.3M-parameter teacher on 65k tokens in bf16); on the GPU, GEMMs of another row count
 may pick other kernels, so the bound is a rounding-level one: a window mixed up with another, or
 attention across the windows of a batch, moves perplexity by far more than 1e-3.
 

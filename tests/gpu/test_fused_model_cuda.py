@@ -37,7 +37,7 @@ def forward_backward(model, ids):
 
 
 # (hidden, heads, KV heads, MLP): a tiny shape, and SmolLM2-135M's widths (9 heads: the GDN gates are
-# 9 wide; its ZeRO-3 step with these blocks compiled died of "misaligned address" on 2026-11-29)
+# 9 wide; its ZeRO-3 step with these blocks compiled died of "misaligned address" once)
 SHAPES = {"tiny": (128, 2, 1, 256), "smollm2_widths": (576, 9, 3, 1536)}
 
 
@@ -69,7 +69,7 @@ def test_compiled_blocks_match_eager(dtype, shape, monkeypatch):
         return
     # bf16: fusing rounds a few intermediates differently (reduction order inside RMSNorm, fp32
     # registers in the backward). Against the fp32 model, the fused run must be as accurate as the
-    # eager one, and the two may differ by less than bf16 itself moves them (2026-11-29, H200, the
+    # eager one, and the two may differ by less than bf16 itself moves them (H200, the
     # SmolLM2 widths: compiled vs eager logits 7.2e-3, where a fixed 5e-3 had been guessed on CPU).
     eager_logit_err, eager_grad_err = rel(want_logits, fp32_logits), global_rel(want, fp32)
     print(f"bf16 vs fp32: eager logits {eager_logit_err:.1e} (compiled {rel(got_logits, fp32_logits):.1e}), "
@@ -91,7 +91,7 @@ def global_rel(got: dict, want: dict) -> float:
 
 # Each block alone at the shapes of tools/bench/train.py's SmolLM2 step ([8, 2048] tokens), compiled vs
 # eager, forward and backward, in a fresh process with synchronous launches: a kernel that faults
-# (2026-11-29: "misaligned address" in that step, somewhere before the MLP) is then named by its
+# ("misaligned address" in that step, somewhere before the MLP) is then named by its
 # block, and the CUDA context it corrupts is not this process's.
 BLOCK_CASES = {
     "rms_norm": "args = (rnd(8, 2048, 576), (1 + 0.1 * rnd(576)), 1e-5, False)",
@@ -143,7 +143,7 @@ def test_each_compiled_block_at_the_smollm2_bench_shapes(name):
 # boundary. The first call compiles with aligned parameters, the second passes the misaligned ones.
 # `MODE=raw` calls torch.compile(fn) itself (what fused() did before it copied such tensors): run by
 # hand, it says whether inductor faults on them. Suspected cause of the SmolLM2 ZeRO-3 step's
-# "misaligned address" (2026-11-29), not confirmed: plain views (not Parameters) ran fine raw.
+# "misaligned address", not confirmed: plain views (not Parameters) ran fine raw.
 MISALIGNED_SCRIPT = """
 import os, torch
 from megatron_tc.model import fused

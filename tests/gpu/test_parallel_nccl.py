@@ -9,7 +9,7 @@ bf16 (and fp32 too) must be at most 2x (TP: 3x) as far from an fp64 run as
 the one-GPU run of the same precision is, plus a floor (tests/gpu/_workers_nccl.py says why).
 GDN uses the pure-PyTorch 'chunk' kernel and the element-wise blocks run eagerly here (fla and the
 compiled blocks take ~1 min per shape to compile; both are tested against these paths elsewhere).
-Wall time on 2 H200s (2026-11-29, blocks still compiled then): 70-90 s per test; about 5 minutes in all.
+Wall time on 2 H200s: 70-90 s per test; about 5 minutes in all.
 
 Run on a GPU machine, with NVLink multicast off:
   export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -103,7 +103,7 @@ def tensor_parallel(rank: int, world_size: int, root: str) -> None:
 def stage1_bf16_with_fp32_teacher(rank: int, world_size: int, root: str) -> None:
     """run.precision=bf16: the engine's mixers are bf16 while stage 1's teacher stays fp32 (its
     targets keep full precision), so the captured inputs must be cast to the engine's dtype
-    (a crash on the first GPU smoke run, 2026-11-29). bf16 is switched on for CUDA only, so the
+    (a crash on the first GPU smoke run). bf16 is switched on for CUDA only, so the
     engine's config is forced to bf16 here: DeepSpeed's bf16 ZeRO runs on CPU too."""
     import megatron_tc.distill.stage2 as stage2_module
     from megatron_tc.data.loader import DistributedBatchLoader

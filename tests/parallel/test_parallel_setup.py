@@ -95,7 +95,7 @@ def test_teacher_activations_cross_stages_as_bits_exactly(dtype):
     x = torch.randn(2, 4, 3).to(dtype).transpose(1, 2)  # not contiguous, as a layer's output may be
     bits = pipe.pack(x)
     assert not bits.is_floating_point() and not bits.requires_grad
-    # NCCL sends no int16 (2026-11-30, H200: the bf16 pipeline failed on it): one of the types it sends
+    # NCCL sends no int16 (H200: the bf16 pipeline failed on it): one of the types it sends
     assert bits.dtype in (torch.int8, torch.uint8, torch.int32, torch.int64)
     assert torch.equal(pipe.unpack(bits), x)
     with pytest.raises(TypeError, match="fp32 or bf16"):

@@ -9,11 +9,11 @@ the CUDA cases (GPU machine) check the same on a real accelerator:
   within 1% of what alignment moved each tensor (`student_mismatches` says why);
 - "cuda-fla": what calibration runs by default on a GPU (fla's kernels, compiled blocks). fla's
   Triton kernels multiply fp32 in TF32, and Adam turns small relative differences of tiny gradients
-  into full steps (2026-11-29, H200: A_log of the aligned layer off by more than 1e-3 relative), so
+  into full steps (H200: A_log of the aligned layer off by more than 1e-3 relative), so
   this case compares the statistics and the alignment losses, not the trained weights.
 On CUDA the statistics are judged against an fp64 run of the same pass, every mismatch listed:
 `conc` (1 - entropy / log n) cancels digits, so its fp32 rounding error is already 7e-5 relative on
-the CPU, and the GPU's online-softmax entropy rounds differently (H200, 2026-11-30: 1.3e-6 absolute
+the CPU, and the GPU's online-softmax entropy rounds differently (H200: 1.3e-6 absolute
 off the CPU's fp32 value, 5e-4 relative).
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def stats_mismatches(got: dict, cpu: dict, fp64: dict, exact: bool) -> list[str]
     """On the CPU the sums equal the reference run's bit for bit. Elsewhere each sum is at most 4x
     as far from the fp64 run as the CPU's fp32 sum is, plus 1e-6 relative (a wrong device, a lost
     batch or a mixed-up head gives errors of order 1). `conc` = 1 - H / log n with H / log n near 1
-    cancels digits (H200, 2026-11-30: 5-18x the CPU's relative error, 1e-8 of the H / log n sum)."""
+    cancels digits (H200: 5-18x the CPU's relative error, 1e-8 of the H / log n sum)."""
     bad = []
     for key, want in cpu.items():
         if exact:
@@ -93,7 +93,7 @@ def student_mismatches(got: dict, want: dict, untrained: dict, exact: bool) -> l
     """On the CPU the trained student equals the reference run's bit for bit. Elsewhere each tensor
     alignment moved must land within 1% of that move (|got - want| <= 0.01 |want - untrained|) and
     the others within 1e-6 relative. AdamW's early steps are lr * sign(g), so rounding noise of tiny
-    gradients moves single elements by full steps: H200, 2026-11-30: g_proj off by 5.8e-5 of its
+    gradients moves single elements by full steps: H200: g_proj off by 5.8e-5 of its
     move, which an element-wise 1e-5 bound rejected. Real errors move whole tensors: measured on CPU,
     one calibration row lost gives 0.7-1.8x the move, lr_proj 2e-3 instead of 3e-3 gives 0.33-1.03x."""
     bad = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Write the offline inputs of configs/gpu_smoke.yaml into a git-ignored folder (default .gpudata/),
-small enough to carry to a machine without internet (about 21 MB):
+small enough to copy to a machine without internet (about 21 MB):
 
     python tools/bench/prepare_smoke.py [--out .gpudata] [--force]
 
