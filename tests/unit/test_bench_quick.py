@@ -38,7 +38,7 @@ def test_matmul_params_match_the_model():
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head = arch.vocab_size * arch.hidden_size if arch.tie_embeddings else 0
     assert matmul_params(arch) == linear + head
-    assert arch.layer_pattern == "GGGA"  # uniform keeps the last layer
+    assert arch.layer_pattern == "AGGG"  # uniform keeps layer 0 and every k-th
 
 
 def test_bench_gdn_quick(tmp_path):

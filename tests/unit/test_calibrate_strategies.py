@@ -194,7 +194,7 @@ def test_value_grid_interpolation_is_close_to_the_direct_sum():
 
 
 @torch.no_grad()
-def test_ours_sets_mean_write_strength_on_calibration_data(setup):
+def test_taylor_fit_sets_mean_write_strength_on_calibration_data(setup):
     stats, io = setup[1], setup[3]
     student = _student(setup, "taylor_fit")
     for layer in CONVERTED:
@@ -207,7 +207,7 @@ def test_ours_sets_mean_write_strength_on_calibration_data(setup):
 
 
 @pytest.mark.parametrize("init,candidates", [("taylor_fit-closed", 8), ("taylor_fit-meangate", 5)])
-def test_ours_fitted_readout_beats_silence_and_matches_its_sums(setup, init, candidates):
+def test_taylor_fit_fitted_readout_beats_silence_and_matches_its_sums(setup, init, candidates):
     """taylor_fit's closed form: 5 γ W_v candidates + 3 near-constant mean-input gates; the ablation without
     the mean gates reuses the first 5 candidates' sums."""
     stats, io = setup[1], setup[3]
@@ -229,7 +229,7 @@ def test_ours_fitted_readout_beats_silence_and_matches_its_sums(setup, init, can
 def test_registry_and_errors(setup):
     with pytest.raises(StrategyError, match="unknown init strategy 'nope'"):
         get_strategy("nope")
-    stats = setup[1]
+    teacher, stats = setup[0], setup[1]
     arch = teacher.arch.with_pattern(PATTERN)
     no_bias = arch.__class__(**{**arch.to_dict(), "gdn_b_bias": False})
     ctx = LayerContext(0, no_bias, dict(teacher.layers[0].mixer.state_dict()), default_gdn_state(no_bias, 0), stats)
@@ -239,11 +239,11 @@ def test_registry_and_errors(setup):
         build_student(teacher, PATTERN, "taylor", None)
 
 
-def test_ours_aligns_from_the_damped_gate_with_its_own_value_scale(setup):
+def test_taylor_fit_aligns_from_the_damped_gate_with_its_own_value_scale(setup):
     """taylor_fit: its own write strength and timescale, the paper's 0.01 W_v gate, and a per-head
     OLS value scale fitted on the read-out of *that* closed form (not the paper's); the fitted gate
     is taylor_fit's closed form only, and `taylor_fit+gatefit` aligns from it."""
-    stats = setup[1]
+    teacher, stats = setup[0], setup[1]
     fit, closed = _student(setup, "taylor_fit"), _student(setup, "taylor_fit-closed")
     assert get_strategy("taylor_fit").align is not None and get_strategy("taylor_fit-closed").align is None
     assert get_strategy("taylor_fit+gatefit").readout_name == "taylor_fit-closed"

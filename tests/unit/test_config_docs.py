@@ -65,7 +65,7 @@ def test_data_section_matches_the_data_pipeline_config():
     pipeline = pytest.importorskip("megatron_tc.data.pipeline")
     shipped = load_config().data
     shared = {f.name for f in dataclasses.fields(pipeline.DataConfig)}
-    ours_dict = dataclasses.asdict(shipped)
-    assert shared <= set(ours_dict), f"config data section lacks {sorted(shared - set(ours_dict))}"
-    built = pipeline.DataConfig.from_dict({k: ours_dict[k] for k in shared})
-    assert dataclasses.asdict(built) == {k: ours_dict[k] for k in shared}
+    shipped_dict = dataclasses.asdict(shipped)
+    assert shared <= set(shipped_dict), f"config data section lacks {sorted(shared - set(shipped_dict))}"
+    built = pipeline.DataConfig.from_dict({k: shipped_dict[k] for k in shared})
+    assert dataclasses.asdict(built) == {k: shipped_dict[k] for k in shared}

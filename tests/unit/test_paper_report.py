@@ -78,8 +78,8 @@ def test_a_longer_naive_run_settles_a_goal_the_budget_left_not_shown(tmp_path):
     assert _load().main(["--runs", str(runs), "--out", str(tmp_path / "out"), "--variant", "taylor_fit"]) == 0
     md = (tmp_path / "out" / "README.md").read_text()
     long_tokens = math.exp(math.log(1e5) + (math.log(100 / 22) / math.log(100 / 21)) * math.log(4.5))
-    ours_tokens = math.exp(math.log(1e3) + (math.log(30 / 22) / math.log(30 / 21)) * math.log(100))
-    expected = f"{long_tokens / ours_tokens:.2f}x"
+    fit_tokens = math.exp(math.log(1e3) + (math.log(30 / 22) / math.log(30 / 21)) * math.log(100))
+    expected = f"{long_tokens / fit_tokens:.2f}x"
     assert expected == "7.85x"
     for how in ("first reach", "reached and stayed"):
         assert (f"- not shown: tokens ({how}) qwen2/uniform 1.10x teacher: taylor_fit vs naive ≥ 1.82x (goal ≥ 10.0x); "
@@ -108,11 +108,11 @@ def test_a_second_seed_beside_the_grid_run(tmp_path):
     assert rows[1][3:6] == ["70 / 55", "21 / 20.5", "0.2100 / 0.2050"]
     assert rows[1][7] == "4k / 2k (2.00x)"
     # the grid's fit reaches 23 on its last segment (30 at 1k -> 21 at 100k; log-log interpolation)
-    ours_grid = math.exp(math.log(1e3) + (math.log(30 / 23) / math.log(30 / 21)) * math.log(100))
+    fit_grid = math.exp(math.log(1e3) + (math.log(30 / 23) / math.log(30 / 21)) * math.log(100))
     spread = next(line for line in section.splitlines() if line.startswith("- qwen2 / uniform: tokens"))
     assert spread.startswith("- qwen2 / uniform: tokens with seed 1 over seed 0 at 1.10x teacher / "
                              "1.15x teacher / 1.25x teacher: taylor_calibrate "), spread
-    assert spread.split("; taylor_fit ")[1].split(" / ")[1] == f"{2000 / ours_grid:.2f}x", spread
+    assert spread.split("; taylor_fit ")[1].split(" / ")[1] == f"{2000 / fit_grid:.2f}x", spread
 
 
 def test_a_third_seed_is_set_against_the_first(tmp_path):
