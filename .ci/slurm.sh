@@ -21,7 +21,8 @@ slurm_install() {
 
 slurm_write_conf() {
   local dir="$1" host cpus mem user
-  host="$(hostname -s)"; cpus="$(nproc)"; user="$(id -un)"
+  # not nproc: it obeys OMP_NUM_THREADS, which .ci/run sets to 1
+  host="$(hostname -s)"; cpus="$(getconf _NPROCESSORS_ONLN)"; user="$(id -un)"
   mem="$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)"
   mkdir -p "$dir/spool/ctld" "$dir/spool/d" "$dir/log" "$dir/run"
   cat >"$dir/slurm.conf" <<CONF

@@ -3,6 +3,7 @@ Debian's slurm-wlm and munge, writes a slurm.conf for the host and starts the da
 (.ci/slurm.sh); elsewhere these tests skip, saying why."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -27,6 +28,8 @@ def _cluster_problem() -> str | None:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> None:
     problem = _cluster_problem()
+    if problem and os.environ.get("MEGATRON_TC_REQUIRE_SLURM") == "1":
+        pytest.fail(f"MEGATRON_TC_REQUIRE_SLURM=1 but {problem}")
     if problem:
         pytest.skip(problem)
 
