@@ -14,6 +14,7 @@ materialized tensor: a deterministic measure of the memory a conversion needs.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from dataclasses import dataclass
@@ -109,16 +110,17 @@ def lazy_state(tensors: dict[str, torch.Tensor]) -> dict[str, "LazyTensor"]:
 
 
 # ---- lazy tensors -------------------------------------------------------------------------------
-class LazyTensor:
+class LazyTensor(abc.ABC):
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    @abc.abstractmethod
     def narrow(self, dim: int, start: int, length: int) -> "LazyTensor":
-        raise NotImplementedError
+        """The slice [start, start + length) of dimension `dim`, still unread."""
 
+    @abc.abstractmethod
     def fill(self, out: torch.Tensor) -> None:
         """Write the values into `out` (same shape; any dtype: values are cast as `Tensor.to` does)."""
-        raise NotImplementedError
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         return _nbytes(self.shape, dtype or self.dtype)

@@ -9,24 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny_teacher_and_text(tmp_path: Path) -> list[str]:
     """A 4-layer random Llama teacher and a synthetic corpus; the distill.py overrides using them."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from megatron_tc.testing import write_tiny_teacher
 
-    from megatron_tc.data.synthetic import train_tiny_tokenizer, write_synthetic_corpus
-
-    tok = AutoTokenizer.from_pretrained(str(train_tiny_tokenizer(tmp_path / "teacher", vocab_size=320)))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(str(tmp_path / "teacher"))
-    write_synthetic_corpus(tmp_path / "text", n_docs=24, words_per_doc=(50, 200))
+    write_tiny_teacher(tmp_path, n_docs=24, words_per_doc=(50, 200))
     return ["configs/tiny.yaml", "run.stages=[convert,select]", f"model.teacher={tmp_path / 'teacher'}",
             f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file"]
 
