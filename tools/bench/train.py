@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.bench.activation_memory import PhasePeaks, layer_saved_bytes  # noqa: E402
 from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, pick_device, rel_err, sync, time_once  # noqa: E402
 from megatron_tc.bench.models import PRESETS, forward_flops, matmul_params, quarter_pattern  # noqa: E402
 from megatron_tc.distill.losses import LossWeights, distill_loss  # noqa: E402
@@ -106,20 +107,30 @@ class Trainer:
             params = [p for p in student.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, phases: PhasePeaks | None = None) -> torch.Tensor:
+        """One step; `phases` (optional) records the peak memory of forward + backward and of the
+        optimizer step (the teacher's logits stay alive through both, as in stage 2)."""
+        if phases is not None:
+            phases.start()
         with torch.no_grad():
             t_logits = self.teacher(ids)
         if self.engine is not None:
             loss, _ = distill_loss(self.engine(ids), t_logits, ids, self.vocab, self.weights, impl=self.loss_impl)
             self.engine.backward(loss)
+            if phases is not None:
+                phases.after_backward()
             self.engine.step()
-            return loss.detach()
-        with torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext():
-            s_logits = self.student(ids)
-        loss, _ = distill_loss(s_logits, t_logits, ids, self.vocab, self.weights, impl=self.loss_impl)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext():
+                s_logits = self.student(ids)
+            loss, _ = distill_loss(s_logits, t_logits, ids, self.vocab, self.weights, impl=self.loss_impl)
+            loss.backward()
+            if phases is not None:
+                phases.after_backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if phases is not None:
+            phases.after_step()
         return loss.detach()
 
 
@@ -235,6 +246,10 @@ def time_steps(trainer: Trainer, make_ids, row: dict, flops: dict, args, device,
                    **{k: v / 1e12 for k, v in flops.items()})
         if device.type == "cuda":
             row["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["peak_reserved_GiB"] = torch.cuda.max_memory_reserved(device) / 2**30
+        phases = PhasePeaks(device)
+        trainer.step(make_ids(), phases)  # one more step, its peaks read per phase
+        row.update(phases.as_gib())
         print(f"{name} ({impl}): {ms:.1f} ms/step, {row['tok_per_s']:.0f} tok/s, MFU {row['mfu']:.3f}", flush=True)
     except Exception as exc:
         row["note"] = f"failed: {type(exc).__name__}"
@@ -252,6 +267,26 @@ def time_steps(trainer: Trainer, make_ids, row: dict, flops: dict, args, device,
             report.error(f"{name} profile ({impl})", exc)
 
 
+def memory_check(arch, student_arch, args, device, report: Report) -> None:
+    """The memory plan of the last timed row against its measured peaks (DeepSpeed runs), and the
+    bytes per token one layer of each kind keeps for backward against the plan's per-layer term."""
+    from megatron_tc.parallel.memory_plan import PlanInput, layer_activation_bytes, plan_memory
+
+    row = report.data["rows"][-1]
+    out = {"model": row["model"], "variant": row["variant"], "measured_peak_GiB": row.get("peak_mem_GiB")}
+    if row["mode"].startswith("deepspeed"):
+        plan = plan_memory(PlanInput(arch, student_arch.layer_pattern, micro_batch_size=args.batch, seq_len=args.seq,
+                                     activation_checkpointing=args.activation_checkpointing, trainable=args.trainable))
+        out.update(plan_GiB=plan["total_gib"], plan_parts_GiB={k: round(v / 2**30, 2) for k, v in plan["bytes"].items()},
+                   **{f"plan_{k}": v for k, v in plan.items() if k.endswith("_phase_gib")})
+        if out["measured_peak_GiB"]:
+            out["plan_error"] = plan["total_gib"] / out["measured_peak_GiB"] - 1
+    for kind in sorted(set(student_arch.layer_kinds)):
+        out[f"layer_{kind}_measured_B_per_token"] = layer_saved_bytes(student_arch, kind, args.batch, args.seq, device)
+        out[f"layer_{kind}_plan_B_per_token"] = layer_activation_bytes(student_arch, kind)
+    report.add("memory", out)
+
+
 def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
     arch = PRESETS[name]()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -265,7 +300,8 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
             "trainable": args.trainable, "student_params_M": sum(p.numel() for p in student.parameters()) / 1e6,
             "activation_checkpointing": args.activation_checkpointing}
     try:
-        report.add("checks", {"model": name, **gradient_check(student, teacher, device, args.check_t)})
+        if args.check_t > 0:
+            report.add("checks", {"model": name, **gradient_check(student, teacher, device, args.check_t)})
     except Exception as exc:
         report.error(f"{name} gradient check", exc)
     try:
@@ -284,6 +320,10 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
                        flops, args, device, peaks, report)
         finally:
             os.environ.pop("MEGATRON_TC_COMPILE", None)
+    try:
+        memory_check(arch, student.arch, args, device, report)
+    except Exception as exc:
+        report.error(f"{name} memory check", exc)
     del trainer, student, teacher
     gc.collect()
     if device.type == "cuda":
@@ -306,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-config", default=None,
                    help="DeepSpeed JSON instead of configs/deepspeed/zero3.json ('auto' values filled as in stage 2)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
-    p.add_argument("--check-t", type=int, default=512)
+    p.add_argument("--check-t", type=int, default=512, help="tokens of the gradient check (0: no check)")
     p.add_argument("--variants", default="before,loss,after",
                    help=f"comma list of {', '.join(VARIANTS)} (see the module docstring); a row each")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, steps=2, warmup=1, check_t=48))
@@ -338,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
           "chunked_vs_reference_grad_rel_err_global", "compiled_vs_eager_loss_rel_err",
           "compiled_vs_eager_grad_rel_err_global"]),
         ("Distillation step", "rows", ["model", "mode", "variant", "loss_impl", "compiled_model", "B", "T", "trainable", "step_ms", "tok_per_s", "tflops", "mfu",
-                                       "flops", "peak_mem_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
+                                       "flops", "peak_mem_GiB", "peak_reserved_GiB", "static_GiB", "fwd_bwd_peak_GiB",
+                                       "step_peak_GiB", "busy_ms", "first_step_ms", "finite", "note"]),
+        ("Memory: plan against measured (GiB; layer bytes per token)", "memory",
+         ["model", "variant", "plan_GiB", "measured_peak_GiB", "plan_error", "layer_A_plan_B_per_token",
+          "layer_A_measured_B_per_token", "layer_G_plan_B_per_token", "layer_G_measured_B_per_token"]),
         ("Profile: top kernels per step", "profile", ["model", "variant", "kernel", "calls", "ms_per_step", "share"]),
     ])
     return 0
