@@ -3,22 +3,33 @@ anything is allocated: in the spirit of DeepSpeed's `estimate_zero3_model_states
 for a teacher and a student together.
 
 Parameter counts come from the model itself (built on the meta device). Per GPU, with P the
-student's parameters and Q its trainable ones (bf16 training, fp32 master weights, AdamW)::
+student's parameters and Q its trainable ones (bf16 training, fp32 master weights, AdamW; Q_r and
+P_r the rank's share after TP x PP)::
 
-    student weights   2 P / (tp pp)            ZeRO-3: / dp, plus the gathered working set
-                                                (two layers' bf16 weights: the one computing
-                                                and the one prefetched)
-    gradients         2 Q / (tp pp)            ZeRO-2/3: / dp
-    optimizer         12 Q / (tp pp)           fp32 master + Adam m and v; ZeRO-1/2/3: / dp;
+    student weights   2 P_r                    ZeRO-3: / dp
+    gathered weights  ZeRO-3: 2 min(P_r, 1e9)  the full bf16 parameters DeepSpeed keeps gathered
+                                                (stage3_max_live_parameters, 1e9 by default)
+    gradients         2 Q_r                    ZeRO-2/3: / dp
+    grad bucket       2 min(Q_r, 5e8)          the reduce bucket DeepSpeed allocates up front
+                                                (`zero_bucket_elements`)
+    optimizer         12 Q_r                   fp32 master + Adam m and v; ZeRO-1/2/3: / dp;
                                                 offload: 0 on the GPU (host memory instead)
-    teacher           2 Q_t / (tp pp)          'engine' (ZeRO-3 inference engine): / dp, plus
-                                                its working set; 'replicated': whole per rank
-    activations       per micro-batch token and layer (bf16): attention or GDN mixer + MLP
-                                                intermediates (`layer_activation_bytes`); with
-                                                checkpointing only the layer input (2 h) is kept
-                                                per layer, plus one layer's intermediates
-    loss buffers      logits of both models over the rank's vocabulary slice: teacher bf16,
-                                                student fp32 and its gradient (4 + 4 + 2 bytes)
+    teacher           2 Q_t,r                  'engine' (ZeRO-3 inference engine): / dp, plus its
+                                                gathered weights; 'replicated': whole per rank
+    activations       per micro-batch token and layer: what the CUDA training path keeps for
+                                                backward (`layer_activation_bytes`); with
+                                                checkpointing only the layer input (2 h) per layer,
+                                                plus one layer's intermediates
+    loss buffers      bf16 logits of both models over the rank's vocabulary slice and the
+                                                student's bf16 logit gradient (2 + 2 + 2 bytes): the
+                                                chunked losses keep no fp32 [tokens, vocab] tensor
+    optimizer step    8 bytes per parameter of one ZeRO-3 sub-group (1e9 by default; ZeRO-0/1/2:
+                                                the whole shard): its fp32 gradient and AdamW's
+                                                sqrt(v) temporary; 0 with the optimizer offloaded
+
+The peak is the larger of two phases, not the sum of every part: forward + backward holds the
+states, the gathered weights, the activations and the loss buffers; the optimizer step holds the
+states, the teacher's logits (alive until the step ends) and the step's fp32 buffers.
 
 Step time: model FLOPs (`megatron_tc.bench.models`: 3 x student forward + teacher forward)
 divided by a sustained rate, the measured stage-2 MFU times the device's measured matmul peak
@@ -37,6 +48,7 @@ from typing import Any
 import torch
 
 from megatron_tc.model.config import ArchConfig
+from megatron_tc.parallel.deepspeed_engine import zero_bucket_elements
 
 GIB = 1024**3
 # stage-2 step on one H200, 1.1B teacher -> quarter-attention hybrid, ZeRO-3, chunked losses
@@ -46,6 +58,9 @@ MEASURED_MFU, MEASURED_PEAK_TFLOPS = 0.545, 708.0
 # collectives, parameters per second a host AdamW step updates per GPU's share, micro-batches per
 # pipeline step
 LINK_GBPS, HOST_ADAM_PARAMS_PER_S, PP_MICRO_BATCHES = 200.0, 1e9, 8
+# DeepSpeed's defaults for what the shipped JSON leaves out: parameters ZeRO-3 keeps gathered
+# (stage3_max_live_parameters) and parameters per optimizer sub-group (sub_group_size)
+ZERO3_LIVE_PARAMETERS, ZERO3_SUB_GROUP = 1_000_000_000, 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -106,54 +121,83 @@ def _counts(arch_json: str, trainable: str) -> tuple[tuple[str, int], ...]:
 
 
 def layer_activation_bytes(arch: ArchConfig, kind: str) -> int:
-    """bf16 bytes one layer keeps for backward, per token: norms' inputs and outputs, the
-    mixer's projections and outputs, the MLP's gate, up, activation and product."""
-    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    """Bytes one layer keeps for backward per token on the CUDA training path (bf16 activations,
+    fla's chunked kernel, the compiled blocks of `model.fused`), its input included:
+
+    norms (each)  input and output (bf16), 1/rms (fp32)
+    attention     roped q and k, v, SDPA's output (o_proj reads it through a view) and its fp32
+                  log-sum-exp per head, the cos / sin tables
+    GDN           q/k/v projections before SiLU; what fla's chunk kernel saves: L2-normed q and k and
+                  v at the query heads, fp32 1/norm of q and k, cumulative decay and beta, the
+                  [chunk] x [chunk] block inverse A per head in bf16; the a / b projections; the
+                  kernel output in fp32 for o_norm, the normed output (fp32), g_proj's output and
+                  the gated output
+    MLP           gate and up projections and their product (the compiled block recomputes SiLU)
+    """
+    h, f, d, heads = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.num_heads
+    q, kv = heads * d, arch.num_kv_heads * d
+    norms = 2 * (2 * 2 * h + 4)
+    mlp = 2 * 3 * f
     if kind == "A":
-        mixer = 2 * h + q + 2 * kv + q + kv + q  # norm in/out, q/k/v, roped q/k, attention output
+        mixer = 2 * (2 * q + 2 * kv) + 4 * heads + 2 * 2 * d
     else:
         kvg = arch.gdn_kv_heads * d
-        mixer = 2 * h + 2 * (q + 2 * kvg) + 2 * q + 4 * q  # norm in/out, q/k/v before and after SiLU, normed q/k, g, o, o_norm, gated
-    mlp = 2 * h + 4 * f
-    return 2 * (mixer + mlp)
+        projections = 2 * (q + 2 * kvg) + 2 * 2 * heads  # q/k/v before SiLU, a and b
+        kernel = 2 * 3 * q + 4 * 4 * heads + 2 * arch.gdn_chunk_size * heads
+        output = 4 * q + 4 * q + 2 * q + 2 * q
+        mixer = projections + kernel + output
+    return norms + mixer + mlp
 
 
 def plan_memory(plan: PlanInput) -> dict[str, Any]:
-    """Bytes per GPU by part, the total and the step model; see the module docstring."""
+    """Bytes per GPU by part, the two phases, the peak (`total_bytes`) and the step model; see the
+    module docstring."""
     check(plan)
     student = plan.teacher.with_pattern(plan.student_pattern)
     counts = parameter_counts(student, plan.trainable)
-    teacher_counts = parameter_counts(plan.teacher)
-    model_split = plan.tp * plan.pp
-    z = plan.zero_stage
-    p, q = counts["total"] / model_split, counts["trainable"] / model_split
-    weights = 2 * p / (plan.dp if z == 3 else 1) + (4 * counts["largest_layer"] / plan.tp if z == 3 else 0)
-    grads = 2 * q / (plan.dp if z >= 2 else 1)
-    optimizer = 0.0 if plan.offload_optimizer else 12 * q / (plan.dp if z >= 1 else 1)
-    t = teacher_counts["total"] / model_split
+    teacher_total = parameter_counts(plan.teacher)["total"] / (plan.tp * plan.pp)
+    p, q = counts["total"] / (plan.tp * plan.pp), counts["trainable"] / (plan.tp * plan.pp)
+    z, dp = plan.zero_stage, plan.dp
+    q_shard = q / (dp if z >= 1 else 1)
     if plan.teacher_mode == "engine":
-        teacher = 2 * t / plan.dp + 4 * teacher_counts["largest_layer"] / plan.tp
+        teacher = 2 * teacher_total / dp + 2 * min(teacher_total, ZERO3_LIVE_PARAMETERS)
     else:
-        teacher = 2 * t
+        teacher = 2 * teacher_total
     tokens = plan.micro_batch_size * plan.seq_len
-    kinds = student.layer_kinds[: -(-student.num_layers // plan.pp)]  # the first (largest) stage
-    per_layer = [layer_activation_bytes(student, k) / plan.tp for k in kinds]
-    if plan.activation_checkpointing:
-        activations = tokens * (2 * student.hidden_size * len(kinds) + max(per_layer))
-    else:
-        activations = tokens * sum(per_layer)
-    activations *= plan.pp if plan.pp > 1 else 1  # 1F1B keeps up to pp micro-batches in flight on stage 0
     vocab = student.vocab_size / plan.tp
-    loss = tokens * vocab * (2 + 4 + 4)
-    parts = {"student_weights": weights, "gradients": grads, "optimizer": optimizer, "teacher": teacher,
-             "activations": activations, "loss_buffers": loss}
-    total = sum(parts.values())
+    parts = {
+        "student_weights": 2 * p / (dp if z == 3 else 1),
+        "gathered_weights": 2 * min(p, ZERO3_LIVE_PARAMETERS) if z == 3 else 0.0,
+        "gradients": 2 * q / (dp if z >= 2 else 1),
+        "grad_bucket": 2 * zero_bucket_elements(int(q_shard)) if z >= 1 else 0.0,
+        "optimizer": 0.0 if plan.offload_optimizer else 12 * q_shard,
+        "teacher": teacher,
+        "activations": activation_bytes(student, plan, tokens),
+        "loss_buffers": tokens * vocab * (2 + 2 + 2),
+        "optimizer_step": 0.0 if plan.offload_optimizer else 8 * (min(q_shard, ZERO3_SUB_GROUP) if z == 3 else q_shard),
+    }
+    static = sum(parts[k] for k in ("student_weights", "gradients", "grad_bucket", "optimizer", "teacher"))
+    phases = {"fwd_bwd": static + parts["gathered_weights"] + parts["activations"] + parts["loss_buffers"],
+              "step": static + 2 * tokens * vocab + parts["optimizer_step"]}
+    total = max(phases.values())
     step = step_model(student, plan.teacher, plan, tokens * plan.dp)
     return {"bytes": {k: int(v) for k, v in parts.items()}, "total_bytes": int(total),
-            "total_gib": round(total / GIB, 2), "host_optimizer_bytes": int(12 * q / plan.dp) if plan.offload_optimizer else 0,
+            "total_gib": round(total / GIB, 2), "peak_phase": max(phases, key=phases.get),
+            **{f"{k}_phase_gib": round(v / GIB, 2) for k, v in phases.items()},
+            "host_optimizer_bytes": int(12 * q_shard) if plan.offload_optimizer else 0,
             "parameters": {"student": counts["total"], "student_trainable": counts["trainable"],
-                           "teacher": teacher_counts["total"]}, **step}
+                           "teacher": parameter_counts(plan.teacher)["total"]}, **step}
+
+
+def activation_bytes(student: ArchConfig, plan: PlanInput, tokens: int) -> float:
+    """Activations the first (largest) pipeline stage keeps at the start of backward."""
+    kinds = student.layer_kinds[: -(-student.num_layers // plan.pp)]
+    per_layer = [layer_activation_bytes(student, k) / plan.tp for k in kinds]
+    if plan.activation_checkpointing:
+        held = tokens * (2 * student.hidden_size * len(kinds) + max(per_layer))
+    else:
+        held = tokens * sum(per_layer)
+    return held * (plan.pp if plan.pp > 1 else 1)  # 1F1B keeps up to pp micro-batches in flight on stage 0
 
 
 def step_model(student: ArchConfig, teacher: ArchConfig, plan: PlanInput, global_tokens: int,

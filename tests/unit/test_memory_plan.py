@@ -1,5 +1,6 @@
 """tools/plan.py's memory plan: parameter counts from the model, ZeRO / TP / checkpointing terms,
-the attention layer's activation bytes against what autograd actually saves, bad layouts."""
+the peak as the larger of two phases, the loss buffers and the attention layer's activation bytes
+against what the loss and the layer actually keep, bad layouts."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,12 @@ def test_zero_stages_shard_what_deepspeed_shards_and_checkpointing_keeps_layer_i
         got = mp.plan_memory(mp.PlanInput(**{**base.__dict__, "dp": 4, "zero_stage": stage}))["bytes"]
         for part in ("optimizer", "gradients"):
             assert got[part] == (plain[part] // 4 if part in sharded else plain[part]), (stage, part)
+        # ZeRO-3 partitions the weights and keeps the full bf16 parameters gathered while they are used
+        assert got["student_weights"] == (plain["student_weights"] // 4 if stage == 3 else plain["student_weights"])
+        assert got["gathered_weights"] == (plain["student_weights"] if stage == 3 else 0)
     offload = mp.plan_memory(mp.PlanInput(**{**base.__dict__, "offload_optimizer": True}))
-    assert offload["bytes"]["optimizer"] == 0 and offload["host_optimizer_bytes"] == plain["optimizer"]
+    assert offload["bytes"]["optimizer"] == offload["bytes"]["optimizer_step"] == 0
+    assert offload["host_optimizer_bytes"] == plain["optimizer"]
     ckpt = mp.plan_memory(mp.PlanInput(**{**base.__dict__, "activation_checkpointing": True}))["bytes"]
     a = arch()
     per_layer = [mp.layer_activation_bytes(a, k) for k in "AGGG"]
@@ -42,26 +47,56 @@ def test_zero_stages_shard_what_deepspeed_shards_and_checkpointing_keeps_layer_i
     assert plain["activations"] == 128 * sum(per_layer)
 
 
-def test_attention_layer_activation_bytes_match_what_autograd_saves():
-    """bf16 training forward of one attention layer on CPU: bytes of the tensors autograd keeps
-    for backward (weights excluded, shared storage counted once) against the plan's formula."""
-    a = arch(num_layers=1)
-    layer = HybridLM(a).to(torch.bfloat16).layers[0]
-    seq = 128
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def test_the_peak_is_the_larger_phase_not_the_sum_of_all_parts():
+    """Forward + backward holds activations and logits, the optimizer step its fp32 buffers; a
+    long sequence peaks in the first, a short one with the same model in the second."""
+    for seq, phase in ((4096, "fwd_bwd"), (8, "step")):
+        got = mp.plan_memory(mp.PlanInput(arch(vocab_size=4096), "AGGG", seq_len=seq))
+        parts = got["bytes"]
+        static = sum(parts[k] for k in ("student_weights", "gradients", "grad_bucket", "optimizer", "teacher"))
+        fwd_bwd = static + parts["gathered_weights"] + parts["activations"] + parts["loss_buffers"]
+        step = static + 2 * seq * 4096 + parts["optimizer_step"]  # the teacher's bf16 logits live until the step ends
+        assert got["peak_phase"] == phase
+        assert abs(got["total_bytes"] - max(fwd_bwd, step)) <= 2 and got["total_bytes"] < sum(parts.values())
+        q = got["parameters"]["student_trainable"]
+        assert parts["optimizer_step"] == 8 * q and parts["optimizer"] == 12 * q  # one sub-group: the whole shard
+
+
+def test_loss_buffers_are_what_the_chunked_kl_keeps():
+    """The plan's 6 bytes per logit: the bf16 logits of both models that the chunked KL saves for
+    backward and the student's logit gradient it writes (no fp32 [tokens, vocab] tensor)."""
+    from megatron_tc.distill.losses import LossWeights, distill_loss
+
+    vocab, b, t = 512, 2, 64
+    student = torch.randn(b, t, vocab, dtype=torch.bfloat16, requires_grad=True)
+    teacher = torch.randn(b, t, vocab, dtype=torch.bfloat16)
     saved: dict[int, int] = {}
 
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
 
-    x = torch.randn(1, seq, a.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, torch.arange(seq)[None], None, None)
-    measured = sum(saved.values()) / seq
-    assert abs(mp.layer_activation_bytes(a, "A") - measured) <= 0.2 * measured
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, _ = distill_loss(student, teacher, torch.randint(0, vocab, (b, t)), vocab, LossWeights(), impl="chunked")
+    loss.backward()
+    held = sum(saved.values()) + student.grad.numel() * student.grad.element_size()
+    planned = mp.plan_memory(mp.PlanInput(arch(vocab_size=vocab), "AGGG", micro_batch_size=b, seq_len=t))
+    assert abs(planned["bytes"]["loss_buffers"] - held) <= 0.03 * held  # the rest: per-token fp32 sums
+
+
+def test_attention_layer_activation_bytes_match_what_autograd_saves(monkeypatch):
+    """bf16 training forward of one attention layer with the compiled blocks (inductor's C++
+    backend here, as on CUDA): bytes of the tensors autograd keeps for backward, the input
+    included, weights excluded, against the plan's per-layer term. The GDN term describes fla's
+    CUDA kernel and is checked on the GPU (tests/gpu/test_memory_plan_cuda.py)."""
+    from megatron_tc.bench.activation_memory import layer_saved_bytes
+    from megatron_tc.model import fused
+
+    monkeypatch.setenv("MEGATRON_TC_COMPILE", "force")
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    a = arch(num_layers=1)
+    measured = layer_saved_bytes(a, "A", 1, 128, torch.device("cpu"))
+    assert abs(mp.layer_activation_bytes(a, "A") - measured) <= 0.02 * measured
 
 
 def test_bad_layouts_are_refused_with_one_line(capsys):
