@@ -2,30 +2,28 @@
 anything is allocated: in the spirit of DeepSpeed's `estimate_zero3_model_states_mem_needs`,
 for a teacher and a student together.
 
-Parameter counts come from the model itself (built on the meta device). Per GPU, with P the
-student's parameters and Q its trainable ones (bf16 training, fp32 master weights, AdamW; Q_r and
-P_r the rank's share after TP x PP)::
+Parameter counts come from the model itself (built on the meta device). Per GPU, with P, Q and
+T the rank's share (after TP x PP) of the student's parameters, its trainable ones and the
+teacher's (bf16 training, fp32 master weights, AdamW)::
 
-    student weights   2 P_r                    ZeRO-3: / dp
-    gathered weights  ZeRO-3: 2 min(P_r, 1e9)  the full bf16 parameters DeepSpeed keeps gathered
-                                                (stage3_max_live_parameters, 1e9 by default)
-    gradients         2 Q_r                    ZeRO-2/3: / dp
-    grad bucket       2 min(Q_r, 5e8)          the reduce bucket DeepSpeed allocates up front
-                                                (`zero_bucket_elements`)
-    optimizer         12 Q_r                   fp32 master + Adam m and v; ZeRO-1/2/3: / dp;
-                                                offload: 0 on the GPU (host memory instead)
-    teacher           2 Q_t,r                  'engine' (ZeRO-3 inference engine): / dp, plus its
-                                                gathered weights; 'replicated': whole per rank
-    activations       per micro-batch token and layer: what the CUDA training path keeps for
-                                                backward (`layer_activation_bytes`); with
-                                                checkpointing only the layer input (2 h) per layer,
-                                                plus one layer's intermediates
-    loss buffers      bf16 logits of both models over the rank's vocabulary slice and the
-                                                student's bf16 logit gradient (2 + 2 + 2 bytes): the
-                                                chunked losses keep no fp32 [tokens, vocab] tensor
-    optimizer step    8 bytes per parameter of one ZeRO-3 sub-group (1e9 by default; ZeRO-0/1/2:
-                                                the whole shard): its fp32 gradient and AdamW's
-                                                sqrt(v) temporary; 0 with the optimizer offloaded
+    student weights    2 P; ZeRO-3: / dp
+    gathered weights   ZeRO-3: 2 min(P, 1e9), the bf16 parameters DeepSpeed keeps gathered
+                       (stage3_max_live_parameters)
+    gradients          2 Q; ZeRO-2/3: / dp
+    grad bucket        ZeRO-1/2/3: 2 min(Q / dp, 5e8), the reduce bucket allocated up front
+                       (`zero_bucket_elements`)
+    optimizer          12 Q (fp32 master, Adam m and v); ZeRO-1/2/3: / dp; offloaded: 0
+    teacher            2 T whole per rank ('replicated'), or 2 T / dp plus its gathered weights
+                       ('engine', a ZeRO-3 inference engine)
+    activations        per micro-batch token and layer, what the CUDA training path keeps for
+                       backward (`layer_activation_bytes`); with checkpointing the layer inputs
+                       (2 h per layer) plus one layer's intermediates
+    loss buffers       6 bytes per logit of the rank's vocabulary slice: both models' bf16 logits
+                       and the student's bf16 logit gradient (the chunked losses keep no fp32
+                       [tokens, vocab] tensor)
+    optimizer step     8 bytes per parameter of one ZeRO-3 sub-group (sub_group_size, 1e9; below
+                       ZeRO-3 the whole shard): its fp32 gradient and AdamW's sqrt(v) temporary;
+                       offloaded: 0
 
 The peak is the larger of two phases, not the sum of every part: forward + backward holds the
 states, the gathered weights, the activations and the loss buffers; the optimizer step holds the

@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for name, value in result["bytes"].items():
+        for name, value in result["bytes"].items():  # parts: the peak is the larger phase, not their sum
             print(f"{name:16s} {value / GIB:8.2f} GiB")
-        print(f"{'total':16s} {result['total_gib']:8.2f} GiB per GPU; step {result['step_tflop']} TFLOP, "
+        phase = {"fwd_bwd": "forward + backward", "step": "the optimizer step"}[result["peak_phase"]]
+        print(f"{'total':16s} {result['total_gib']:8.2f} GiB per GPU at its peak, in {phase} (forward + backward "
+              f"{result['fwd_bwd_phase_gib']:.2f}, step {result['step_phase_gib']:.2f}); step {result['step_tflop']} TFLOP, "
               f"~{result['step_s']} s, ~{result['tokens_per_s']} tokens/s")
     return 0

@@ -28,7 +28,13 @@ tiny-gradient tensor, dt_bias / b_proj.bias, whose per-token terms cancel).
 MFU = model FLOPs per step / step time / measured bf16 matmul rate (8192^3 bf16 product, this
 run). Model FLOPs (megatron_tc/bench/models.py): student 3 x forward (trainable=all; else
 2 x forward + 2 N_trainable per token) + teacher 1 x forward, forward = 2 N per token + causal
-attention 4 H D (T+1)/2 per token and layer + GDN chunk terms; embeddings excluded.
+attention 4 H D (T+1)/2 per token and layer + GDN chunk terms; embeddings excluded; the recompute
+of --activation-checkpointing is not counted.
+
+Memory (CUDA): the allocator's peak (allocated and reserved) over the timed steps; one more step
+with the peak of forward + backward and of the optimizer step read apart; the bytes one layer of
+each kind keeps for backward (`bench.activation_memory`) against the memory plan's per-layer term;
+for --deepspeed runs the plan (`tools/plan.py`) of the same step next to the measured peak.
 """
 from __future__ import annotations
 
