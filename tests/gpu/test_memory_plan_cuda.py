@@ -3,7 +3,7 @@ Gated DeltaNet layer (fla's chunked kernel, compiled blocks, bf16), the bytes a 
 leaves allocated for backward per token, input included.
 
 Run on a GPU machine: `python -m pytest -q tests/gpu/test_memory_plan_cuda.py` (fla compiles its
-kernels for this shape on first use: about 2 minutes on a cold cache).
+forward kernels for this shape on first use, about a minute on a cold cache).
 """
 from __future__ import annotations
 
