@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache_megatron_tc import AttentionLayerCache, GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .gated_delta_megatron_tc import causal_conv, fused_decode_step, gated_delta_rule
+from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, gated_delta_rule
 
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
 # Masked attention on CUDA avoids cuDNN's kernel: it builds a plan per key length (milliseconds of
@@ -26,11 +26,38 @@ MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 class Batch:
     """What every layer needs to know about one forward: offset (tokens already cached), slots
-    [T] (their cache positions), valid [B, T] (False at padding, or None), key_valid [B, L] (or None)."""
+    [T] (their cache positions), valid [B, T] (False at padding, or None), key_valid [B, L] (or None).
+
+    `memo` holds what all layers of one kind share in this forward (RoPE tables, the decoding
+    step's attention bias), computed by the first layer that needs it instead of once per layer."""
 
     def __init__(self, offset: int, slots: torch.Tensor, valid: torch.Tensor | None,
                  key_valid: torch.Tensor | None, kv_len: int | None) -> None:
         self.offset, self.slots, self.valid, self.key_valid, self.kv_len = offset, slots, valid, key_valid, kv_len
+        self.memo: dict = {}
+
+    def shared(self, key, make):
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+
+class Packed:
+    """The concatenation (dim 0) of some parameters, kept for single-matmul decoding and rebuilt
+    whenever one of them is moved, cast or edited in place (their address or version changes).
+    A part given as an int is that many zeros (a missing bias)."""
+
+    def __init__(self) -> None:
+        self.key, self.value = None, None
+
+    def get(self, parts: list) -> torch.Tensor:
+        tensors = [p for p in parts if not isinstance(p, int)]
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
+        if key != self.key:
+            ref = tensors[0]
+            self.value = torch.cat([ref.new_zeros(p) if isinstance(p, int) else p.detach() for p in parts])
+            self.key = key
+        return self.value
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +67,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not self.unit_offset and x.dtype == self.weight.dtype:
+            # one fused kernel (fp32 inside) instead of seven; on CPU the reference rounding order below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
         x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -85,13 +115,34 @@ class Rotary(nn.Module):
         self.reset()
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, D] rotated by positions [B, T]."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] in `dtype` for positions [B, T]."""
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] rotated by positions [B, T]."""
+        return self.rotate(x, *self.tables(positions, x.dtype))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per row: q [B, Hq, 1, D], k, v [B, Hkv, L, D], bias [B or 1, 1, 1, L] (0 where
+    visible, -inf elsewhere) -> o [B, Hq, 1, D]; the query heads of a group read their KV head
+    through a reshape (no K/V copies). Two matmuls and an fp32 softmax, parallel over the L keys:
+    SDPA's fused kernels split the work over queries, and a decoding step has one per head, so a
+    long cache ran on a handful of thread blocks whatever the batch size."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    scores = (q.reshape(b, hkv, hq // hkv, d) * scale) @ k.transpose(-1, -2) + bias  # fp32 [B, Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return (probs @ v).reshape(b, hq, 1, d)
 
 
 class Attention(nn.Module):
@@ -113,6 +164,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, a("norm_eps"), a("norm_unit_offset"))
         else:
             self.q_norm = self.k_norm = None
+        self.packed_qkv, self.packed_bias = Packed(), Packed()
         local = sliding and a("rope_local_theta") is not None
         self.rope = Rotary(self.head_dim, a("rope_local_theta") if local else a("rope_theta"),
                            None if local else a("rope_scaling"))
@@ -120,27 +172,48 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 cache: AttentionLayerCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if t == 1:  # decoding: one matmul for q, k and v
+            weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+            bias = self.packed_bias.get([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) \
+                if self.q_proj.bias is not None else None
+            qkv = F.linear(x, self.packed_qkv.get(weights), bias)
+            q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                 self.kv_heads * self.head_dim], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.heads, self.head_dim)
+        k = k.reshape(b, t, self.kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q.transpose(1, 2), positions), self.rope(k.transpose(1, 2), positions)
+        rope = self.rope  # layers with the same RoPE share its tables within a forward
+        cos, sin = batch.shared(("rope", rope.theta, repr(rope.scaling), x.dtype),
+                                lambda: rope.tables(positions, x.dtype))
+        if t == 1 and self.q_norm is None:  # q and k are neighbours in the packed output: rotate once
+            qk = qkv[..., : (self.heads + self.kv_heads) * self.head_dim].reshape(b, 1, -1, self.head_dim)
+            qk = rope.rotate(qk.transpose(1, 2), cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], 1)
+        else:
+            q, k = rope.rotate(q.transpose(1, 2), cos, sin), rope.rotate(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, batch.offset, batch.slots, batch.kv_len)
         group = self.heads // self.kv_heads
         if batch.key_valid is None and self.window is None and k.shape[2] == t:  # no padding, no past
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+        elif t == 1:
+            length = k.shape[2]
+            bias = batch.shared(("decode_bias", length, self.window), lambda: self.decode_bias(batch, length, x.device))
+            o = decode_attention(q, k, v, bias, self.scale)
         else:
             mask = self.mask(batch, k.shape[2], x.device)  # [B or 1, 1, T, L]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             with sdpa_kernel(MASKED_SDPA_BACKENDS) if x.is_cuda else nullcontext():
-                if t == 1:  # one query per row: group the query heads, no K/V copies
-                    o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, group, self.head_dim), k, v,
-                                                       attn_mask=mask, scale=self.scale).reshape(b, self.heads, 1, -1)
-                else:
-                    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def decode_bias(self, batch: Batch, length: int, device: torch.device) -> torch.Tensor:
+        """The mask of one query per row as an additive fp32 bias [B or 1, 1, 1, L] (0 or -inf)."""
+        return torch.where(self.mask(batch, length, device), 0.0, float("-inf"))
 
     def mask(self, batch: Batch, length: int, device: torch.device) -> torch.Tensor:
         """True where query slot i may see key slot j: j <= i, inside the window, not padding; a
@@ -180,36 +253,27 @@ class GatedDeltaNet(nn.Module):
             for name, channels in (("q", h * d), ("k", self.kv_heads * d), ("v", self.kv_heads * d)):
                 setattr(self, f"{name}_conv1d",
                         nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False))
+        self.packed_proj, self.packed_bias, self.packed_conv = Packed(), Packed(), Packed()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
                 cache: GDNLayerCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        keep = None if batch.valid is None else batch.valid[..., None].to(x.dtype)  # [B, T, 1]
-        qkv, conv_inputs = [], {}
-        for name in ("q", "k", "v"):
-            y = getattr(self, f"{name}_proj")(x)
-            if keep is not None:
-                y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
-            if self.conv_size > 0:
-                past = cache.conv.get(name) if cache is not None and batch.offset > 0 else None
-                y, conv_inputs[name] = causal_conv(y, getattr(self, f"{name}_conv1d").weight, past)
-            else:
-                y = F.silu(y)
-            qkv.append(y.view(b, t, -1, self.head_dim))
-        q, k, v = qkv
-        if self.kv_heads != self.heads:
-            group = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-        a, bb = self.a_proj(x), self.b_proj(x)
         state = cache.state if cache is not None and batch.offset > 0 else None
-        if (t == 1 and x.is_cuda and state is not None and batch.valid is None and not cache.recording
-                and self.backend in ("auto", "fla") and not torch.is_grad_enabled()):
-            out = self.fused_step(x, q, k, v, a, bb, cache, conv_inputs)
-            if out is not None:
-                return out
-        rate = self.A_log.float().clamp(max=MAX_A_LOG).exp()
-        g = (-rate * F.softplus(a.float() + self.dt_bias.float())).clamp(min=MIN_LOG_DECAY)
-        beta = torch.sigmoid(bb.float())
+        if (t == 1 and state is not None and batch.valid is None and not cache.recording
+                and not torch.is_grad_enabled()):
+            return self.decode_step(x, cache)
+        keep = None if batch.valid is None else batch.valid[..., None].to(x.dtype)  # [B, T, 1]
+        y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B, T, C]: q, k, v channels
+        if keep is not None:
+            y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
+        conv_inputs = {}
+        if self.conv_size > 0:  # depthwise: one convolution over the q, k and v channels together
+            past = cache.conv.get("qkv") if cache is not None and batch.offset > 0 else None
+            y, conv_inputs["qkv"] = causal_conv(y, self.conv_weight(), past)
+        else:
+            y = F.silu(y)
+        q, k, v = self.split_heads(y)
+        g, beta = self.gates(self.a_proj(x), self.b_proj(x))
         if batch.valid is not None:  # decay 1 and no write: the state passes a pad unchanged
             g, beta = g * batch.valid[..., None], beta * batch.valid[..., None]
             k, v = k * keep[..., None], v * keep[..., None]
@@ -219,22 +283,60 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             width = self.conv_size - 1
             cache.store(final, {n: c[:, :, c.shape[2] - width:] for n, c in conv_inputs.items()})
-        normed = self.o_norm(o.float())
-        o = (normed * F.silu(self.g_proj(x).float()).view(normed.shape)).to(x.dtype)
-        return self.o_proj(o.reshape(b, t, self.heads * self.head_dim))
+        return self.o_proj(self.gated_norm(o, self.g_proj(x).view(b, t, self.heads, self.head_dim)))
 
+    def decode_step(self, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
+        """x [B, 1, hidden] after a prefill: one matmul for q, k, v, a, b and the output gate, one
+        convolution step, then (CUDA with fla) the fused recurrence and gated norm."""
+        b, h, d = x.shape[0], self.heads, self.head_dim
+        layers = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        biases = [lin.bias if lin.bias is not None else lin.out_features for lin in layers]
+        bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
+        y = F.linear(x, self.packed_proj.get([lin.weight for lin in layers]), bias)
+        y, a, bb, gate = y.split([(h + 2 * self.kv_heads) * d, h, h, h * d], -1)
+        tail = {}
+        if self.conv_size > 0:
+            y, inputs = causal_conv(y, self.conv_weight(), cache.conv["qkv"])
+            tail["qkv"] = inputs[:, :, 1:]
+        else:
+            y = F.silu(y)
+        q, k, v = self.split_heads(y)
+        gate = gate.reshape(b, 1, h, d)
+        if x.is_cuda and self.backend in ("auto", "fla"):
+            fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, cache.state, gate,
+                                      self.o_norm.weight, self.o_norm.eps)
+            if fused is not None:
+                cache.store(fused[1], tail)
+                return self.o_proj(fused[0].reshape(b, 1, h * d))
+        g, beta = self.gates(a, bb)
+        o, final = gated_delta_rule(q, k, v, g, beta, d**-0.5, cache.state, self.chunk, self.backend)
+        cache.store(final, tail)
+        return self.o_proj(self.gated_norm(o, gate))
 
-    def fused_step(self, x, q, k, v, a, bb, cache: GDNLayerCache, conv_inputs) -> torch.Tensor | None:
-        """One decoding token through fla's fused kernels (gates, L2 norm, recurrence; gated norm),
-        or None where they are unavailable."""
-        b, t, _ = x.shape
-        gate = self.g_proj(x).view(b, t, self.heads, self.head_dim)
-        fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, self.head_dim**-0.5, cache.state, gate,
-                                  self.o_norm.weight, self.o_norm.eps)
-        if fused is None:
-            return None
-        cache.store(fused[1], {n: c[:, :, c.shape[2] - (self.conv_size - 1):] for n, c in conv_inputs.items()})
-        return self.o_proj(fused[0].reshape(b, t, self.heads * self.head_dim))
+    def conv_weight(self) -> torch.Tensor:
+        """The q, k and v convolution weights as one [C, 1, K]."""
+        return self.packed_conv.get([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+
+    def split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """y [B, T, C] (q, k, v channels) -> q, k, v [B, T, H, D] (k and v expanded to H heads)."""
+        b, t, _ = y.shape
+        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in y.split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1))
+        if self.kv_heads != self.heads:
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        return q, k, v
+
+    def gates(self, a: torch.Tensor, bb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32 [B, T, H]."""
+        rate = self.A_log.float().clamp(max=MAX_A_LOG).exp()
+        g = (-rate * F.softplus(a.float() + self.dt_bias.float())).clamp(min=MIN_LOG_DECAY)
+        return g, torch.sigmoid(bb.float())
+
+    def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) * SiLU(gate) in fp32, o and gate [B, T, H, D] -> [B, T, H * D] in gate's dtype."""
+        b, t = gate.shape[:2]
+        return (self.o_norm(o.float()) * F.silu(gate.float())).to(gate.dtype).reshape(b, t, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -250,11 +352,28 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(a("hidden_size"), a("intermediate_size"), a("mlp_activation"))
         self.post_mlp_norm = norm() if a("sandwich_norm") else None
 
-    def forward(self, x, positions, batch, cache):
-        h = self.mixer(self.input_norm(x), positions, batch, cache)
-        x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
-        h = self.mlp(self.pre_mlp_norm(x))
-        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
+    def forward(self, x, pending, positions, batch, cache):
+        """x [B, T, hidden] and the previous layer's MLP branch `pending` (None in the first layer),
+        added here so that the add and this layer's input norm are one kernel where fla has it
+        -> (x, this layer's MLP branch)."""
+        normed, x = add_norm(x, pending, self.input_norm)
+        h = self.mixer(normed, positions, batch, cache)
+        normed, x = add_norm(x, h if self.post_attn_norm is None else self.post_attn_norm(h), self.pre_mlp_norm)
+        h = self.mlp(normed)
+        return x, (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
+
+
+def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel for inference on CUDA."""
+    if h is None:
+        return norm(x), x
+    if (x.is_cuda and not norm.unit_offset and not torch.is_grad_enabled()
+            and x.dtype == h.dtype == norm.weight.dtype):
+        fused = fla_op("rms_norm", h, norm.weight, None, residual=x, eps=norm.eps, prenorm=True)
+        if fused is not None:
+            return fused
+    x = x + h
+    return norm(x), x
 
 
 class GatedMLP(nn.Module):
@@ -266,9 +385,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation != "silu":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        act = fla_op("swiglu", gate, up) if x.is_cuda and not torch.is_grad_enabled() else None
+        return self.down_proj(act if act is not None else F.silu(gate) * up)
 
 
 class HybridModel(nn.Module):
@@ -289,9 +410,12 @@ class HybridModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, batch, cache.layers[i] if cache is not None else None)
-        x = self.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
+            x, pending = layer(x, pending, positions, batch, cache.layers[i] if cache is not None else None)
+        if logits_to_keep:
+            x, pending = x[:, -logits_to_keep:], pending[:, -logits_to_keep:]
+        x, _ = add_norm(x, pending, self.norm)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = x @ weight[: self.vocab_size].t()
         if self.softcap is not None:

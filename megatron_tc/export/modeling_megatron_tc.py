@@ -172,7 +172,8 @@ class DecodeGraph:
 
     Inputs are copied into fixed buffers (token, position, cache slot, key mask) before each
     replay; the attention layers attend over every slot of the static buffers, hidden by the mask
-    where a slot is in the future or padding."""
+    where a slot is in the future or padding. What the layers share within a step (RoPE tables, the
+    attention bias) is computed inside the graph, from those buffers, once per replay."""
 
     def __init__(self, model: MegatronTCForCausalLM, cache: MegatronTCCache, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None) -> None:
@@ -183,18 +184,21 @@ class DecodeGraph:
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
         self.stage(input_ids, attention_mask, cache.seen)
-        batch = Batch(cache.seen, self.slots, None, self.key_valid, None)
+
+        def step() -> Batch:  # a fresh Batch (its memo empty) for the warm-up and for the capture
+            return Batch(cache.seen, self.slots, None, self.key_valid, None)
+
         states = [x for layer in cache.layers if isinstance(layer, GDNLayerCache) for x in layer.tensors().values()]
         saved = [x.clone() for x in states]
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
-                model.model(self.ids, self.positions, batch, cache)
+                model.model(self.ids, self.positions, step(), cache)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = model.model(self.ids, self.positions, batch, cache)
+                self.logits = model.model(self.ids, self.positions, step(), cache)
         finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
             torch.cuda.synchronize()
             for x, before in zip(states, saved):
