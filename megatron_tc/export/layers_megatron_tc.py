@@ -253,6 +253,7 @@ class GatedDeltaNet(nn.Module):
             for name, channels in (("q", h * d), ("k", self.kv_heads * d), ("v", self.kv_heads * d)):
                 setattr(self, f"{name}_conv1d",
                         nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False))
+        self.qkv_channels = [h * d, self.kv_heads * d, self.kv_heads * d]
         self.packed_proj, self.packed_bias, self.packed_conv = Packed(), Packed(), Packed()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch,
@@ -263,26 +264,31 @@ class GatedDeltaNet(nn.Module):
                 and not torch.is_grad_enabled()):
             return self.decode_step(x, cache)
         keep = None if batch.valid is None else batch.valid[..., None].to(x.dtype)  # [B, T, 1]
-        y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B, T, C]: q, k, v channels
-        if keep is not None:
-            y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
-        conv_inputs = {}
-        if self.conv_size > 0:  # depthwise: one convolution over the q, k and v channels together
-            past = cache.conv.get("qkv") if cache is not None and batch.offset > 0 else None
-            y, conv_inputs["qkv"] = causal_conv(y, self.conv_weight(), past)
-        else:
-            y = F.silu(y)
-        q, k, v = self.split_heads(y)
+        past = cache.conv.get("qkv") if cache is not None and batch.offset > 0 and self.conv_size > 0 else None
+        pasts = past.split(self.qkv_channels, 1) if past is not None else (None,) * 3
+        qkv, conv_inputs = [], []
+        for name, before in zip("qkv", pasts):
+            y = getattr(self, f"{name}_proj")(x)
+            if keep is not None:
+                y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
+            if self.conv_size > 0:
+                y, inputs = causal_conv(y, getattr(self, f"{name}_conv1d").weight, before)
+                conv_inputs.append(inputs)
+            else:
+                y = F.silu(y)
+            qkv.append(y)
+        q, k, v = self.heads_of(*qkv)
         g, beta = self.gates(self.a_proj(x), self.b_proj(x))
         if batch.valid is not None:  # decay 1 and no write: the state passes a pad unchanged
             g, beta = g * batch.valid[..., None], beta * batch.valid[..., None]
             k, v = k * keep[..., None], v * keep[..., None]
-        if cache is not None:
-            cache.remember(conv_inputs, k, v, g, beta)
+        if cache is not None and cache.recording:  # the cache keeps q/k/v conv inputs as one tensor
+            cache.remember({"qkv": torch.cat(conv_inputs, 1)} if conv_inputs else {}, k, v, g, beta)
         o, final = gated_delta_rule(q, k, v, g, beta, self.head_dim**-0.5, state, self.chunk, self.backend)
         if cache is not None:
             width = self.conv_size - 1
-            cache.store(final, {n: c[:, :, c.shape[2] - width:] for n, c in conv_inputs.items()})
+            tails = [c[:, :, c.shape[2] - width:] for c in conv_inputs]
+            cache.store(final, {"qkv": torch.cat(tails, 1)} if tails else {})
         return self.o_proj(self.gated_norm(o, self.g_proj(x).view(b, t, self.heads, self.head_dim)))
 
     def decode_step(self, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
@@ -293,14 +299,14 @@ class GatedDeltaNet(nn.Module):
         biases = [lin.bias if lin.bias is not None else lin.out_features for lin in layers]
         bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
         y = F.linear(x, self.packed_proj.get([lin.weight for lin in layers]), bias)
-        y, a, bb, gate = y.split([(h + 2 * self.kv_heads) * d, h, h, h * d], -1)
+        y, a, bb, gate = y.split([sum(self.qkv_channels), h, h, h * d], -1)
         tail = {}
         if self.conv_size > 0:
             y, inputs = causal_conv(y, self.conv_weight(), cache.conv["qkv"])
             tail["qkv"] = inputs[:, :, 1:]
         else:
             y = F.silu(y)
-        q, k, v = self.split_heads(y)
+        q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
         gate = gate.reshape(b, 1, h, d)
         if x.is_cuda and self.backend in ("auto", "fla"):
             fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, cache.state, gate,
@@ -317,11 +323,10 @@ class GatedDeltaNet(nn.Module):
         """The q, k and v convolution weights as one [C, 1, K]."""
         return self.packed_conv.get([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
 
-    def split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """y [B, T, C] (q, k, v channels) -> q, k, v [B, T, H, D] (k and v expanded to H heads)."""
-        b, t, _ = y.shape
-        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in y.split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1))
+    def heads_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, T, channels] -> [B, T, H, D] (k and v expanded to H heads)."""
+        b, t, _ = q.shape
+        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in (q, k, v))
         if self.kv_heads != self.heads:
             group = self.heads // self.kv_heads
             k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
