@@ -2,7 +2,7 @@
 
 Softmax-attention layers ('A') and Gated DeltaNet layers ('G') follow `config.arch`; state-dict
 names are megatron_tc's `HybridLM` names under `model.`. An exported student directory carries
-this file (and the three it imports) verbatim, so it loads with `trust_remote_code=True` where
+this file (and the modules it imports) verbatim, so it loads with `trust_remote_code=True` where
 megatron_tc is not installed, on transformers 5.17 to 5.24. `generate()` works in every mode
 (greedy, sampling, beam search, assisted decoding, left-padded batches) through `MegatronTCCache`.
 Padding is exact: a pad position is hidden from attention and leaves the GDN state and the
@@ -24,7 +24,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .layers_megatron_tc import Batch, GatedDeltaNet, HybridModel, Rotary
+from .attention_megatron_tc import Batch, Rotary
+from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_tc.convert.hf_student import MegatronTCCache, MegatronTCConfig, MegatronTCForCausalLM
+from megatron_tc.export import attention_megatron_tc as attention
 from megatron_tc.export import layers_megatron_tc as layers
 from tests.converters.helpers import tiny_arch
 
@@ -31,8 +32,8 @@ def test_decode_attention_equals_float64_reference_and_prefix_equals_full_buffer
     bias = torch.where(allowed, 0.0, float("-inf"))[:, None, None, :]
     scale = d**-0.5
 
-    full = layers.decode_attention(q, k, v, bias, scale)  # the slots after `filled` hold stale values
-    prefix = layers.decode_attention(q, k[:, :, :filled], v[:, :, :filled], bias[..., :filled], scale)
+    full = attention.decode_attention(q, k, v, bias, scale)  # the slots after `filled` hold stale values
+    prefix = attention.decode_attention(q, k[:, :, :filled], v[:, :, :filled], bias[..., :filled], scale)
     ref = reference_attention(q, k, v, allowed, scale)
     assert (full.double() - ref).abs().max().item() <= 1e-5
     assert (prefix - full).abs().max().item() <= 1e-6
