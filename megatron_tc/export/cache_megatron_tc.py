@@ -3,7 +3,8 @@
 Attention layers keep keys/values [B, Hkv, L, D]: concatenated as they come (dynamic), or in
 buffers of `static_len` slots written in place (static: fixed addresses, so a decoding step can
 be captured in a CUDA graph). Gated DeltaNet layers keep the recurrent state [B, H, Dk, Dv] (fp32)
-and the last K-1 inputs of each short convolution [B, C, K-1].
+and the last K-1 inputs of the short convolution over the q, k and v channels (one tensor,
+"qkv" [B, C, K-1]).
 
 Everything `generate` needs is implemented here rather than inherited, so it behaves the same on
 every supported transformers release: beam search (`reorder_cache`), expansion and selection of

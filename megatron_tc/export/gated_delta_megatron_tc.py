@@ -19,9 +19,17 @@ import torch.nn.functional as F
 _FLA: dict[str, object] = {}
 
 
+# (name, modules to try in turn, attribute): fla's fused kernels beyond the GDN recurrence; a
+# layout this fla lacks leaves the name out and the PyTorch form runs instead
+_FLA_EXTRAS = (("gated_norm", ("fla.modules.norm.fused_norm_gate", "fla.modules.fused_norm_gate"), "rms_norm_gated"),
+               ("rms_norm", ("fla.modules.norm.layernorm", "fla.modules.layernorm"), "rms_norm"),
+               ("swiglu", ("fla.modules.activations",), "swiglu"))
+
+
 def fla_kernels() -> dict[str, object] | None:
-    """fla's chunk and fused-recurrent kernels (and its fused gated RMSNorm, "gated_norm", when
-    this fla has it), or None where fla (or CUDA) is missing."""
+    """fla's chunk and fused-recurrent kernels (and, when this fla has them, its fused gated
+    RMSNorm "gated_norm", residual-add + RMSNorm "rms_norm" and "swiglu"), or None where fla (or
+    CUDA) is missing."""
     if not _FLA:
         ok = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
         if ok:
@@ -30,13 +38,34 @@ def fla_kernels() -> dict[str, object] | None:
                 _FLA.update(chunk=ops.chunk_gated_delta_rule, recurrent=ops.fused_recurrent_gated_delta_rule)
             except Exception:  # noqa: BLE001 - a broken fla install falls back to PyTorch
                 ok = False
-        for where in ("fla.modules.norm.fused_norm_gate", "fla.modules.fused_norm_gate"):
-            try:
-                _FLA.setdefault("gated_norm", importlib.import_module(where).rms_norm_gated)
-            except Exception:  # noqa: BLE001 - older or newer layouts: the unfused norm is used
-                continue
+        for name, modules, attr in _FLA_EXTRAS if ok else ():
+            for where in modules:
+                try:
+                    _FLA.setdefault(name, getattr(importlib.import_module(where), attr))
+                except Exception:  # noqa: BLE001 - older or newer layouts: the unfused form is used
+                    continue
         _FLA.setdefault("ok", ok)
     return _FLA if _FLA["ok"] else None
+
+
+def fla_op(name: str, *args, **kwargs):
+    """fla's fused `name` applied to CUDA tensors, or None (the caller then runs its PyTorch form)
+    where fla lacks it or it failed once: it is then not tried again, with one warning. A first
+    call happens outside CUDA-graph capture (the capture's warm-up), so a failure never breaks one."""
+    kernels = fla_kernels()
+    fn = kernels.get(name) if kernels is not None and name not in _BROKEN else None
+    if fn is None:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure of an optional kernel: the PyTorch form is exact
+        _BROKEN.add(name)
+        warnings.warn(f"fla's fused {name} failed ({type(exc).__name__}: {str(exc)[:160]}); using PyTorch ops",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+_BROKEN: set[str] = set()
 
 
 def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None, gate: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Softmax-attention layers ('A') and Gated DeltaNet layers ('G') follow `config.arch`; state-dict
 names are megatron_tc's `HybridLM` names under `model.`. An exported student directory carries
-this file (and the three it imports) verbatim, so it loads with `trust_remote_code=True` where
+this file (and the modules it imports) verbatim, so it loads with `trust_remote_code=True` where
 megatron_tc is not installed, on transformers 5.17 to 5.24. `generate()` works in every mode
 (greedy, sampling, beam search, assisted decoding, left-padded batches) through `MegatronTCCache`.
 Padding is exact: a pad position is hidden from attention and leaves the GDN state and the
@@ -24,7 +24,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .layers_megatron_tc import Batch, GatedDeltaNet, HybridModel, Rotary
+from .attention_megatron_tc import Batch, Rotary
+from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -172,7 +173,8 @@ class DecodeGraph:
 
     Inputs are copied into fixed buffers (token, position, cache slot, key mask) before each
     replay; the attention layers attend over every slot of the static buffers, hidden by the mask
-    where a slot is in the future or padding."""
+    where a slot is in the future or padding. What the layers share within a step (RoPE tables, the
+    attention bias) is computed inside the graph, from those buffers, once per replay."""
 
     def __init__(self, model: MegatronTCForCausalLM, cache: MegatronTCCache, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None) -> None:
@@ -183,18 +185,21 @@ class DecodeGraph:
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
         self.stage(input_ids, attention_mask, cache.seen)
-        batch = Batch(cache.seen, self.slots, None, self.key_valid, None)
+
+        def step() -> Batch:  # a fresh Batch (its memo empty) for the warm-up and for the capture
+            return Batch(cache.seen, self.slots, None, self.key_valid, None)
+
         states = [x for layer in cache.layers if isinstance(layer, GDNLayerCache) for x in layer.tensors().values()]
         saved = [x.clone() for x in states]
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
-                model.model(self.ids, self.positions, batch, cache)
+                model.model(self.ids, self.positions, step(), cache)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = model.model(self.ids, self.positions, batch, cache)
+                self.logits = model.model(self.ids, self.positions, step(), cache)
         finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
             torch.cuda.synchronize()
             for x, before in zip(states, saved):

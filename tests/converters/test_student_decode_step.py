@@ -1,0 +1,94 @@
+"""The exported student's decoding step (one token per row after a prefill) against independent
+references: its attention against float64 masked softmax attention, and whole decoding steps
+(packed projections, one convolution over q/k/v, shared RoPE tables) against the full forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tc.convert.hf_student import MegatronTCCache, MegatronTCConfig, MegatronTCForCausalLM
+from megatron_tc.export import attention_megatron_tc as attention
+from megatron_tc.export import layers_megatron_tc as layers
+from tests.converters.helpers import tiny_arch
+
+
+def reference_attention(q, k, v, allowed, scale):
+    """float64 softmax attention, KV heads repeated; q [B, Hq, 1, D], allowed [B, L] -> [B, Hq, 1, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def test_decode_attention_equals_float64_reference_and_prefix_equals_full_buffer():
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, capacity, filled = 3, 4, 2, 16, 41, 29
+    q = torch.randn(b, hq, 1, d, generator=gen)
+    k, v = torch.randn(b, hkv, capacity, d, generator=gen), torch.randn(b, hkv, capacity, d, generator=gen)
+    allowed = torch.zeros(b, capacity, dtype=torch.bool)
+    allowed[:, :filled] = True
+    allowed[1, :5], allowed[2, :11] = False, False  # left padding of rows 1 and 2
+    bias = torch.where(allowed, 0.0, float("-inf"))[:, None, None, :]
+    scale = d**-0.5
+
+    full = attention.decode_attention(q, k, v, bias, scale)  # the slots after `filled` hold stale values
+    prefix = attention.decode_attention(q, k[:, :, :filled], v[:, :, :filled], bias[..., :filled], scale)
+    ref = reference_attention(q, k, v, allowed, scale)
+    assert (full.double() - ref).abs().max().item() <= 1e-5
+    assert (prefix - full).abs().max().item() <= 1e-6
+    # and the same as the attention SDPA computes with a boolean mask over the whole buffer
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed[:, None, None, :], scale=scale)
+    assert (full - sdpa).abs().max().item() <= 1e-5
+
+
+def student(**overrides) -> MegatronTCForCausalLM:
+    torch.manual_seed(0)
+    model = MegatronTCForCausalLM(MegatronTCConfig.from_arch(tiny_arch("GAGG", **overrides))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "A_log"):
+                layer.mixer.A_log.uniform_(0, 2.7)
+    return model
+
+
+ARCHS = {"qk_norm_bias_conv": {}, "plain": dict(qk_norm=False, attention_bias=False),
+         "gdn_grouped_kv_no_conv": dict(gdn_expand_kv=False, gdn_conv_size=0, qk_norm=False)}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ARCHS, ids=list(ARCHS))
+def test_decoding_steps_equal_the_full_forward(arch, static, monkeypatch):
+    model = student(**ARCHS[arch])
+    steps = []
+    original = layers.GatedDeltaNet.decode_step
+    monkeypatch.setattr(layers.GatedDeltaNet, "decode_step", lambda self, x, c: steps.append(1) or original(self, x, c))
+    ids = torch.randint(3, 300, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        cache = MegatronTCCache(model.config, static_len=20 if static else None)
+        model(input_ids=ids[:, :9], cache=cache)
+        for i in range(9, 13):
+            step = model(input_ids=ids[:, i:i + 1], cache=cache).logits[:, 0]
+            assert (step - full[:, i]).abs().max().item() <= 1e-4, f"decoding step at position {i}"
+    assert len(steps) == 4 * 3, "the GDN layers did not take the decoding step"
+
+
+def test_packed_projections_follow_in_place_weight_edits():
+    model = student()
+    ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = MegatronTCCache(model.config)
+        model(input_ids=ids[:, :6], cache=cache)
+        model(input_ids=ids[:, 6:7], cache=cache)  # builds the packed weights
+        for layer in model.model.layers:
+            layer.mixer.q_proj.weight.mul_(1.5)
+            layer.mixer.k_proj.bias.add_(0.1)
+        cache = MegatronTCCache(model.config)
+        model(input_ids=ids[:, :7], cache=cache)
+        step = model(input_ids=ids[:, 7:8], cache=cache).logits[:, 0]
+        full = model(input_ids=ids, use_cache=False).logits[:, 7]
+    assert (step - full).abs().max().item() <= 1e-4
