@@ -6,7 +6,8 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tools/bench/train_anchor.py ...   (several ranks)
 
 pipeline  `Stage2Trainer.train_step` as `build_stage2` builds it from the quickstart config
-          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA)
+          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA, decoder layers
+          compiled as parallel.compile=auto decides)
 plain     the same student weights and teacher, torch.compile (CUDA), fused AdamW, bf16 autocast,
           a full-vocabulary KL, torch DDP over several ranks; no DeepSpeed
 
@@ -112,7 +113,9 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
             "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops}
     if cuda:
         base["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()})", "plain": "plain torch"}
+    compiled = ", compiled layers" if trainer.compiled else ""
+    labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()}{compiled})",
+              "plain": "plain torch"}
     for row in result_rows(seconds, labels, loader.tokens_per_step, flops, peak_tflops):
         if ctx.rank == 0:
             report.add("rows", {**base, **row})
