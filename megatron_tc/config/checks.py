@@ -159,8 +159,11 @@ def _world_size_errors(p: ParallelConfig, world_size: int) -> list[str]:
 def compile_blocker(zero_stage: int | str, pp: int, tp: int, activation_checkpointing: bool) -> str | None:
     """Why stage 2 cannot compile the student's layers in this layout (None: it can). ZeRO-3 and
     activation checkpointing run hooks and recomputation per layer, pipeline stages are DeepSpeed's
-    modules and tensor-parallel layers collectives inside the layer: none is traced here."""
+    modules and tensor-parallel layers collectives inside the layer: none is traced here. ZeRO-1/2
+    can pad every parameter to a 16-byte boundary of their flat buffer (the compiled kernels need
+    it), ZeRO-0 cannot."""
     for blocked, why in ((zero_stage == 3, "parallel.zero_stage=3 (per-layer parameter gathers)"),
+                         (zero_stage == 0, "parallel.zero_stage=0 (its bf16 optimizer packs parameters unaligned)"),
                          (pp > 1, f"parallel.pp={pp} (DeepSpeed's pipeline engine)"),
                          (tp > 1, f"parallel.tp={tp} (tensor-parallel layers)"),
                          (activation_checkpointing, "parallel.activation_checkpointing=true")):

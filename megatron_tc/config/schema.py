@@ -83,9 +83,9 @@ class ParallelConfig:
     compile: Literal["auto", True, False] = opt(
         "auto",
         "torch.compile the student's decoder layers one by one for stage 2 (static shapes; the gated delta rule "
-        "stays fla's kernel). 'auto': on for CUDA when parameters are not partitioned (ZeRO 0-2, pp = 1, tp = 1, "
-        "no activation checkpointing), off otherwise and on CPU. true: also on CPU; with ZeRO-3, pp > 1, tp > 1 "
-        "or activation checkpointing an error.",
+        "stays fla's kernel). 'auto': on for CUDA under ZeRO-1/2 with pp = 1, tp = 1 and no activation checkpointing, off otherwise "
+        "and on CPU. true: also on CPU; with ZeRO-0/3, pp > 1, tp > 1 or activation checkpointing an error. "
+        "Resume with the setting the run started with (ZeRO's parameter padding differs).",
     )
     pipeline_partition: Literal["parameters", "pattern"] = opt(
         "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."

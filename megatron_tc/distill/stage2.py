@@ -519,8 +519,12 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
     ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher)
+    compiled = resolve_compile(cfg, ctx, device, ds_config["zero_optimization"]["stage"])
+    if compiled:
+        # the layers of one kind share a compiled graph whose kernels assume 16-byte aligned
+        # parameters; ZeRO-1/2 packs them end to end in one flat buffer unless told to pad
+        ds_config["zero_optimization"]["parameter_alignment"] = True
     engine = build_student_engine(student, ds_config, ctx)
-    compiled = resolve_compile(cfg, ctx, device, engine.zero_optimization_stage())
     if compiled:
         from megatron_tc.model.compile import compile_decoder_layers
 

@@ -54,7 +54,7 @@ def test_auto_compiles_on_cuda_without_partitioned_parameters(monkeypatch):
     auto = _cfg()
     assert resolve_compile(auto, CTX, CUDA, zero_stage=1) and resolve_compile(auto, CTX, CUDA, zero_stage=2)
     assert not resolve_compile(auto, CTX, CPU, zero_stage=1)
-    assert not resolve_compile(auto, CTX, CUDA, zero_stage=3)
+    assert not resolve_compile(auto, CTX, CUDA, zero_stage=3) and not resolve_compile(auto, CTX, CUDA, zero_stage=0)
     assert not resolve_compile(_cfg("parallel.activation_checkpointing=true"), CTX, CUDA, zero_stage=1)
     assert not resolve_compile(auto, SimpleNamespace(rank=0, pp_size=1, tp_size=2), CUDA, zero_stage=1)
     assert resolve_compile(_cfg("parallel.compile=true"), CTX, CPU, zero_stage=1)
