@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -541,8 +542,6 @@ def resolve_compile(cfg: Any, ctx: Any, device: torch.device, zero_stage: int) -
     """Whether stage 2 compiles the student's decoder layers (`parallel.compile`, docs/parallelism.md):
     'auto' on CUDA where `config.checks.compile_blocker` finds nothing in the way and the model's
     blocks are not switched to eager (MEGATRON_TC_COMPILE=0); true everywhere it can; logged."""
-    import os
-
     from megatron_tc.config.checks import compile_blocker
 
     setting = cfg.parallel.compile

@@ -71,3 +71,18 @@ def test_compile_true_where_it_cannot_run_is_an_error():
     with pytest.raises(ConfigError, match="activation_checkpointing=true; set parallel.compile=auto"):
         validate_config(_cfg("parallel.compile=true", "parallel.activation_checkpointing=true"))
     validate_config(_cfg("parallel.compile=true"))
+
+
+def test_fused_blocks_trace_into_the_enclosing_graph(monkeypatch):
+    """Inside a compiled layer each element-wise block is its plain formula, one graph with its
+    neighbours: fullgraph capture fails if the block's own compiled wrapper (with its alignment
+    check on data pointers) is called instead, as it is outside a compiled region."""
+    from megatron_tc.model import fused as fz
+    from megatron_tc.model.norm import RMSNorm
+
+    monkeypatch.setenv("MEGATRON_TC_COMPILE", "force")  # blocks compiled on CPU outside a graph
+    monkeypatch.setattr(fz, "_COMPILED", {})
+    norm, x = RMSNorm(8), torch.randn(3, 8)
+    traced = torch.compile(lambda t: norm(t) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(x), fz.rms_norm(x, norm.weight, norm.eps, False) * 2, rtol=0, atol=0)
+    assert not fz._COMPILED  # the block's own compiled wrapper was never built
