@@ -191,8 +191,9 @@ def collect_readout_stats(
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
-    (CPU math) while this one queues layer l's sums over every batch on the device. The sums are those of the batch-by-batch
-    order, bit for bit (each layer's sums run over the batches in the same order)."""
+    (CPU math) while this one queues layer l's sums over every batch on the device. The sums are
+    those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
+    same order)."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats

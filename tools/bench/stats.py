@@ -18,9 +18,10 @@ to the forward (goal: the statistics pass <= 1.5x); and the pass as the pipeline
 (`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
 measures the kernel's gain. --profile runs sweep 2 once more under torch.profiler and reports its
-host and device self time, in total and for the heaviest operators (is it bound by the host?). Checks: sweep-1 sums of one [1, 256] batch on the device against the
-same pass of an fp32 copy of the teacher on the CPU; with --sweep1-reference also the kernel's
-sums against the PyTorch chunks' on the device (same teacher and dtype).
+host and device self time, in total and for the heaviest operators (is it bound by the host?).
+Checks: sweep-1 sums of one [1, 256] batch on the device against the same pass of an fp32 copy of
+the teacher on the CPU; with --sweep1-reference also the kernel's sums against the PyTorch chunks'
+on the device (same teacher and dtype).
 
 Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
 --calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels in fp32 (their
