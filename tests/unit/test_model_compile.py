@@ -86,3 +86,23 @@ def test_fused_blocks_trace_into_the_enclosing_graph(monkeypatch):
     traced = torch.compile(lambda t: norm(t) * 2, backend="eager", fullgraph=True)
     torch.testing.assert_close(traced(x), fz.rms_norm(x, norm.weight, norm.eps, False) * 2, rtol=0, atol=0)
     assert not fz._COMPILED  # the block's own compiled wrapper was never built
+
+
+def test_compile_work_does_not_grow_with_depth():
+    """Layers of one kind share their graphs, so a deep model compiles what a shallow one does
+    (the first step of a 1B-class student costs the compile of two or three graphs, not of each layer)."""
+    import dataclasses
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    captured = {}
+    for pattern in ("AGGA", "AGGGAGGGAGGG"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = HybridLM(dataclasses.replace(tiny(), num_layers=len(pattern), layer_pattern=pattern))
+        compile_decoder_layers(model, backend="aot_eager")
+        model(torch.randint(0, 256, (2, 16))).sum().backward()
+        captured[pattern] = dict(counters["stats"])
+    shallow, deep = captured.values()
+    assert shallow["unique_graphs"] > 0 and deep == shallow, captured
