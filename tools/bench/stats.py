@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_tc.bench.common import Report, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
+from megatron_tc.bench.common import (Report, parse_args, pick_device, profile_rows, rel_err, sync,  # noqa: E402
+                                      time_fn)
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402
 from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel  # noqa: E402
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats, collect_stats  # noqa: E402
@@ -111,27 +112,6 @@ def warm_gdn_kernels(arch, layer: int, device, seq: int) -> float:
     return time.perf_counter() - start
 
 
-def profile_rows(fn, device, report, top: int = 12) -> None:
-    """One more call of `fn` (warm) under torch.profiler: host and device time in total and of the
-    `top` operators by device time (by host time on CPU), into the report's "profile" section."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    sync(device)
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        fn()
-        sync(device)
-    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    device_us = lambda e: getattr(e, "self_device_time_total", 0.0) if cuda else 0.0  # noqa: E731
-    report.add("profile", {"op": "(all)", "calls": sum(e.count for e in events),
-                           "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
-                           "device_ms": sum(device_us(e) for e in events) / 1e3})
-    for e in sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]:
-        report.add("profile", {"op": e.key[:70], "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3,
-                               "device_ms": device_us(e) / 1e3})
-
-
 def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
     batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
     tokens = args.batch * args.seq * args.num_batches
@@ -173,7 +153,8 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
             report.error(label, exc)
         report.add("rows", row)
     if strategies and args.profile and "stats" in holder:
-        profile_rows(sweep2, device, report)
+        for row in profile_rows(sweep2, device):
+            report.add("profile", row)
     if all("ms" in r for r in report.data["rows"][-len(rows):]):
         report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
                             "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
