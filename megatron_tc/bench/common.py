@@ -154,6 +154,29 @@ def measure_peaks(device: torch.device, quick: bool = False) -> dict[str, float]
 
 
 # ---- environment and results ---------------------------------------------------------------------
+def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
+    """One warm call of `fn` under torch.profiler: a row with the host and device self time of all
+    operators, then the `top` operators by device time (host time on CPU). Host time well above
+    device time means the host (launches, Python) is the bound, not the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(device)
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    device_us = lambda e: getattr(e, "self_device_time_total", 0.0) if cuda else 0.0  # noqa: E731
+    rows = [{"op": "(all)", "calls": sum(e.count for e in events),
+             "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+             "device_ms": sum(device_us(e) for e in events) / 1e3}]
+    for e in sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]:
+        rows.append({"op": e.key[:70], "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3,
+                     "device_ms": device_us(e) / 1e3})
+    return rows
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Versions and machine, recorded with every result file."""
     info: dict[str, Any] = {

@@ -55,14 +55,26 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
 
 
 @torch.no_grad()
-def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**25) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
-    VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads)."""
+    VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
+    Several scales per kernel (at most `max_elements` fp32 values at a time), summed in fp64."""
     v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
     b, t, _ = v.shape
-    v = v.view(b * t, mixer.kv_heads, mixer.head_dim)
-    out = torch.stack([F.silu(float(c) * v).to(F64).pow(2).sum(dim=(0, 2)) for c in VALUE_SCALE_GRID], dim=1)
+    v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
+    scales = VALUE_SCALE_GRID.to(device=v.device, dtype=torch.float32)
+    step = max(1, max_elements // v.numel())
+    parts = []
+    for start in range(0, len(scales), step):
+        act = F.silu(scales[start:start + step, None, None, None] * v)  # [c, BT, Hkv, D]
+        parts.append(_sum64(act * act, (1, 3)))
+    out = torch.cat(parts).t()  # [Hkv, C]
     return out.repeat_interleave(mixer.num_heads // mixer.kv_heads, dim=0)
+
+
+def _sum64(x: torch.Tensor, dim) -> torch.Tensor:
+    """Sum of fp32 `x` over `dim`, accumulated in fp64 without an fp64 copy of `x`."""
+    return torch.sum(x, dim=dim, dtype=F64)
 
 
 def interpolate_value_grid(grid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -112,19 +124,21 @@ def readout_sums(
     U = torch.cat(mapped, dim=0).reshape(len(candidates) * h, -1)  # [C*H, BT*hidden]
     Y = out.float().reshape(1, -1)  # [1, BT*hidden]
     u_all = torch.stack(us)  # [C, B, T, H, D]
+    # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
+    # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
     return {
         "G": (U @ U.t()).to(F64),
         "r": (U @ Y.t()).squeeze(1).to(F64),
-        "uy": (u_all * yt).to(F64).sum(dim=(1, 2, 4)),
-        "uu": u_all.to(F64).pow(2).sum(dim=(1, 2, 4)),
-        "yy": yt.to(F64).pow(2).sum(dim=(0, 1, 3)),
-        "YY": out.to(F64).pow(2).sum(),
-        "beta": beta.to(F64).sum(dim=(0, 1)),
-        "g": g.to(F64).sum(dim=(0, 1)),
+        "uy": _sum64(u_all * yt, (1, 2, 4)),
+        "uu": _sum64(u_all * u_all, (1, 2, 4)),
+        "yy": _sum64(yt * yt, (0, 1, 3)),
+        "YY": _sum64(out.float().pow(2), None),
+        "beta": _sum64(beta.float(), (0, 1)),
+        "g": _sum64(g.float(), (0, 1)),
         "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
         # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
-        "ry": (raw * yt).to(F64).sum(dim=(0, 1, 3)),
-        "rr": raw.to(F64).pow(2).sum(dim=(0, 1, 3)),
+        "ry": _sum64(raw * yt, (0, 1, 3)),
+        "rr": _sum64(raw * raw, (0, 1, 3)),
         "vgrid": value_silu_grid(mixer, x),
     }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import torch
@@ -189,9 +190,10 @@ def collect_readout_stats(
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
-    Then the sweep goes layer by layer: the host works out layer l+1's closed form (CPU math)
-    while the device still sums layer l over every batch. The sums are those of the batch-by-batch
-    order, bit for bit (each layer's sums run over the batches in the same order)."""
+    Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
+    (CPU math) while this one queues layer l's sums over every batch on the device. The sums are
+    those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
+    same order)."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
@@ -219,10 +221,17 @@ def collect_readout_stats(
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:
-        for index in _progress(stats.layers, len(stats.layers), "readout sums (layers)", show):
-            build(index)
-            for kept in layer_io:
-                on_layer(index, kept[index])
+        # layer l+1's closed form (host math: the default init it starts from, the fit) is worked
+        # out on a second thread while this one queues layer l's sums on the device
+        layers = list(stats.layers)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(build, layers[0]) if layers else None
+            for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
+                pending.result()
+                if position + 1 < len(layers):
+                    pending = pool.submit(build, layers[position + 1])
+                for kept in layer_io:
+                    on_layer(index, kept[index])
     else:
         for index in stats.layers:
             build(index)

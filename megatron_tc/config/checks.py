@@ -156,6 +156,22 @@ def _world_size_errors(p: ParallelConfig, world_size: int) -> list[str]:
     return []
 
 
+def compile_blocker(zero_stage: int | str, pp: int, tp: int, activation_checkpointing: bool) -> str | None:
+    """Why stage 2 cannot compile the student's layers in this layout (None: it can). ZeRO-3 and
+    activation checkpointing run hooks and recomputation per layer, pipeline stages are DeepSpeed's
+    modules and tensor-parallel layers collectives inside the layer: none is traced here. ZeRO-1/2
+    can pad every parameter to a 16-byte boundary of their flat buffer (the compiled kernels need
+    it), ZeRO-0 cannot."""
+    for blocked, why in ((zero_stage == 3, "parallel.zero_stage=3 (per-layer parameter gathers)"),
+                         (zero_stage == 0, "parallel.zero_stage=0 (its bf16 optimizer packs parameters unaligned)"),
+                         (pp > 1, f"parallel.pp={pp} (DeepSpeed's pipeline engine)"),
+                         (tp > 1, f"parallel.tp={tp} (tensor-parallel layers)"),
+                         (activation_checkpointing, "parallel.activation_checkpointing=true")):
+        if blocked:
+            return why
+    return None
+
+
 def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
     p, d = cfg.parallel, cfg.data
     errors = []
@@ -165,6 +181,9 @@ def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
             "only ZeRO stage 0 or 1; set parallel.zero_stage=1, or parallel.pp=1 to keep ZeRO-"
             f"{p.zero_stage}"
         )
+    if p.compile is True and (blocker := compile_blocker(p.zero_stage, p.pp, p.tp, p.activation_checkpointing)):
+        errors.append(f"parallel.compile=true cannot be combined with {blocker}; set parallel.compile=auto "
+                      "(compiles where it can) or false")
     dp = p.dp
     if world_size is not None:
         ws_errors = _world_size_errors(p, world_size)

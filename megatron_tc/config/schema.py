@@ -80,6 +80,13 @@ class ParallelConfig:
         "'replicated' = a plain copy on every rank (when it fits).",
     )
     activation_checkpointing: bool = opt(False, "Recompute layer activations in backward to save memory.")
+    compile: Literal["auto", True, False] = opt(
+        "auto",
+        "torch.compile the student's decoder layers one by one for stage 2 (static shapes; the gated delta "
+        "rule stays fla's kernel). 'auto': on for CUDA under ZeRO-1/2 with pp = 1, tp = 1 and no activation "
+        "checkpointing, off otherwise and on CPU. true: also on CPU; with ZeRO-0/3, pp > 1, tp > 1 or "
+        "activation checkpointing an error. A compiled run resumes with compilation on (ZeRO pads its parameters).",
+    )
     pipeline_partition: Literal["parameters", "pattern"] = opt(
         "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ class Stage2Trainer(EngineOwner):
         self.t_hidden = _Capture(teacher.module.norm if hasattr(teacher, "module") else teacher.norm) \
             if s2.hidden_weight else None
         remember_peak_lr(engine.optimizer.param_groups)
+        self.compiled = False  # the student's decoder layers compiled (build_stage2 sets it)
 
     # -- resume
     def resume(self) -> TrainState:
@@ -518,8 +520,39 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
     ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher)
+    compiled = resolve_compile(cfg, ctx, device, ds_config["zero_optimization"]["stage"])
+    if compiled:
+        # the layers of one kind share a compiled graph whose kernels assume 16-byte aligned
+        # parameters; ZeRO-1/2 packs them end to end in one flat buffer unless told to pad
+        ds_config["zero_optimization"]["parameter_alignment"] = True
     engine = build_student_engine(student, ds_config, ctx)
+    if compiled:
+        from megatron_tc.model.compile import compile_decoder_layers
+
+        compile_decoder_layers(engine.module)
     if cfg.run.precision == "bf16" and device.type == "cuda":
         teacher = teacher.to(torch.bfloat16)
     teacher = build_teacher(teacher.to(device), ds_config, ctx, cfg.parallel.teacher_mode)
-    return Stage2Trainer(cfg, ctx, engine, teacher, loader, eval_rows, out_dir, tb, device, vocab_size, eval_log)
+    trainer = Stage2Trainer(cfg, ctx, engine, teacher, loader, eval_rows, out_dir, tb, device, vocab_size, eval_log)
+    trainer.compiled = compiled
+    return trainer
+
+
+def resolve_compile(cfg: Any, ctx: Any, device: torch.device, zero_stage: int) -> bool:
+    """Whether stage 2 compiles the student's decoder layers (`parallel.compile`, docs/parallelism.md):
+    'auto' on CUDA where `config.checks.compile_blocker` finds nothing in the way and the model's
+    blocks are not switched to eager (MEGATRON_TC_COMPILE=0); true everywhere it can; logged."""
+    from megatron_tc.config.checks import compile_blocker
+
+    setting = cfg.parallel.compile
+    blocker = compile_blocker(zero_stage, ctx.pp_size, ctx.tp_size, cfg.parallel.activation_checkpointing)
+    if setting is True and blocker is not None:
+        raise ValueError(f"parallel.compile=true cannot be combined with {blocker}; set parallel.compile=auto "
+                         "(compiles where it can) or false")
+    eager = os.environ.get("MEGATRON_TC_COMPILE", "1") == "0"
+    chosen = setting is True or (setting == "auto" and device.type == "cuda" and blocker is None and not eager)
+    if ctx.rank == 0:
+        reason = "" if chosen or setting is False else f" ({blocker or ('MEGATRON_TC_COMPILE=0' if eager else 'CPU')})"
+        log.info("parallel.compile=%s: student decoder layers %s%s", str(setting).lower(),
+                 "compiled one by one" if chosen else "eager", reason)
+    return chosen

@@ -44,6 +44,10 @@ def causal_short_conv(
         y = y + tap
     return F.silu(y), padded[:, padded.shape[1] - (width - 1) :].transpose(1, 2)
 
+# a compiled decoder layer breaks its graph here: fla's Triton kernels (and the PyTorch chunked
+# path) run as they are, the projections and gates before and the output gate after are compiled
+_delta_rule_outside_graph = torch.compiler.disable(gated_delta_rule, recursive=True)
+
 MAX_A_LOG = 30.0  # exp(30) ~ 1e13: far beyond any trained decay rate, still finite in fp32
 MIN_LOG_DECAY = -1e4
 
@@ -134,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         backend = self.backend
         if backend == "auto" and not x.is_cuda and t <= 16:
             backend = "recurrent"  # a few decoding steps: no chunk padding
-        o, state = gated_delta_rule(
+        o, state = _delta_rule_outside_graph(
             q, k, v, g, beta,
             scale=self.head_dim**-0.5,
             initial_state=cache.state if cache is not None else None,

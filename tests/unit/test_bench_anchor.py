@@ -20,7 +20,7 @@ def test_quick_run_compares_the_same_first_step_and_reports_spreads(tmp_path):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     subprocess.run([sys.executable, str(ROOT / "tools/bench/train_anchor.py"), "--quick", "--out", str(out),
-                    "--runs", "3", "--steps", "1"], env=env, check=True, timeout=300, capture_output=True)
+                    "--runs", "3", "--steps", "1", "--profile"], env=env, check=True, timeout=300, capture_output=True)
     data = json.loads(out.read_text())
     assert not data["errors"], data["errors"]
     (check,) = data["checks"]
@@ -31,6 +31,9 @@ def test_quick_run_compares_the_same_first_step_and_reports_spreads(tmp_path):
         assert row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
         assert row["tokens_per_step"] == 2 * 64 and row["mfu_median"] > 0
     assert rows["pipeline"]["vs_plain_min"] <= rows["pipeline"]["vs_plain_median"] <= rows["pipeline"]["vs_plain_max"]
+    for path in ("pipeline", "plain"):  # --profile: one more step of each, all operators then the heaviest
+        total, *ops = [r for r in data["profile"] if r["path"] == path]
+        assert total["op"] == "(all)" and ops and all(0 < op["host_ms"] <= total["host_ms"] for op in ops)
 
 
 def test_plain_kl_is_the_pipeline_objective():

@@ -102,7 +102,7 @@ def test_gradient_errors_global_and_per_tensor():
 
 
 def test_bench_stats_quick(tmp_path):
-    data = run("bench_stats", tmp_path)
+    data = run("bench_stats", tmp_path, "--profile")
     (check,) = data["checks"]
     assert check["max_rel_err"] < 1e-6  # fp32 on CPU against the fp32 CPU reference
     passes = [r["pass"] for r in data["rows"]]
@@ -110,6 +110,10 @@ def test_bench_stats_quick(tmp_path):
                                                                "statistics pass, one forward (collect_stats)"]
     (calib,) = data["calibrate"]
     assert calib["wall_s"] > 0 and calib["converted_layers"] == 3
+    total, *ops = data["profile"]  # sweep 2 profiled: all operators, then the heaviest (host time on CPU)
+    assert total["op"] == "(all)" and len(ops) == 12 and total["device_ms"] == 0
+    assert all(0 < op["host_ms"] <= total["host_ms"] and op["calls"] <= total["calls"] for op in ops)
+    assert [op["host_ms"] for op in ops] == sorted((op["host_ms"] for op in ops), reverse=True)
     assert "bench_stats" in summarize(tmp_path)
 
 

@@ -4,7 +4,7 @@ of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
 
     python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
-        [--align-steps N] [--no-calibrate] [--sweep1-reference]
+        [--align-steps N] [--no-calibrate] [--sweep1-reference] [--profile]
 
 Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
@@ -17,9 +17,11 @@ to the forward (goal: the statistics pass <= 1.5x); and the pass as the pipeline
 `collect_stats` with both sweeps from one teacher forward per batch. Sweep 1 takes the fused Triton kernel on CUDA
 (`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
-measures the kernel's gain. Checks: sweep-1 sums of one [1, 256] batch on the device against the
-same pass of an fp32 copy of the teacher on the CPU; with --sweep1-reference also the kernel's
-sums against the PyTorch chunks' on the device (same teacher and dtype).
+measures the kernel's gain. --profile runs sweep 2 once more under torch.profiler and reports its
+host and device self time, in total and for the heaviest operators (is it bound by the host?).
+Checks: sweep-1 sums of one [1, 256] batch on the device against the same pass of an fp32 copy of
+the teacher on the CPU; with --sweep1-reference also the kernel's sums against the PyTorch chunks'
+on the device (same teacher and dtype).
 
 Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
 --calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels in fp32 (their
@@ -40,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_tc.bench.common import Report, parse_args, pick_device, rel_err, sync, time_fn  # noqa: E402
+from megatron_tc.bench.common import (Report, parse_args, pick_device, profile_rows, rel_err, sync,  # noqa: E402
+                                      time_fn)
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern  # noqa: E402
 from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel  # noqa: E402
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats, collect_stats  # noqa: E402
@@ -149,6 +152,9 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
             row["note"] = f"failed: {type(exc).__name__}"
             report.error(label, exc)
         report.add("rows", row)
+    if strategies and args.profile and "stats" in holder:
+        for row in profile_rows(sweep2, device):
+            report.add("profile", row)
     if all("ms" in r for r in report.data["rows"][-len(rows):]):
         report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
                             "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep1-reference", action="store_true",
                    help="also time sweep 1 with the PyTorch chunks (and check the kernel against them)")
     p.add_argument("--budget-ms", type=float, default=2000.0)
+    p.add_argument("--profile", action="store_true",
+                   help="profile one warm sweep 2: host and device time, and its heaviest operators")
     args = parse_args(p, argv, dict(batch=2, seq=64, num_batches=2, chunk_size=16, calib_tokens=256, calib_seq=32,
                                     align_steps=3, budget_ms=50.0))
     device = pick_device(args.device)
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
         ("Statistics pass vs teacher forward (same tokens)", "rows",
          ["pass", "impl", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
+        ("Sweep 2 profile (self time; all operators, then the heaviest)", "profile",
+         ["op", "calls", "host_ms", "device_ms"]),
         ("Calibration wall time (taylor_calibrate)", "calibrate",
          ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
           "mean_best_rel_mse", "goal", "met", "note"]),

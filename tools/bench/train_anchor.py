@@ -2,11 +2,12 @@
 """The pipeline's stage-2 step against a plain PyTorch distillation loop, in one process.
 
     python tools/bench/train_anchor.py [--models smollm2-135m,llama-1b] [--batch 32 --seq 2048]
-        [--micro-steps 1] [--zero-stage auto] [--runs 3 --steps 3 --warmup 2] [--out FILE] [--quick]
+        [--micro-steps 1] [--zero-stage auto] [--runs 3 --steps 3 --warmup 2] [--profile] [--out FILE] [--quick]
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tools/bench/train_anchor.py ...   (several ranks)
 
 pipeline  `Stage2Trainer.train_step` as `build_stage2` builds it from the quickstart config
-          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA)
+          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA, decoder layers
+          compiled as parallel.compile=auto decides)
 plain     the same student weights and teacher, torch.compile (CUDA), fused AdamW, bf16 autocast,
           a full-vocabulary KL, torch DDP over several ranks; no DeepSpeed
 
@@ -15,6 +16,8 @@ tokens, the same micro-batches for both. First the losses of both first steps (s
 batch: they must agree), then `--runs` rounds alternating `--steps` timed steps of each after
 `--warmup` untimed ones; per path the minimum / median / maximum over the rounds of each round's
 median step, and the pipeline's tokens/s as a fraction of the plain loop's, round by round.
+--profile then runs one more step of each path under torch.profiler (host and device self time,
+heaviest operators: where the two steps differ).
 MFU = model FLOPs per step (student 6 x matmul parameters x tokens + attention, teacher 2 x ... +
 attention; megatron_tc/bench/models.py) / step time / the matmul rate measured in this process
 (bf16 8192^3 on CUDA; fp32 on CPU, summed over the ranks).
@@ -34,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.anchor import (PlainLoop, SyntheticBatches, interleaved_runs, pipeline_config,  # noqa: E402
                                       pipeline_trainer, result_rows, step_flops)
-from megatron_tc.bench.common import Report, measure_peaks, model_names, parse_args, rel_err  # noqa: E402
+from megatron_tc.bench.common import (Report, measure_peaks, model_names, parse_args, profile_rows,  # noqa: E402
+                                      rel_err)
 from megatron_tc.bench.models import PRESETS, quarter_pattern  # noqa: E402
 from megatron_tc.model import HybridLM  # noqa: E402
 
@@ -107,12 +111,19 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
                               "rel_diff": rel_err(torch.tensor(first["pipeline"]), torch.tensor(first["plain"]))})
     seconds = interleaved_runs({"pipeline": pipeline_step, "plain": plain_step}, device, args.runs, args.steps,
                                args.warmup)
+    if args.profile:  # after the timed rounds: one more step of each under the profiler
+        for path, step in (("pipeline", pipeline_step), ("plain", plain_step)):
+            for row in profile_rows(step, device):
+                if ctx.rank == 0:
+                    report.add("profile", {"model": name, "path": path, **row})
     flops = step_flops(trainer.engine.module.arch, arch, loader.tokens_per_step, args.seq)["flops"]
     base = {"model": name, "ranks": ctx.world_size, "B": args.batch, "T": args.seq, "micro_steps": args.micro_steps,
             "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops}
     if cuda:
         base["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()})", "plain": "plain torch"}
+    compiled = ", compiled layers" if trainer.compiled else ""
+    labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()}{compiled})",
+              "plain": "plain torch"}
     for row in result_rows(seconds, labels, loader.tokens_per_step, flops, peak_tflops):
         if ctx.rank == 0:
             report.add("rows", {**base, **row})
@@ -138,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="rounds (minimum / median / maximum over them)")
     p.add_argument("--steps", type=int, default=3, help="timed steps of each path per round (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path first (compilation)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one step of each path: host and device time, heaviest operators")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, runs=3, steps=2, warmup=1))
     names = model_names(args.models, PRESETS)
     ctx = parallel_context()
@@ -157,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             ("Distillation step", "rows", ["model", "path", "ranks", "B", "T", "micro_steps", "tokens_per_step",
                                            *spreads("step_ms"), *spreads("tok_per_s"), *spreads("mfu"),
                                            *spreads("vs_plain"), "peak_mem_GiB"]),
+            ("Profile of one step (self time; all operators, then the heaviest)", "profile",
+             ["model", "path", "op", "calls", "host_ms", "device_ms"]),
         ])
     from megatron_tc.parallel.state import shutdown_distributed
 

@@ -1,0 +1,66 @@
+"""Readout sums (sweep 2 of the statistics pass) against the formulas they started from, op for op:
+every sum squared and reduced in fp64 after an fp64 copy, one value scale at a time. The pass
+now multiplies in fp32 and accumulates in fp64 (no fp64 copies), several scales per kernel."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_tc.calibrate.readout import VALUE_SCALE_GRID, readout_sums, student_read, value_silu_grid
+from megatron_tc.model import ArchConfig
+from megatron_tc.model.gdn import GatedDeltaNet
+
+F64 = torch.float64
+
+
+def reference_value_grid(mixer, x):
+    v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
+    b, t, _ = v.shape
+    v = v.view(b * t, mixer.kv_heads, mixer.head_dim)
+    out = torch.stack([F.silu(float(c) * v).to(F64).pow(2).sum(dim=(0, 2)) for c in VALUE_SCALE_GRID], dim=1)
+    return out.repeat_interleave(mixer.num_heads // mixer.kv_heads, dim=0)
+
+
+def reference_sums(mixer, candidates, x, y, out, o_weight, doc_ids):
+    b, t, _ = x.shape
+    h, d = mixer.num_heads, mixer.head_dim
+    raw, g, beta = student_read(mixer, x, doc_ids)
+    normed = mixer.o_norm(raw)
+    yt = y.float().transpose(1, 2)
+    us = [normed * (1.0 if w is None else F.silu(x.float() @ w.float().t()).view(b, t, h, d)) for w in candidates]
+    u_all = torch.stack(us)
+    return {"uy": (u_all * yt).to(F64).sum(dim=(1, 2, 4)), "uu": u_all.to(F64).pow(2).sum(dim=(1, 2, 4)),
+            "yy": yt.to(F64).pow(2).sum(dim=(0, 1, 3)), "YY": out.to(F64).pow(2).sum(),
+            "beta": beta.to(F64).sum(dim=(0, 1)), "g": g.to(F64).sum(dim=(0, 1)),
+            "ry": (raw * yt).to(F64).sum(dim=(0, 1, 3)), "rr": raw.to(F64).pow(2).sum(dim=(0, 1, 3)),
+            "vgrid": reference_value_grid(mixer, x)}
+
+
+def test_readout_sums_equal_the_fp64_formulas():
+    torch.manual_seed(0)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=24, num_layers=1, num_heads=3, num_kv_heads=1,
+                      head_dim=8, intermediate_size=32, layer_pattern="G", gdn_expand_kv=False, gdn_chunk_size=8)
+    mixer = GatedDeltaNet(arch, 0).eval()
+    b, t, h, d = 2, 19, 3, 8
+    x = torch.randn(b, t, 24)
+    y, out = torch.randn(b, h, t, d).to(torch.bfloat16), torch.randn(b, t, 24).to(torch.bfloat16)  # a bf16 teacher
+    candidates = [None, torch.randn(h * d, 24) * 0.2]
+    doc_ids = torch.tensor([[0] * 11 + [1] * 8, [0] * 19])
+    got = readout_sums(mixer, candidates, x, y, out, torch.randn(24, h * d), doc_ids)
+    want = reference_sums(mixer, candidates, x, y, out, None, doc_ids)
+    for key, value in want.items():
+        assert got[key].dtype == F64 and got[key].shape == value.shape, key
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=0, msg=key)
+    assert float(got["count"]) == b * t
+
+
+def test_value_grid_is_the_same_whatever_the_scales_per_kernel():
+    torch.manual_seed(1)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=8, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8)
+    mixer, x = GatedDeltaNet(arch, 0), torch.randn(2, 5, 16)
+    one = value_silu_grid(mixer, x, max_elements=1)  # one scale per kernel
+    many = value_silu_grid(mixer, x)  # all 81 at once
+    assert one.shape == (2, len(VALUE_SCALE_GRID))
+    torch.testing.assert_close(one, many, rtol=1e-12, atol=0)
+    torch.testing.assert_close(many, reference_value_grid(mixer, x), rtol=1e-6, atol=0)
