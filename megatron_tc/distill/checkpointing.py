@@ -298,7 +298,8 @@ class CheckpointManager:
         if path is None:
             return None
         state = self._read_state(path)
-        resharded = bool(state.layout) and state.layout != layout
+        check_same_padding(path, state.layout, layout)
+        resharded = bool(state.layout) and any(state.layout.get(k) != layout.get(k) for k in RESHARD_KEYS)
         if resharded:
             check_dp_reshard(path, state.layout, layout)
         # a rank the saving job did not have continues from rank 0's RNG streams
@@ -329,6 +330,18 @@ class CheckpointManager:
 # ---- resuming on another data-parallel size ---------------------------------------------------------
 
 UNIVERSAL_TAG = "universal"
+RESHARD_KEYS = ("world_size", "tp", "pp", "dp")
+
+
+def check_same_padding(path: Path, saved: dict[str, int], now: dict[str, int]) -> None:
+    """A compiled stage 2 pads ZeRO's flat parameter buffer (`param_aligned` in the layout) and
+    DeepSpeed cannot load a padded checkpoint into an unpadded engine or the reverse."""
+    was, is_now = bool(saved.get("param_aligned", 0)), bool(now.get("param_aligned", 0))
+    if saved and was != is_now:
+        raise CheckpointError(
+            f"{path} was written with the student's layers {'compiled' if was else 'eager'} (ZeRO parameters "
+            f"{'padded' if was else 'unpadded'}) but this job runs them {'compiled' if is_now else 'eager'}: resume "
+            f"with parallel.compile={'true' if was else 'false'}, or start a new run directory")
 
 
 def check_dp_reshard(path: Path, saved: dict[str, int], now: dict[str, int]) -> None:

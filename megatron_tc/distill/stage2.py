@@ -535,6 +535,7 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     teacher = build_teacher(teacher.to(device), ds_config, ctx, cfg.parallel.teacher_mode)
     trainer = Stage2Trainer(cfg, ctx, engine, teacher, loader, eval_rows, out_dir, tb, device, vocab_size, eval_log)
     trainer.compiled = compiled
+    trainer.layout["param_aligned"] = int(compiled)  # a resume must pad parameters the same way
     return trainer
 
 

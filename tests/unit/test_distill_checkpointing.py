@@ -112,3 +112,15 @@ def test_train_state_round_trips_and_keep_last_must_be_positive():
     assert TrainState.from_json(state.to_json()) == state
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager("/nonexistent", keep_last=0)
+
+
+@pytest.mark.parametrize("saved, now, fix", [(1, 0, "parallel.compile=true"), (0, 1, "parallel.compile=false")])
+def test_a_checkpoint_padded_for_compiled_layers_resumes_only_with_the_same_padding(tmp_path, saved, now, fix):
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
+    (tmp_path / "step_00000002").mkdir()
+    atomic_write_text(tmp_path / "step_00000002" / "state.json",
+                      TrainState(step=2, layout={**layout, "param_aligned": saved}).to_json())
+    atomic_write_text(tmp_path / "latest", "step_00000002\n")
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    with pytest.raises(CheckpointError, match=f"step_00000002 was written .* resume with {fix}"):
+        manager.load(engine=None, layout={**layout, "param_aligned": now})
