@@ -10,7 +10,7 @@ norms, MLPs, kept attention, LM head) is copied from the teacher.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,12 @@ def converted_layers(pattern: str) -> list[int]:
 
 def build_student(
     teacher: HybridLM, pattern: str, strategy: Strategy | str, stats: TaylorStats | None = None,
-    seed: int = 0, teacher_sha256: str | None = None,
+    seed: int = 0, teacher_sha256: str | None = None, teacher_state: Mapping[str, torch.Tensor] | None = None,
 ) -> HybridLM:
     """A HybridLM with `pattern`, teacher weights everywhere, converted layers from `strategy`
-    (closed form + readout fit; no alignment). Refuses stats of another teacher / other layers."""
+    (closed form + readout fit; no alignment). Refuses stats of another teacher / other layers.
+    teacher_state: the whole teacher's weights (HybridLM names, `teacher.arch`'s vocabulary
+    padding), read by name; required when `teacher` is tensor-parallel (it holds only slices)."""
     strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     kinds = teacher.arch.layer_kinds
     if set(kinds) != {"A"}:
@@ -54,7 +56,11 @@ def build_student(
         student = HybridLM(arch)
     student = student.to_empty(device=device)  # fp32 on the teacher's device
     state = student.state_dict()
-    teacher_state = teacher.state_dict()
+    if teacher_state is None:
+        if getattr(teacher, "tp_size", 1) > 1:
+            raise ValueError("build_student: a tensor-parallel teacher holds only its slices; pass teacher_state "
+                             "(calibrate.teacher_io.whole_teacher_state) for the whole weights")
+        teacher_state = teacher.state_dict()
     for name in state:
         parts = name.split(".")
         if parts[0] == "layers" and parts[2] == "mixer" and int(parts[1]) in converted:
@@ -63,7 +69,7 @@ def build_student(
     for index in converted:
         prefix = f"layers.{index}.mixer."
         # strategies are small CPU math on the mixer's weights (see LayerContext)
-        teacher_mixer = {k[len(prefix):]: v.detach().cpu() for k, v in teacher_state.items() if k.startswith(prefix)}
+        teacher_mixer = {k[len(prefix):]: teacher_state[k].detach().cpu() for k in teacher_state if k.startswith(prefix)}
         ctx = LayerContext(index, arch, teacher_mixer, default_gdn_state(arch, index, seed), stats)
         params = strategy.init_layer(ctx)
         missing = sorted(set(k[len(prefix):] for k in state if k.startswith(prefix)) - set(params))
@@ -97,6 +103,8 @@ def calibrate_student(
     teacher_sha256: str | None = None,
     align: AlignSettings | None | bool = True,
     dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    teacher_state: Mapping[str, torch.Tensor] | None = None,
     writer=None,
     progress: bool = True,
     seed: int = 0,
@@ -109,7 +117,10 @@ def calibrate_student(
     heldout_batches: calibration-split batches the optimizer never sees (best-step selection); when
     the strategy needs them and none are given, the last quarter of calib_batches (split_heldout).
     align: True = the strategy's own settings (None for naive/zero_gate/taylor), False = skip,
-    or explicit AlignSettings. Returns (student, report)."""
+    or explicit AlignSettings. tp_group / teacher_state: the teacher is tensor-parallel over
+    tp_group (statistics gather its heads; alignment targets are whole layer outputs on every
+    rank) and teacher_state reads its whole weights for the student (`build_student`).
+    Returns (student, report)."""
     strategy = get_strategy(init) if isinstance(init, str) else init
     pattern = pattern_from_keep(teacher.arch.num_layers, keep)
     converted = converted_layers(pattern)
@@ -126,10 +137,10 @@ def calibrate_student(
         stats = collect_stats(
             teacher, calib_batches, converted, dict(meta or {}, teacher_sha256=teacher_sha256),
             readout_strategies=[strategy], student_arch=teacher.arch.with_pattern(pattern), seed=seed,
-            dp_group=dp_group, progress=progress,
+            dp_group=dp_group, tp_group=tp_group, progress=progress,
         )
         report["stats_seconds"] = round(time.time() - started, 1)
-    student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256)
+    student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256, teacher_state)
     if settings is not None and converted:
         if not calib_batches:
             raise StrategyError(f"alignment of {strategy.name!r} needs calibration batches")

@@ -79,6 +79,12 @@ class ParallelConfig:
         "Frozen teacher placement: 'engine' = its own DeepSpeed engine without optimizer (ZeRO-3 sharded), "
         "'replicated' = a plain copy on every rank (when it fits).",
     )
+    shard_teacher: Literal["auto", True, False] = opt(
+        "auto",
+        "Split the teacher over the tensor-parallel ranks for the stats and init stages and stage 2, each rank "
+        "reading only its slice of the checkpoint (needs tp > 1 and pp = 1). 'auto': when tp > 1, pp = 1 and the "
+        "fp32 teacher would take more than half of one device.",
+    )
     activation_checkpointing: bool = opt(False, "Recompute layer activations in backward to save memory.")
     pipeline_partition: Literal["parameters", "pattern"] = opt(
         "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."

@@ -1,0 +1,113 @@
+"""A teacher loaded split over TP=2 ranks from a checkpoint (parallel.sharded_teacher): each rank
+holds exactly what apply_tensor_parallel cuts from the whole teacher; logits, statistics, the
+zero-shot student and a stage-2 run equal the replicated teacher's; a TP size that does not divide
+the heads is one clear error on every rank."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_tc.calibrate.statsfile import TaylorStats
+from megatron_tc.calibrate.teacher_io import checkpoint_weights_sha256, weights_sha256
+from megatron_tc.testing import run_distributed
+from tests.parallel import _workers_sharded_teacher as workers
+from tests.parallel import _workers_stats
+from tests.parallel._workers_common import assert_close, assert_same_weights
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The statistics tests' teacher saved with 2 TP shards (the sharded load re-slices any layout)."""
+    return str(workers.save_tiny_teacher(tmp_path_factory.mktemp("sharded") / "teacher", tp=2))
+
+
+def test_each_rank_reads_its_slice_and_the_logits_equal_the_whole_teacher(ckpt, tmp_path):
+    """Each rank holds exactly what apply_tensor_parallel cuts from the whole teacher in memory
+    (vocabulary padded 128 -> 256 rows for TP=2), its gathered logits equal the whole teacher's,
+    and the hash streamed from the checkpoint is the whole teacher's."""
+    out = str(tmp_path / "load")
+    run_distributed(workers.load_and_forward, 2, ckpt, out, timeout=180)
+    model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
+    with torch.no_grad():
+        want_logits = model(ids, doc_ids=doc_ids)[..., :model.arch.vocab_size]
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert got["padded"] == 256 and got["sha256"] == weights_sha256(model)
+        torch.testing.assert_close(got["logits"], want_logits, rtol=1e-5, atol=1e-5)
+        assert sorted(got["state"]) == sorted(got["reference"])
+        assert got["state"]["layers.0.mixer.q_proj.weight"].shape == (16, 32)  # 2 of 4 heads
+        for name, value in got["reference"].items():
+            assert torch.equal(got["state"][name], value), name
+
+
+def test_statistics_of_the_sharded_teacher_equal_the_replicated_teachers(ckpt, tmp_path):
+    """Both sweeps, with the layers' inputs and outputs kept from sweep 1 and with a second forward
+    (budget 0): every sum equals the single-process pass within the statistics tests' tolerance."""
+    ref = _workers_stats.stats_of_rows(range(4))
+    assert any(k.startswith("readout.taylor_fit.") for k in ref.sums)
+    for budget in (None, 0):
+        path = str(tmp_path / f"stats_{budget}.pt")
+        run_distributed(workers.stats, 2, ckpt, path, budget, timeout=240)
+        got = TaylorStats.load(path)
+        assert sorted(got.sums) == sorted(ref.sums)
+        assert got.meta["num_heads"] == 4 and got.sums["layers.0.count"].shape == ref.sums["layers.0.count"].shape
+        for key, want in ref.sums.items():
+            torch.testing.assert_close(got.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_zero_shot_student_and_alignment_targets_from_the_sharded_teacher_equal_the_replicated_ones(ckpt, tmp_path):
+    """The closed-form student (statistics, readout fit, the weights copied from the checkpoint)
+    and the per-layer alignment targets (mixer inputs, outputs, residual stream) that both ranks
+    get from the sharded teacher equal one process's from the whole teacher."""
+    out = str(tmp_path / "init")
+    run_distributed(workers.init_student, 2, ckpt, out, timeout=240)
+    model, _, _ = _workers_stats.tiny_teacher_and_rows()
+    want = workers.closed_form_student(model)[0].state_dict()
+    want_targets = workers.alignment_targets(model)
+    vocab = model.arch.vocab_size
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        state = got["state"]
+        assert state["embed_tokens.weight"].shape[0] == 256 and not state["embed_tokens.weight"][vocab:].any()
+        for name in ("embed_tokens.weight", "lm_head.weight"):  # the sharded teacher's padding: 256 rows
+            if name in state:
+                state[name], want[name] = state[name][:vocab], want[name][:vocab]
+        assert_same_weights(state, want, f"rank {rank} student")
+        for layer, tensors in want_targets.items():
+            for key, value in tensors.items():
+                assert_close(got["targets"][layer][key], value, f"rank {rank} layer {layer} {key}")
+
+
+def test_stage2_with_the_sharded_teacher_equals_one_process(tmp_path):
+    run_distributed(workers.stage2_reference, 1, str(tmp_path), timeout=180)
+    run_distributed(workers.stage2, 2, str(tmp_path), timeout=240)
+    records = [[json.loads(line) for line in (tmp_path / d / "train_log.jsonl").read_text().splitlines() if line]
+               for d in ("tp1", "tp2_sharded")]
+    assert [r["step"] for r in records[1]] == [1, 2]
+    for key in ("loss", "kl", "ce", "hidden", "grad_norm"):
+        series = [torch.tensor([r[key] for r in rs], dtype=torch.float64) for rs in records]
+        assert_close(series[1], series[0], f"sharded-teacher stage 2 {key}")
+    assert_same_weights(torch.load(tmp_path / "tp2_sharded/student.pt"), torch.load(tmp_path / "tp1/student.pt"),
+                        "stage 2 student")
+
+
+def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(tmp_path):
+    from megatron_tc.convert.checkpoint import save_checkpoint
+    from megatron_tc.model import HybridLM
+
+    model, _, _ = _workers_stats.tiny_teacher_and_rows()
+    arch = dataclasses.replace(model.arch, num_heads=3, num_kv_heads=1)
+    ckpt = save_checkpoint(HybridLM(arch).state_dict(), arch, tmp_path / "teacher")
+    out = str(tmp_path / "err")
+    run_distributed(workers.bad_tp, 2, str(ckpt), out, timeout=120)
+    messages = [open(f"{out}.{rank}").read() for rank in range(2)]
+    assert messages[0] == messages[1]
+    assert messages[0] == ("ValueError: parallel.tp=2 does not divide the teacher's 3 attention heads, 1 KV heads, which a sharded "
+                           "teacher splits over the tensor-parallel ranks: choose parallel.tp from [1]")
+
+
+def test_streamed_checkpoint_hash_equals_the_loaded_teachers(ckpt):
+    from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
+
+    assert checkpoint_weights_sha256(ckpt) == weights_sha256(load_hybrid_lm(ckpt))
