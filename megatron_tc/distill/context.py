@@ -105,7 +105,7 @@ class RunContext:
             self._shard_teacher = resolve_shard_teacher(self.cfg, arch, self.device)
             if self._shard_teacher:
                 log.info("the teacher is split over %d tensor-parallel ranks (parallel.shard_teacher=%s)",
-                         self.par.tp_size, self.cfg.parallel.shard_teacher)
+                         self.par.tp_size, str(self.cfg.parallel.shard_teacher).lower())
         return self._shard_teacher
 
     def release_teacher(self) -> None:

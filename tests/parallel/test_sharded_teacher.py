@@ -4,6 +4,10 @@ zero-shot student and a stage-2 run equal the replicated teacher's; a TP size th
 the heads is one clear error on every rank."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +109,38 @@ def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(tmp_path):
     assert messages[0] == messages[1]
     assert messages[0] == ("ValueError: parallel.tp=2 does not divide the teacher's 3 attention heads, 1 KV heads, which a sharded "
                            "teacher splits over the tensor-parallel ranks: choose parallel.tp from [1]")
+
+
+def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """launch/distill.sh on configs/tiny.yaml with 2 gloo ranks and parallel.tp=2."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
+    env.update(NPROC="2", OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    cmd = ["bash", str(root / "launch" / "distill.sh"), "configs/tiny.yaml", f"model.teacher={assets / 'teacher'}",
+           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}",
+           "parallel.tp=2", *extra]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_pipeline_with_a_sharded_teacher(tmp_path):
+    """The launcher with parallel.shard_teacher=true runs every stage (stats, init and stage 2 on
+    the split teacher; eval loads it whole); its statistics equal the replicated teacher's run."""
+    from megatron_tc.testing import write_tiny_teacher
+
+    assets = write_tiny_teacher(tmp_path / "assets", n_docs=40, words_per_doc=(50, 300))
+    sharded = _launch(assets, tmp_path / "sharded", "parallel.shard_teacher=true", "run.stages=[convert,select,stats,"
+                      "init,stage2,eval]", "distill.stage2.steps=2")
+    assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-5000:]
+    assert "the teacher is split over 2 tensor-parallel ranks" in sharded.stdout + sharded.stderr
+    replicated = _launch(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
+                         "run.stages=[convert,select,stats]")
+    assert replicated.returncode == 0, replicated.stdout[-3000:] + replicated.stderr[-5000:]
+    got, want = (TaylorStats.load(tmp_path / run / "stats/stats.pt") for run in ("sharded", "replicated"))
+    assert got.meta["teacher_sha256"] == want.meta["teacher_sha256"] and sorted(got.sums) == sorted(want.sums)
+    for key, value in want.sums.items():
+        torch.testing.assert_close(got.sums[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    results = json.loads((tmp_path / "sharded/eval/results.json").read_text())
+    assert [r["model"] for r in results["rows"]][-1] == "after distillation"
 
 
 def test_streamed_checkpoint_hash_equals_the_loaded_teachers(ckpt):
