@@ -123,13 +123,14 @@ def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedPro
 
 
 def test_pipeline_with_a_sharded_teacher(tmp_path):
-    """The launcher with parallel.shard_teacher=true runs every stage (stats, init and stage 2 on
-    the split teacher; eval loads it whole); its statistics equal the replicated teacher's run."""
+    """The launcher with parallel.shard_teacher=true runs every stage (stats, init, stage 1 and
+    stage 2 on the split teacher; eval loads it whole); its statistics equal the replicated
+    teacher's run."""
     from megatron_tc.testing import write_tiny_teacher
 
     assets = write_tiny_teacher(tmp_path / "assets", n_docs=40, words_per_doc=(50, 300))
-    sharded = _launch(assets, tmp_path / "sharded", "parallel.shard_teacher=true", "run.stages=[convert,select,stats,"
-                      "init,stage2,eval]", "distill.stage2.steps=2")
+    sharded = _launch(assets, tmp_path / "sharded", "parallel.shard_teacher=true",
+                      "run.stages=[convert,select,stats,init,stage1,stage2,eval]", "distill.stage2.steps=2")
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-5000:]
     assert "the teacher is split over 2 tensor-parallel ranks" in sharded.stdout + sharded.stderr
     replicated = _launch(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
