@@ -61,9 +61,9 @@ def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = 
     return result
 
 
-def run_stage1(out: Path, tp: int, steps: int = 3) -> None:
+def run_stage1(out: Path, tp: int, steps: int = 3, teacher_ckpt: Path | None = None) -> None:
     """Stage 1 (the GDN mixers of layers 1 and 3 aligned to the teacher's attention outputs); the
-    merged student goes to out/student.pt."""
+    merged student goes to out/student.pt. teacher_ckpt: as in run_stage2."""
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.stage1 import build_stage1, merged_student_state
     from megatron_tc.monitor import TBWriter

@@ -109,8 +109,9 @@ def bad_tp(rank: int, world_size: int, ckpt: str, out: str) -> None:
 
 
 def stage2(rank: int, world_size: int, out: str) -> None:
-    """Stage 2 (2 steps) with the teacher loaded split over TP=2 from a checkpoint of the padded
-    teacher (rank 0 writes it); out/tp2_sharded gets the logs and the gathered student."""
+    """Stage 2 (2 steps) and stage 1 (3 steps) with the teacher loaded split over TP=2 from a
+    checkpoint of the padded teacher (rank 0 writes it); out/tp2_sharded and out/s1_tp2_sharded
+    get the logs and the gathered students."""
     from megatron_tc.convert.checkpoint import save_checkpoint
     from tests.parallel import _workers_distill_tp as tp_workers
 
@@ -120,12 +121,14 @@ def stage2(rank: int, world_size: int, out: str) -> None:
         save_checkpoint(teacher.state_dict(), teacher.arch, ckpt)
     dist.barrier()
     tp_workers.run_stage2(Path(out) / "tp2_sharded", 2, steps=STAGE2_STEPS, teacher_ckpt=ckpt)
+    tp_workers.run_stage1(Path(out) / "s1_tp2_sharded", 2, teacher_ckpt=ckpt)
 
 
 def stage2_reference(rank: int, world_size: int, out: str) -> None:
     from tests.parallel import _workers_distill_tp as tp_workers
 
     tp_workers.run_stage2(Path(out) / "tp1", 1, steps=STAGE2_STEPS)
+    tp_workers.run_stage1(Path(out) / "s1_tp1", 1)
 
 
 STAGE2_STEPS = 2

@@ -83,17 +83,21 @@ def test_zero_shot_student_and_alignment_targets_from_the_sharded_teacher_equal_
                 assert_close(got["targets"][layer][key], value, f"rank {rank} layer {layer} {key}")
 
 
-def test_stage2_with_the_sharded_teacher_equals_one_process(tmp_path):
+def test_training_stages_with_the_sharded_teacher_equal_one_process(tmp_path):
+    """Stage 2 (KL, CE and hidden-state terms on vocabulary shards) and stage 1 against the split
+    teacher: the same losses, gradient norms and gathered student as one process with the whole one."""
     run_distributed(workers.stage2_reference, 1, str(tmp_path), timeout=180)
     run_distributed(workers.stage2, 2, str(tmp_path), timeout=240)
-    records = [[json.loads(line) for line in (tmp_path / d / "train_log.jsonl").read_text().splitlines() if line]
-               for d in ("tp1", "tp2_sharded")]
-    assert [r["step"] for r in records[1]] == [1, 2]
-    for key in ("loss", "kl", "ce", "hidden", "grad_norm"):
-        series = [torch.tensor([r[key] for r in rs], dtype=torch.float64) for rs in records]
-        assert_close(series[1], series[0], f"sharded-teacher stage 2 {key}")
-    assert_same_weights(torch.load(tmp_path / "tp2_sharded/student.pt"), torch.load(tmp_path / "tp1/student.pt"),
-                        "stage 2 student")
+    for one, two, keys, steps in (("tp1", "tp2_sharded", ("loss", "kl", "ce", "hidden", "grad_norm"), [1, 2]),
+                                  ("s1_tp1", "s1_tp2_sharded", ("loss", "mse/L01", "mse/L03", "grad_norm"), [1, 2, 3])):
+        records = [[json.loads(line) for line in (tmp_path / d / "train_log.jsonl").read_text().splitlines() if line]
+                   for d in (one, two)]
+        assert [r["step"] for r in records[1]] == steps
+        for key in keys:
+            series = [torch.tensor([r[key] for r in rs], dtype=torch.float64) for rs in records]
+            assert_close(series[1], series[0], f"{two} {key}")
+        assert_same_weights(torch.load(tmp_path / two / "student.pt"), torch.load(tmp_path / one / "student.pt"),
+                            f"{two} student")
 
 
 def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(tmp_path):
