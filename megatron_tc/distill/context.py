@@ -183,11 +183,11 @@ def _as_dict(section: Any) -> dict[str, Any]:
 
 def rank0_save_student(ctx: RunContext, model_or_state: Any, arch: Any, out: Path, source: dict) -> None:
     """Write a single-device student as a megatron_tc checkpoint (rank 0), with the teacher's tokenizer."""
+    tokenizer_files = ctx.teacher_meta().tokenizer_files  # every rank: loading a split teacher is collective
     if ctx.rank0:
         from megatron_tc.convert.checkpoint import save_checkpoint
 
         state = model_or_state.state_dict() if hasattr(model_or_state, "state_dict") else model_or_state
         state = {k: v.detach().cpu() for k, v in state.items()}  # a student on the GPU is written from the host
-        save_checkpoint(state, arch, out, source=source, tokenizer_files=ctx.teacher_meta().tokenizer_files,
-                        overwrite=True)
+        save_checkpoint(state, arch, out, source=source, tokenizer_files=tokenizer_files, overwrite=True)
     ctx.barrier()
