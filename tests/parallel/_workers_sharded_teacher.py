@@ -35,7 +35,10 @@ def load_and_forward(rank: int, world_size: int, ckpt: str, out: str) -> None:
     from megatron_tc.model import HybridLM
     from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel, gather_vocab_shards
 
-    ctx, model = _sharded(ckpt)
+    from megatron_tc.convert.lazy import track_reads
+
+    with track_reads() as reads:
+        ctx, model = _sharded(ckpt)
     whole, ids, doc_ids = tiny_teacher_and_rows()
     state, arch = resize_vocab(whole.state_dict(), whole.arch, model.arch.padded_vocab_size)
     reference = HybridLM(arch)
@@ -44,7 +47,8 @@ def load_and_forward(rank: int, world_size: int, ckpt: str, out: str) -> None:
     with torch.no_grad():
         logits = gather_vocab_shards(model(ids, doc_ids=doc_ids), model.arch.vocab_size, ctx)
     torch.save({"state": model.state_dict(), "reference": reference.state_dict(), "logits": logits,
-                "padded": model.arch.padded_vocab_size, "sha256": checkpoint_weights_sha256(ckpt)}, f"{out}.{rank}")
+                "padded": model.arch.padded_vocab_size, "sha256": checkpoint_weights_sha256(ckpt),
+                "read_bytes": reads.read_bytes}, f"{out}.{rank}")
     dist.barrier()
 
 

@@ -28,15 +28,21 @@ def ckpt(tmp_path_factory):
 
 def test_each_rank_reads_its_slice_and_the_logits_equal_the_whole_teacher(ckpt, tmp_path):
     """Each rank holds exactly what apply_tensor_parallel cuts from the whole teacher in memory
-    (vocabulary padded 128 -> 256 rows for TP=2), its gathered logits equal the whole teacher's,
-    and the hash streamed from the checkpoint is the whole teacher's."""
+    (vocabulary padded 128 -> 256 rows for TP=2), having read only its slice of the checkpoint: the
+    two ranks together read every real weight once (padding rows never), the replicated norms once
+    per rank and stored copy. Its gathered logits equal the whole teacher's, and the hash streamed
+    from the checkpoint is the whole teacher's."""
     out = str(tmp_path / "load")
     run_distributed(workers.load_and_forward, 2, ckpt, out, timeout=180)
     model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
     with torch.no_grad():
         want_logits = model(ids, doc_ids=doc_ids)[..., :model.arch.vocab_size]
-    for rank in range(2):
-        got = torch.load(f"{out}.{rank}")
+    vocab, whole = model.arch.vocab_size, model.state_dict()
+    real = sum(4 * (v[:vocab] if k in ("embed_tokens.weight", "lm_head.weight") else v).numel() for k, v in whole.items())
+    norms = sum(4 * v.numel() for k, v in whole.items() if k.endswith("norm.weight"))
+    loaded = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    assert sum(got["read_bytes"] for got in loaded) == real + (2 * 2 - 1) * norms  # 2 ranks x 2 stored copies
+    for rank, got in enumerate(loaded):
         assert got["padded"] == 256 and got["sha256"] == weights_sha256(model)
         torch.testing.assert_close(got["logits"], want_logits, rtol=1e-5, atol=1e-5)
         assert sorted(got["state"]) == sorted(got["reference"])
