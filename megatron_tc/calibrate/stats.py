@@ -205,8 +205,10 @@ def collect_readout_stats(
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
     tp_group: the teacher is tensor-parallel over it. Readout sums need whole layers, so each
-    layer's attention is gathered (`_whole_mixer`: one layer at a time when reading kept layers)
-    and every rank of the group computes the same sums on the same rows.
+    layer's attention is gathered (`_whole_mixer`) and the layers are dealt over the group's ranks
+    (the i-th selected layer to rank i mod TP, which keeps its gathered attention while it sums);
+    an all-reduce over the group then gives every rank all layers' sums, bit for bit those of
+    one rank doing every layer (the other ranks add zeros).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: the host works out layer l+1's closed form (CPU math)
@@ -216,19 +218,25 @@ def collect_readout_stats(
     if not closed_forms:
         return stats
     arch, device = model.arch, model_device(model)
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    mine = {index for i, index in enumerate(stats.layers) if i % tp == (dist.get_rank(tp_group) if tp > 1 else 0)}
     mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
     teacher_mixers: dict[int, nn.Module] = {}
     part: dict[str, torch.Tensor] = {}
 
     def build(index: int) -> None:
-        teacher_mixers[index] = _whole_mixer(model, index, tp_group)
+        teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
         for name, strategy in closed_forms.items():
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
                                                 teacher_mixers[index])
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
+        if index not in mine:
+            del teacher_mixers[index]
 
     def on_layer(index: int, io: LayerIO) -> None:
+        if index not in mine:
+            return
         mixer = teacher_mixers[index]
         q, k, v = mixer.project_qkv(io.x, io.position_ids)
         t = io.x.shape[1]
@@ -246,7 +254,7 @@ def collect_readout_stats(
             build(index)
             for kept in layer_io:
                 on_layer(index, kept[index])
-            del teacher_mixers[index]  # a gathered layer lives while its sums are made
+            teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)
@@ -255,6 +263,8 @@ def collect_readout_stats(
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
     reduced = TaylorStats({"layers": stats.layers}, part)
+    if tp > 1:
+        reduced.all_reduce_(tp_group)  # each layer's sums from the rank that made them
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
     for name, per_layer in mixers.items():
