@@ -105,6 +105,7 @@ def calibrate_student(
     dp_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
     teacher_state: Mapping[str, torch.Tensor] | None = None,
+    align_group: dist.ProcessGroup | None | str = "dp",
     writer=None,
     progress: bool = True,
     seed: int = 0,
@@ -120,6 +121,8 @@ def calibrate_student(
     or explicit AlignSettings. tp_group / teacher_state: the teacher is tensor-parallel over
     tp_group (statistics gather its heads; alignment targets are whole layer outputs on every
     rank) and teacher_state reads its whole weights for the student (`build_student`).
+    align_group: the ranks the converted layers are dealt over for alignment ("dp": dp_group);
+    every one of them must hold every calibration row and the same teacher outputs.
     Returns (student, report)."""
     strategy = get_strategy(init) if isinstance(init, str) else init
     pattern = pattern_from_keep(teacher.arch.num_layers, keep)
@@ -141,6 +144,7 @@ def calibrate_student(
         )
         report["stats_seconds"] = round(time.time() - started, 1)
     student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256, teacher_state)
+    align_group = dp_group if align_group == "dp" else align_group
     if settings is not None and converted:
         if not calib_batches:
             raise StrategyError(f"alignment of {strategy.name!r} needs calibration batches")
@@ -151,10 +155,10 @@ def calibrate_student(
             data = collect_layer_io(teacher, calib_batches, converted)
             held = collect_layer_io(teacher, heldout_batches, converted) if heldout_batches else None
             mixers = {l: student.layers[l].mixer for l in converted}
-            layer_reports = align_layers(mixers, data, settings, held, dp_group, writer, progress, seed)
+            layer_reports = align_layers(mixers, data, settings, held, align_group, writer, progress, seed)
         else:
             layer_reports = align_student_forced(student, teacher, converted, settings, calib_batches, heldout_batches,
-                                                 dp_group, writer, progress, seed)
+                                                 align_group, writer, progress, seed)
         report["align"] = {str(l): {k: v for k, v in r.items() if k != "curve"} for l, r in sorted(layer_reports.items())}
         report["align_seconds"] = round(time.time() - t0, 1)
         report["align_forcing"] = settings.forcing

@@ -292,7 +292,8 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         teacher.model, selection["keep"], strategy, calib_batches=calib, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
         tp_group=teacher.tp_group, teacher_state=whole_teacher_state(teacher) if teacher.sharded else None,
-        writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
+        # a split teacher gives every rank the same whole layer outputs: its TP ranks share the layers too
+        align_group=None if teacher.sharded else "dp", writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
     curves.gather()
     if calib is not None:  # aligned on calibration rows: say how they started
         report.update(ctx.data().bos_record())

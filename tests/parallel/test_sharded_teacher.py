@@ -134,8 +134,8 @@ def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedPro
 
 def test_pipeline_with_a_sharded_teacher(tmp_path):
     """The launcher with parallel.shard_teacher=true runs every stage (stats, init, stage 1 and
-    stage 2 on the split teacher; eval loads it whole); its statistics equal the replicated
-    teacher's run."""
+    stage 2 on the split teacher; eval loads it whole); its statistics and the starting point of
+    every aligned layer equal the replicated teacher's run."""
     from megatron_tc.testing import write_tiny_teacher
 
     assets = write_tiny_teacher(tmp_path / "assets", n_docs=40, words_per_doc=(50, 300))
@@ -144,12 +144,18 @@ def test_pipeline_with_a_sharded_teacher(tmp_path):
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-5000:]
     assert "the teacher is split over 2 tensor-parallel ranks" in sharded.stdout + sharded.stderr
     replicated = _launch(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
-                         "run.stages=[convert,select,stats]")
+                         "run.stages=[convert,select,stats,init]")
     assert replicated.returncode == 0, replicated.stdout[-3000:] + replicated.stderr[-5000:]
     got, want = (TaylorStats.load(tmp_path / run / "stats/stats.pt") for run in ("sharded", "replicated"))
     assert got.meta["teacher_sha256"] == want.meta["teacher_sha256"] and sorted(got.sums) == sorted(want.sums)
     for key, value in want.sums.items():
         torch.testing.assert_close(got.sums[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # alignment: the layers dealt over both TP ranks start from the same closed form on the same targets
+    aligned, want_aligned = (json.loads((tmp_path / run / "init/report.json").read_text())["align"]
+                             for run in ("sharded", "replicated"))
+    assert sorted(aligned) == sorted(want_aligned) and len(aligned) >= 2
+    for layer, report in want_aligned.items():
+        assert abs(aligned[layer]["initial"] - report["initial"]) <= 1e-5 * report["initial"], layer
     results = json.loads((tmp_path / "sharded/eval/results.json").read_text())
     assert [r["model"] for r in results["rows"]][-1] == "after distillation"
 
