@@ -93,16 +93,29 @@ def load_sharded_teacher(path: str | os.PathLike, ctx: Any) -> Teacher:
     return Teacher(model, digest[0], load_tokenizer(path), files, str(path), tp_group=ctx.tp_group)
 
 
-def checkpoint_weights_sha256(path: str | os.PathLike) -> str:
+def checkpoint_weights_sha256(path: str | os.PathLike, rows_per_read: int = 4096) -> str:
     """`weights_sha256` of the model a megatron_tc checkpoint loads as (fp32), computed from its
-    files one tensor at a time: peak memory one tensor, whatever the layout."""
+    files `rows_per_read` rows at a time (the digest of row-major bytes does not depend on how
+    they are cut): peak memory a few MB, whatever the model."""
+    import hashlib
+
     from megatron_tc.convert.checkpoint import lazy_checkpoint
 
     info, lazies = lazy_checkpoint(path)
     vocab = info.arch.vocab_size
-    trimmed = {name: lazy[:vocab] if name in ("embed_tokens.weight", "lm_head.weight") else lazy
-               for name, lazy in lazies.items()}
-    return state_dict_sha256(LazyState(trimmed))
+    digest = hashlib.sha256()
+    for name in sorted(lazies):
+        lazy = lazies[name]
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            lazy = lazy[:vocab]
+        dtype = torch.float32 if lazy.dtype.is_floating_point else None
+        digest.update(f"{name}:{list(lazy.shape)}\n".encode())  # as statsfile.state_dict_sha256
+        if not lazy.shape:
+            digest.update(lazy.materialize(dtype).numpy().tobytes())
+        for start in range(0, lazy.shape[0] if lazy.shape else 0, rows_per_read):
+            rows = lazy.narrow(0, start, min(rows_per_read, lazy.shape[0] - start))
+            digest.update(rows.materialize(dtype).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def whole_teacher_state(teacher: Teacher) -> "LazyState":

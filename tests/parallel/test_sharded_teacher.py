@@ -160,7 +160,8 @@ def test_pipeline_with_a_sharded_teacher(tmp_path):
     assert [r["model"] for r in results["rows"]][-1] == "after distillation"
 
 
-def test_streamed_checkpoint_hash_equals_the_loaded_teachers(ckpt):
+@pytest.mark.parametrize("rows_per_read", [7, 4096])
+def test_streamed_checkpoint_hash_equals_the_loaded_teachers(ckpt, rows_per_read):
     from megatron_tc.convert.hf_to_megatron import load_hybrid_lm
 
-    assert checkpoint_weights_sha256(ckpt) == weights_sha256(load_hybrid_lm(ckpt))
+    assert checkpoint_weights_sha256(ckpt, rows_per_read) == weights_sha256(load_hybrid_lm(ckpt))
