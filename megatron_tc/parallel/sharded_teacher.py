@@ -2,10 +2,11 @@
 
 `load_tensor_parallel(path, ctx)` builds the teacher as `apply_tensor_parallel` would shard it,
 but never holds the whole model: the skeleton is built on the meta device, sharded there (no
-storage), then materialized with each rank's slice of the checkpoint (`convert.load_rank` reads
-only the byte ranges of that slice, from a checkpoint of any TP x PP layout). Peak host memory per
-rank is its 1/TP of the weights plus one tensor; every rank of a TP group ends with the same model
-`apply_tensor_parallel` makes from the whole teacher.
+storage), then filled with each rank's slice of the checkpoint (`convert.load_slices` reads only
+the byte ranges of that slice, from a checkpoint of any TP x PP layout, straight into the
+teacher's dtype). Peak host memory per rank is its 1/TP of the weights plus the largest piece
+read at once; every rank of a TP group ends with the same model `apply_tensor_parallel` makes
+from the whole teacher.
 
 `full_mixer(model, index, tp_group)` gathers one attention layer back into a single-device module
 (closed-form initializations and readout sums work on whole layers): one layer's weights, never
@@ -63,8 +64,7 @@ def load_tensor_parallel(path: str | os.PathLike, ctx: ParallelContext, dtype: t
     (`pad_vocab(vocab, tp)`), as the checkpoint's own layout for that TP size would be."""
     import dataclasses
 
-    from megatron_tc.convert import layout
-    from megatron_tc.convert.checkpoint import VOCAB_MULTIPLE, load_rank, read_info
+    from megatron_tc.convert.checkpoint import VOCAB_MULTIPLE, load_slices, read_info
     from megatron_tc.model.config import pad_vocab
 
     if ctx.pp_size != 1:
@@ -77,10 +77,17 @@ def load_tensor_parallel(path: str | os.PathLike, ctx: ParallelContext, dtype: t
     with torch.device("meta"):
         model = HybridLM(arch)
         apply_tensor_parallel(model, ctx)  # megatron layers allocate on the meta device too: no storage
-    shard = load_rank(path, tp, 1, ctx.tp_rank, 0)
-    local = dataclasses.replace(arch, num_heads=arch.num_heads // tp, num_kv_heads=arch.num_kv_heads // tp)
-    state = layout.rank_to_hybrid(shard, local, 0)
-    del shard
+    params = dict(model.named_parameters())
+
+    def my_slice(name: str, whole):
+        """apply_tensor_parallel's cut: this rank's contiguous 1/TP along the partitioned dimension."""
+        param = params.get(name)
+        if param is None or not getattr(param, "tensor_model_parallel", False):
+            return whole
+        size = whole.shape[param.partition_dim] // tp
+        return whole.narrow(param.partition_dim, ctx.tp_rank * size, size)
+
+    state = load_slices(path, my_slice, arch.padded_vocab_size, dtype)  # straight into dtype: no second copy
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if want != got:
