@@ -72,11 +72,12 @@ def load_teacher(path: str | os.PathLike) -> Teacher:
     return Teacher(model, weights_sha256(model), tokenizer, files, str(path))
 
 
-def load_sharded_teacher(path: str | os.PathLike, ctx: Any) -> Teacher:
+def load_sharded_teacher(path: str | os.PathLike, ctx: Any, device: torch.device | str = "cpu") -> Teacher:
     """The megatron_tc checkpoint at `path` split over ctx's tensor-parallel ranks (fp32, eval
-    mode; parallel.sharded_teacher.load_tensor_parallel): each rank reads only its slice. The
-    weight hash is the whole teacher's (`weights_sha256`), streamed from the checkpoint one tensor
-    at a time on global rank 0 and broadcast (collective over the world)."""
+    mode, on `device`; parallel.sharded_teacher.load_tensor_parallel): each rank reads only its
+    slice, tensor by tensor onto the device. The weight hash is the whole teacher's
+    (`weights_sha256`), streamed from the checkpoint on global rank 0 and broadcast (collective
+    over the world)."""
     import torch.distributed as dist
 
     from megatron_tc.eval.loading import detect_kind, load_tokenizer
@@ -86,7 +87,7 @@ def load_sharded_teacher(path: str | os.PathLike, ctx: Any) -> Teacher:
     if kind != "megatron_tc":
         raise ValueError(f"a sharded teacher is read from a megatron_tc checkpoint, {path} is {kind}; convert it first "
                          "(the convert stage, or tools/convert_hf_to_megatron.py)")
-    model = load_tensor_parallel(directory, ctx)
+    model = load_tensor_parallel(directory, ctx, device=device)
     digest = [checkpoint_weights_sha256(directory) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(digest, src=0)
     files = _tokenizer_files(directory / "tokenizer")

@@ -280,14 +280,15 @@ def load_rank(path: str | os.PathLike, tp: int, pp: int, tp_rank: int, pp_rank: 
 
 
 def load_slices(path: str | os.PathLike, pick: Callable[[str, LazyTensor], LazyTensor], padded_vocab_size: int,
-                dtype: torch.dtype | None = None) -> StateDict:
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> StateDict:
     """HybridLM-named tensors, each `pick(name, whole)` of the checkpoint's unsharded tensor (its
     vocabulary padded to `padded_vocab_size` rows), e.g. one tensor-parallel rank's rows or
     columns. Only the picked slices are read, straight into `dtype` (floating tensors; None: the
-    stored dtype), and only the files they come from are verified."""
+    stored dtype), and only the files they come from are verified. `device`: each tensor moves
+    there as soon as it is read, so the host holds one at a time."""
     info = read_info(path)
     lazies = _unsharded_lazies(info, padded_vocab_size)
-    return _read_verified(info, {name: pick(name, lazy) for name, lazy in lazies.items()}, dtype)
+    return _read_verified(info, {name: pick(name, lazy) for name, lazy in lazies.items()}, dtype, device)
 
 
 def _unsharded_lazies(info: CheckpointInfo, padded_vocab_size: int) -> Lazies:
@@ -300,15 +301,19 @@ def _unsharded_lazies(info: CheckpointInfo, padded_vocab_size: int) -> Lazies:
     return resize_vocab_lazy(unshard_lazy(shards, info.arch, info.tp, info.pp), info.arch.vocab_size, padded_vocab_size)
 
 
-def _read_verified(info: CheckpointInfo, lazies: Lazies, dtype: torch.dtype | None) -> StateDict:
-    """Verify the files `lazies` read from (sha256, header), then read them."""
+def _read_verified(info: CheckpointInfo, lazies: Lazies, dtype: torch.dtype | None,
+                   device: torch.device | str | None = None) -> StateDict:
+    """Verify the files `lazies` read from (sha256, header), then read them (onto `device`)."""
     files = _read_manifest(info.path)
     needed = sorted({s.path.name for lazy in lazies.values() for s in sources_of(lazy) if isinstance(s, SafetensorsFile)})
     _verify_files(info.path, files, needed)
     for name in needed:
         _check_header(info.path, files, name)
-    return {name: lazy.materialize(dtype if dtype is not None and lazy.dtype.is_floating_point else None)
-            for name, lazy in lazies.items()}
+    out = {}
+    for name, lazy in lazies.items():
+        tensor = lazy.materialize(dtype if dtype is not None and lazy.dtype.is_floating_point else None)
+        out[name] = tensor if device is None else tensor.to(device)
+    return out
 
 
 def load_shard_hybrid(path: str | os.PathLike, tp_rank: int, pp_rank: int) -> StateDict:

@@ -82,8 +82,8 @@ class RunContext:
         if self._teacher is None:
             from megatron_tc.calibrate.teacher_io import load_sharded_teacher, load_teacher
 
-            if sharded:
-                teacher = load_sharded_teacher(self.paths.teacher, self.par)
+            if sharded:  # read onto the device tensor by tensor: the host never holds the slice
+                teacher = load_sharded_teacher(self.paths.teacher, self.par, self.device)
             else:
                 teacher = load_teacher(self.paths.teacher)  # hashed on the CPU, then moved
             teacher.model.to(self.device)

@@ -59,9 +59,10 @@ def resolve_shard_teacher(cfg: Any, arch: ArchConfig, device: torch.device) -> b
 
 def load_tensor_parallel(path: str | os.PathLike, ctx: ParallelContext, dtype: torch.dtype = torch.float32,
                          device: torch.device | str = "cpu") -> TensorParallelHybridLM:
-    """The megatron_tc checkpoint at `path` as a tensor-parallel HybridLM (eval mode) over ctx's TP
-    group, reading only this rank's slice. The vocabulary is padded for ctx.tp_size
-    (`pad_vocab(vocab, tp)`), as the checkpoint's own layout for that TP size would be."""
+    """The megatron_tc checkpoint at `path` as a tensor-parallel HybridLM (eval mode, `dtype`, on
+    `device`) over ctx's TP group, reading only this rank's slice; the host holds one tensor at a
+    time when `device` is a GPU. The vocabulary is padded for ctx.tp_size (`pad_vocab(vocab, tp)`),
+    as the checkpoint's own layout for that TP size would be."""
     import dataclasses
 
     from megatron_tc.convert.checkpoint import VOCAB_MULTIPLE, load_slices, read_info
@@ -87,7 +88,8 @@ def load_tensor_parallel(path: str | os.PathLike, ctx: ParallelContext, dtype: t
         size = whole.shape[param.partition_dim] // tp
         return whole.narrow(param.partition_dim, ctx.tp_rank * size, size)
 
-    state = load_slices(path, my_slice, arch.padded_vocab_size, dtype)  # straight into dtype: no second copy
+    # straight into dtype (no second copy) and onto the device one tensor at a time
+    state = load_slices(path, my_slice, arch.padded_vocab_size, dtype, device)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if want != got:

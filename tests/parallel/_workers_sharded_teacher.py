@@ -26,10 +26,10 @@ def _sharded(ckpt: str):
     return ctx, load_tensor_parallel(ckpt, ctx)
 
 
-def load_and_forward(rank: int, world_size: int, ckpt: str, out: str) -> None:
+def load_and_forward(rank: int, world_size: int, ckpt: str, out: str, bad_ckpt: str) -> None:
     """Rank r saves its sharded teacher's state, the state apply_tensor_parallel cuts from the
     whole teacher in memory (the reference), the gathered logits of all 4 rows and the
-    whole-teacher hash streamed from the checkpoint."""
+    whole-teacher hash streamed from the checkpoint; then tries `bad_ckpt` (`_bad_tp`)."""
     from megatron_tc.calibrate.teacher_io import checkpoint_weights_sha256
     from megatron_tc.convert.layout import resize_vocab
     from megatron_tc.model import HybridLM
@@ -49,23 +49,25 @@ def load_and_forward(rank: int, world_size: int, ckpt: str, out: str) -> None:
     torch.save({"state": model.state_dict(), "reference": reference.state_dict(), "logits": logits,
                 "padded": model.arch.padded_vocab_size, "sha256": checkpoint_weights_sha256(ckpt),
                 "read_bytes": reads.read_bytes}, f"{out}.{rank}")
+    _bad_tp(rank, bad_ckpt, out)
     dist.barrier()
 
 
-def stats(rank: int, world_size: int, ckpt: str, out: str, io_cache_budget: int | None) -> None:
-    """Both statistics sweeps on the sharded teacher (kept layers, or a second forward when the
-    budget is 0); rank 0 saves."""
+def stats(rank: int, world_size: int, ckpt: str, out: str) -> None:
+    """Both statistics sweeps on the sharded teacher, with the layers kept from sweep 1 and with a
+    second forward (budget 0); rank 0 saves them as {out}.kept and {out}.forward."""
     from megatron_tc.calibrate.stats import collect_stats
     from megatron_tc.calibrate.strategies import get_strategy
 
     ctx, model = _sharded(ckpt)
     _, ids, doc_ids = tiny_teacher_and_rows()
-    result = collect_stats(model, row_batches(ids, doc_ids, range(4)), [0, 2], {"teacher_sha256": "t", "seq_len": 24},
-                           readout_strategies=[get_strategy(s) for s in READOUT],
-                           student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=ctx.dp_group,
-                           tp_group=ctx.tp_group, progress=False, io_cache_budget=io_cache_budget)
-    if rank == 0:
-        result.save(out)
+    for name, budget in (("kept", None), ("forward", 0)):
+        result = collect_stats(model, row_batches(ids, doc_ids, range(4)), [0, 2],
+                               {"teacher_sha256": "t", "seq_len": 24}, readout_strategies=[get_strategy(s) for s in READOUT],
+                               student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=ctx.dp_group,
+                               tp_group=ctx.tp_group, progress=False, io_cache_budget=budget)
+        if rank == 0:
+            result.save(f"{out}.{name}")
     dist.barrier()
 
 
@@ -101,15 +103,17 @@ def init_student(rank: int, world_size: int, ckpt: str, out: str) -> None:
     dist.barrier()
 
 
-def bad_tp(rank: int, world_size: int, ckpt: str, out: str) -> None:
-    """A teacher with 3 heads loaded over TP=2: each rank writes the error it got."""
+def _bad_tp(rank: int, ckpt: str, out: str) -> None:
+    """A teacher with 3 heads loaded over TP=2: each rank writes the error it got to {out}.error.{rank}."""
+    from megatron_tc.parallel.sharded_teacher import load_tensor_parallel
+    from megatron_tc.parallel.state import current_context
+
     try:
-        _sharded(ckpt)
+        load_tensor_parallel(ckpt, current_context())
         message = "loaded"
     except Exception as err:  # the test reads the message each rank got
         message = f"{type(err).__name__}: {err}"
-    Path(f"{out}.{rank}").write_text(message)
-    dist.barrier()
+    Path(f"{out}.error.{rank}").write_text(message)
 
 
 def stage2(rank: int, world_size: int, out: str) -> None:

@@ -26,14 +26,32 @@ def ckpt(tmp_path_factory):
     return str(workers.save_tiny_teacher(tmp_path_factory.mktemp("sharded") / "teacher", tp=2))
 
 
-def test_each_rank_reads_its_slice_and_the_logits_equal_the_whole_teacher(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def bad_ckpt(tmp_path_factory):
+    """A teacher with 3 attention heads and 1 KV head: TP=2 cannot split it."""
+    from megatron_tc.convert.checkpoint import save_checkpoint
+    from megatron_tc.model import HybridLM
+
+    model, _, _ = _workers_stats.tiny_teacher_and_rows()
+    arch = dataclasses.replace(model.arch, num_heads=3, num_kv_heads=1)
+    return str(save_checkpoint(HybridLM(arch).state_dict(), arch, tmp_path_factory.mktemp("bad") / "teacher"))
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt, bad_ckpt, tmp_path_factory):
+    """Both ranks' records of `workers.load_and_forward` (one launch for the load and the error tests)."""
+    out = str(tmp_path_factory.mktemp("load") / "load")
+    run_distributed(workers.load_and_forward, 2, ckpt, out, bad_ckpt, timeout=180)
+    return out
+
+
+def test_each_rank_reads_its_slice_and_the_logits_equal_the_whole_teacher(loaded):
     """Each rank holds exactly what apply_tensor_parallel cuts from the whole teacher in memory
     (vocabulary padded 128 -> 256 rows for TP=2), having read only its slice of the checkpoint: the
     two ranks together read every real weight once (padding rows never), the replicated norms once
     per rank and stored copy. Its gathered logits equal the whole teacher's, and the hash streamed
     from the checkpoint is the whole teacher's."""
-    out = str(tmp_path / "load")
-    run_distributed(workers.load_and_forward, 2, ckpt, out, timeout=180)
+    out = loaded
     model, ids, doc_ids = _workers_stats.tiny_teacher_and_rows()
     with torch.no_grad():
         want_logits = model(ids, doc_ids=doc_ids)[..., :model.arch.vocab_size]
@@ -56,14 +74,14 @@ def test_statistics_of_the_sharded_teacher_equal_the_replicated_teachers(ckpt, t
     (budget 0): every sum equals the single-process pass within the statistics tests' tolerance."""
     ref = _workers_stats.stats_of_rows(range(4))
     assert any(k.startswith("readout.taylor_fit.") for k in ref.sums)
-    for budget in (None, 0):
-        path = str(tmp_path / f"stats_{budget}.pt")
-        run_distributed(workers.stats, 2, ckpt, path, budget, timeout=240)
-        got = TaylorStats.load(path)
+    path = str(tmp_path / "stats")
+    run_distributed(workers.stats, 2, ckpt, path, timeout=240)
+    for name in ("kept", "forward"):
+        got = TaylorStats.load(f"{path}.{name}")
         assert sorted(got.sums) == sorted(ref.sums)
         assert got.meta["num_heads"] == 4 and got.sums["layers.0.count"].shape == ref.sums["layers.0.count"].shape
         for key, want in ref.sums.items():
-            torch.testing.assert_close(got.sums[key], want, rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(got.sums[key], want, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
 def test_zero_shot_student_and_alignment_targets_from_the_sharded_teacher_equal_the_replicated_ones(ckpt, tmp_path):
@@ -106,19 +124,11 @@ def test_training_stages_with_the_sharded_teacher_equal_one_process(tmp_path):
                             f"{two} student")
 
 
-def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(tmp_path):
-    from megatron_tc.convert.checkpoint import save_checkpoint
-    from megatron_tc.model import HybridLM
-
-    model, _, _ = _workers_stats.tiny_teacher_and_rows()
-    arch = dataclasses.replace(model.arch, num_heads=3, num_kv_heads=1)
-    ckpt = save_checkpoint(HybridLM(arch).state_dict(), arch, tmp_path / "teacher")
-    out = str(tmp_path / "err")
-    run_distributed(workers.bad_tp, 2, str(ckpt), out, timeout=120)
-    messages = [open(f"{out}.{rank}").read() for rank in range(2)]
+def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(loaded):
+    messages = [open(f"{loaded}.error.{rank}").read() for rank in range(2)]
     assert messages[0] == messages[1]
-    assert messages[0] == ("ValueError: parallel.tp=2 does not divide the teacher's 3 attention heads, 1 KV heads, which a sharded "
-                           "teacher splits over the tensor-parallel ranks: choose parallel.tp from [1]")
+    assert messages[0] == ("ValueError: parallel.tp=2 does not divide the teacher's 3 attention heads, 1 KV heads, which "
+                           "a sharded teacher splits over the tensor-parallel ranks: choose parallel.tp from [1]")
 
 
 def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
