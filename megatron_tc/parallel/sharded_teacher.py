@@ -27,8 +27,9 @@ from torch import nn
 from megatron_tc.model import Attention, HybridLM
 from megatron_tc.model.config import ArchConfig
 
+from .comm import all_gather
 from .state import ParallelContext
-from .tensor_parallel import TensorParallelHybridLM, apply_tensor_parallel, gather_full
+from .tensor_parallel import TensorParallelHybridLM, apply_tensor_parallel, is_tensor_parallel
 
 # The teacher runs in fp32 for the statistics pass; shard it when its fp32 weights would take more
 # than this share of one device (the rest holds activations, the student and its optimizer).
@@ -141,9 +142,9 @@ def full_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None)
         return mixer
     if not isinstance(mixer, Attention):
         raise TypeError(f"layer {index} of the teacher is {type(mixer).__name__}, not attention")
-    ctx = _Gather(tp_group)
     params = dict(mixer.named_parameters())
-    state = {name: gather_full(tensor, params[name], ctx) if name in params else tensor
+    state = {name: torch.cat(all_gather(tensor, tp_group), dim=params[name].partition_dim)
+             if is_tensor_parallel(params.get(name, tensor)) else tensor
              for name, tensor in mixer.state_dict().items()}
     weight = mixer.o_proj.weight
     with torch.device("meta"):
@@ -153,9 +154,3 @@ def full_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None)
     full.rope.reset_buffers(weight.device)
     return full.eval()
 
-
-class _Gather:
-    """The two fields of ParallelContext that `gather_full` reads."""
-
-    def __init__(self, tp_group: dist.ProcessGroup):
-        self.tp_group, self.tp_size = tp_group, dist.get_world_size(tp_group)
