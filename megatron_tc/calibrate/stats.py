@@ -51,9 +51,19 @@ def _rank0(group) -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _mixer_state(model: nn.Module, index: int) -> dict[str, torch.Tensor]:
-    """The teacher mixer's weights on the CPU: strategies are small CPU math (LayerContext)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.layers[index].mixer.state_dict().items()}
+def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
+    """A whole teacher mixer's weights on the CPU: strategies are small CPU math (LayerContext)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in mixer.state_dict().items()}
+
+
+def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None) -> nn.Module:
+    """Layer `index`'s teacher attention whole on this rank: the layer itself, or with a
+    tensor-parallel teacher a single-device copy gathered over `tp_group` (one layer's weights)."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return model.layers[index].mixer
+    from megatron_tc.parallel.sharded_teacher import full_mixer
+
+    return full_mixer(model, index, tp_group)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -91,6 +101,9 @@ def collect_attention_stats(
         if arch.layer_kinds[index] != "A":
             raise ValueError(f"layer {index} of the teacher is not softmax attention (pattern {arch.layer_pattern!r})")
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if tp > 1 and dp_group is None:
+        raise ValueError("a tensor-parallel teacher needs dp_group (the data-parallel group): None reduces over the "
+                         "whole world, which would add up the rows every TP rank sees")
     heads, kv_heads = arch.num_heads // tp, arch.num_kv_heads // tp
     device = model_device(model)
     sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
@@ -150,11 +163,13 @@ def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
 
 
 def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
-                  seed: int = 0) -> tuple[GatedDeltaNet, list]:
+                  seed: int = 0, teacher_mixer: nn.Module | None = None) -> tuple[GatedDeltaNet, list]:
     """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
-    candidates, in fp32 on the teacher's device (the closed form itself is CPU math)."""
+    candidates, in fp32 on the teacher's device (the closed form itself is CPU math).
+    teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer)."""
     device = model_device(model)
-    ctx = LayerContext(index, student_arch, _mixer_state(model, index), default_gdn_state(student_arch, index, seed),
+    teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
+    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default_gdn_state(student_arch, index, seed),
                        stats)
     params = strategy.closed_form(ctx)
     with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
@@ -183,11 +198,18 @@ def collect_readout_stats(
     *,
     seed: int = 0,
     dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     num_batches: int | None = None,
     progress: bool = True,
     layer_io: Sequence[dict[int, LayerIO]] | None = None,
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
+
+    tp_group: the teacher is tensor-parallel over it. Readout sums need whole layers, so each
+    layer's attention is gathered (`_whole_mixer`) and the layers are dealt over the group's ranks
+    (the i-th selected layer to rank i mod TP, which keeps its gathered attention while it sums);
+    an all-reduce over the group then gives every rank all layers' sums, bit for bit those of
+    one rank doing every layer (the other ranks add zeros).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
@@ -198,17 +220,26 @@ def collect_readout_stats(
     if not closed_forms:
         return stats
     arch, device = model.arch, model_device(model)
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    mine = {index for i, index in enumerate(stats.layers) if i % tp == (dist.get_rank(tp_group) if tp > 1 else 0)}
     mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
+    teacher_mixers: dict[int, nn.Module] = {}
     part: dict[str, torch.Tensor] = {}
 
     def build(index: int) -> None:
+        teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
         for name, strategy in closed_forms.items():
-            mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed)
+            mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
+                                                teacher_mixers[index])
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
+        if index not in mine:
+            del teacher_mixers[index]
 
     def on_layer(index: int, io: LayerIO) -> None:
-        mixer = io.mixer
+        if index not in mine:
+            return
+        mixer = teacher_mixers[index]
         q, k, v = mixer.project_qkv(io.x, io.position_ids)
         t = io.x.shape[1]
         idx = torch.arange(t, device=io.x.device)
@@ -222,16 +253,22 @@ def collect_readout_stats(
     show = progress and _rank0(dp_group)
     if layer_io is not None:
         # layer l+1's closed form (host math: the default init it starts from, the fit) is worked
-        # out on a second thread while this one queues layer l's sums on the device
+        # out on a second thread while this one queues layer l's sums on the device; under TP the
+        # build gathers attention (a collective), so it stays on this thread, in step with every rank
         layers = list(stats.layers)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(build, layers[0]) if layers else None
+            ahead = tp == 1
+            pending = pool.submit(build, layers[0]) if ahead and layers else None
             for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
-                pending.result()
-                if position + 1 < len(layers):
-                    pending = pool.submit(build, layers[position + 1])
+                if ahead:
+                    pending.result()
+                    if position + 1 < len(layers):
+                        pending = pool.submit(build, layers[position + 1])
+                else:
+                    build(index)
                 for kept in layer_io:
                     on_layer(index, kept[index])
+                teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)
@@ -240,6 +277,8 @@ def collect_readout_stats(
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
     reduced = TaylorStats({"layers": stats.layers}, part)
+    if tp > 1:
+        reduced.all_reduce_(tp_group)  # each layer's sums from the rank that made them
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
     for name, per_layer in mixers.items():
@@ -262,28 +301,26 @@ def collect_stats(
     progress: bool = True,
     io_cache_budget: int | None = None,
 ) -> TaylorStats:
-    """Both sweeps over the same batches (a sequence: it may be read twice). With readout strategies
-    and a teacher that is not tensor-parallel, sweep 1 keeps every selected layer's input and output
-    when they take at most `io_cache_budget` bytes (default `default_io_cache_budget`; 0: never) and
-    sweep 2 reads them: one teacher forward per batch. Otherwise sweep 2 runs the teacher again; it
-    runs whole layers, so with a tensor-parallel teacher every TP rank gathers a full copy of it for
-    that sweep (each rank of a TP group sees the same batches, so the sums agree; memory: one full
-    teacher)."""
-    tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+    """Both sweeps over the same batches (a sequence: it may be read twice). With readout strategies,
+    sweep 1 keeps every selected layer's input and output when they take at most `io_cache_budget`
+    bytes (default `default_io_cache_budget`; 0: never) and sweep 2 reads them: one teacher forward
+    per batch. Otherwise sweep 2 runs the teacher again.
+
+    tp_group: the teacher is tensor-parallel over it (parallel.apply_tensor_parallel or
+    parallel.sharded_teacher). Sweep 1 sums each rank's heads and gathers them into global heads;
+    sweep 2 gathers one whole attention layer at a time (never the model). A layer's input and
+    output are whole on every rank of the group (the row-parallel o_proj reduces), so kept layers
+    serve sweep 2 as they do without TP."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
-    keep = [] if readout_strategies and not tp and layer_io_bytes(model, batches, layers) <= budget else None
+    keep = [] if readout_strategies and layer_io_bytes(model, batches, layers) <= budget else None
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
         num_batches=len(batches), progress=progress, keep_io=keep,
     )
     if readout_strategies:
-        if tp:
-            from megatron_tc.parallel.tensor_parallel import unsharded_copy
-
-            model = unsharded_copy(model, tp_group)
         stats = collect_readout_stats(
             stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
-            dp_group=dp_group, num_batches=len(batches), progress=progress, layer_io=keep,
+            dp_group=dp_group, tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep,
         )
     return stats
 

@@ -10,7 +10,7 @@ norms, MLPs, kept attention, LM head) is copied from the teacher.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,12 @@ def converted_layers(pattern: str) -> list[int]:
 
 def build_student(
     teacher: HybridLM, pattern: str, strategy: Strategy | str, stats: TaylorStats | None = None,
-    seed: int = 0, teacher_sha256: str | None = None,
+    seed: int = 0, teacher_sha256: str | None = None, teacher_state: Mapping[str, torch.Tensor] | None = None,
 ) -> HybridLM:
     """A HybridLM with `pattern`, teacher weights everywhere, converted layers from `strategy`
-    (closed form + readout fit; no alignment). Refuses stats of another teacher / other layers."""
+    (closed form + readout fit; no alignment). Refuses stats of another teacher / other layers.
+    teacher_state: the whole teacher's weights (HybridLM names, `teacher.arch`'s vocabulary
+    padding), read by name; required when `teacher` is tensor-parallel (it holds only slices)."""
     strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     kinds = teacher.arch.layer_kinds
     if set(kinds) != {"A"}:
@@ -54,7 +56,11 @@ def build_student(
         student = HybridLM(arch)
     student = student.to_empty(device=device)  # fp32 on the teacher's device
     state = student.state_dict()
-    teacher_state = teacher.state_dict()
+    if teacher_state is None:
+        if getattr(teacher, "tp_size", 1) > 1:
+            raise ValueError("build_student: a tensor-parallel teacher holds only its slices; pass teacher_state "
+                             "(calibrate.teacher_io.whole_teacher_state) for the whole weights")
+        teacher_state = teacher.state_dict()
     for name in state:
         parts = name.split(".")
         if parts[0] == "layers" and parts[2] == "mixer" and int(parts[1]) in converted:
@@ -63,7 +69,7 @@ def build_student(
     for index in converted:
         prefix = f"layers.{index}.mixer."
         # strategies are small CPU math on the mixer's weights (see LayerContext)
-        teacher_mixer = {k[len(prefix):]: v.detach().cpu() for k, v in teacher_state.items() if k.startswith(prefix)}
+        teacher_mixer = {k[len(prefix):]: teacher_state[k].detach().cpu() for k in teacher_state if k.startswith(prefix)}
         ctx = LayerContext(index, arch, teacher_mixer, default_gdn_state(arch, index, seed), stats)
         params = strategy.init_layer(ctx)
         missing = sorted(set(k[len(prefix):] for k in state if k.startswith(prefix)) - set(params))
@@ -97,6 +103,9 @@ def calibrate_student(
     teacher_sha256: str | None = None,
     align: AlignSettings | None | bool = True,
     dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    teacher_state: Mapping[str, torch.Tensor] | None = None,
+    align_group: dist.ProcessGroup | None | str = "dp",
     writer=None,
     progress: bool = True,
     seed: int = 0,
@@ -109,7 +118,12 @@ def calibrate_student(
     heldout_batches: calibration-split batches the optimizer never sees (best-step selection); when
     the strategy needs them and none are given, the last quarter of calib_batches (split_heldout).
     align: True = the strategy's own settings (None for naive/zero_gate/taylor), False = skip,
-    or explicit AlignSettings. Returns (student, report)."""
+    or explicit AlignSettings. tp_group / teacher_state: the teacher is tensor-parallel over
+    tp_group (statistics gather its heads; alignment targets are whole layer outputs on every
+    rank) and teacher_state reads its whole weights for the student (`build_student`).
+    align_group: the ranks the converted layers are dealt over for alignment ("dp": dp_group);
+    every one of them must hold every calibration row and the same teacher outputs.
+    Returns (student, report)."""
     strategy = get_strategy(init) if isinstance(init, str) else init
     pattern = pattern_from_keep(teacher.arch.num_layers, keep)
     converted = converted_layers(pattern)
@@ -126,10 +140,11 @@ def calibrate_student(
         stats = collect_stats(
             teacher, calib_batches, converted, dict(meta or {}, teacher_sha256=teacher_sha256),
             readout_strategies=[strategy], student_arch=teacher.arch.with_pattern(pattern), seed=seed,
-            dp_group=dp_group, progress=progress,
+            dp_group=dp_group, tp_group=tp_group, progress=progress,
         )
         report["stats_seconds"] = round(time.time() - started, 1)
-    student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256)
+    student = build_student(teacher, pattern, strategy, stats, seed, teacher_sha256, teacher_state)
+    align_group = dp_group if align_group == "dp" else align_group
     if settings is not None and converted:
         if not calib_batches:
             raise StrategyError(f"alignment of {strategy.name!r} needs calibration batches")
@@ -140,10 +155,10 @@ def calibrate_student(
             data = collect_layer_io(teacher, calib_batches, converted)
             held = collect_layer_io(teacher, heldout_batches, converted) if heldout_batches else None
             mixers = {l: student.layers[l].mixer for l in converted}
-            layer_reports = align_layers(mixers, data, settings, held, dp_group, writer, progress, seed)
+            layer_reports = align_layers(mixers, data, settings, held, align_group, writer, progress, seed)
         else:
             layer_reports = align_student_forced(student, teacher, converted, settings, calib_batches, heldout_batches,
-                                                 dp_group, writer, progress, seed)
+                                                 align_group, writer, progress, seed)
         report["align"] = {str(l): {k: v for k, v in r.items() if k != "curve"} for l, r in sorted(layer_reports.items())}
         report["align_seconds"] = round(time.time() - t0, 1)
         report["align_forcing"] = settings.forcing

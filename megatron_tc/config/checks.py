@@ -197,6 +197,12 @@ def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
             f"{d.micro_batch_size} * {dp} = {per_step}: use a global batch of "
             f"{max(per_step, d.global_batch_size // per_step * per_step)} or change the micro batch"
         )
+    if p.shard_teacher is True and (p.tp == 1 or p.pp > 1):
+        errors.append(
+            f"parallel.shard_teacher=true splits the teacher over tensor-parallel ranks, which needs parallel.tp > 1 "
+            f"and parallel.pp = 1 (got tp={p.tp}, pp={p.pp}); set parallel.shard_teacher=auto or false, or change "
+            "parallel.tp / parallel.pp"
+        )
     if p.pipeline_partition == "pattern" and p.pp > 1:
         stages = cfg.model.layer_pattern.split("|") if cfg.model.layer_pattern else []
         if len(stages) != p.pp or not all(stages):

@@ -9,6 +9,7 @@ Public API (imported lazily, so `import megatron_tc.convert` stays cheap)::
     load_shard(dir, tp_rank, pp_rank) -> Megatron-named tensors of one rank
     load_shard_hybrid(dir, tp_rank, pp_rank) -> one rank's part under HybridLM names
     load_rank(dir, tp, pp, tp_rank, pp_rank) -> one rank of another layout, reading only its slices
+    load_slices(dir, pick, padded_vocab) -> HybridLM-named slices of the unsharded tensors, only those read
     read_info(dir) -> CheckpointInfo;  checkpoint_hash(dir) -> str;  reshard(src, dst, tp, pp)
     load_hybrid_lm(dir) -> HybridLM
 """
@@ -23,7 +24,7 @@ _EXPORTS = {
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "load_shard": "checkpoint",
     "load_shard_hybrid": "checkpoint", "load_shards": "checkpoint", "read_info": "checkpoint",
     "checkpoint_hash": "checkpoint", "reshard": "checkpoint", "is_checkpoint": "checkpoint",
-    "load_rank": "checkpoint", "lazy_checkpoint": "checkpoint",
+    "load_rank": "checkpoint", "load_slices": "checkpoint", "lazy_checkpoint": "checkpoint",
     "CheckpointInfo": "checkpoint",
     "ConversionError": "errors", "CheckpointError": "errors",
 }

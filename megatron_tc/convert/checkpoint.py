@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -262,29 +262,58 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ArchConfig, StateDict]:
     return info.arch, materialize_state(lazies)
 
 
-def load_rank(path: str | os.PathLike, tp: int, pp: int, tp_rank: int, pp_rank: int) -> StateDict:
+def load_rank(path: str | os.PathLike, tp: int, pp: int, tp_rank: int, pp_rank: int,
+              dtype: torch.dtype | None = None) -> StateDict:
     """Megatron-named tensors of rank (tp_rank, pp_rank) in a (tp, pp) layout, read from a
     checkpoint of any layout: only the slices this rank holds are read, and only the files they
-    come from are verified. Equal to `load_shard` of the checkpoint resharded to (tp, pp)."""
+    come from are verified. Equal to `load_shard` of the checkpoint resharded to (tp, pp).
+    `dtype`: floating tensors are read straight into it (None: the stored dtype)."""
     info = read_info(path)
     layout.check_tp(info.arch, tp)
     layout.stage_ranges(info.arch, pp)
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise CheckpointError(f"rank (tp={tp_rank}, pp={pp_rank}) is outside tp={tp}, pp={pp}")
+    padded = pad_vocab(info.arch.vocab_size, tp, VOCAB_MULTIPLE)
+    lazies = _unsharded_lazies(info, padded)
+    mine = shard_lazy(lazies, dataclasses.replace(info.arch, padded_vocab_size=padded), tp, pp)[tp_rank, pp_rank]
+    return _read_verified(info, mine, dtype)
+
+
+def load_slices(path: str | os.PathLike, pick: Callable[[str, LazyTensor], LazyTensor], padded_vocab_size: int,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> StateDict:
+    """HybridLM-named tensors, each `pick(name, whole)` of the checkpoint's unsharded tensor (its
+    vocabulary padded to `padded_vocab_size` rows), e.g. one tensor-parallel rank's rows or
+    columns. Only the picked slices are read, straight into `dtype` (floating tensors; None: the
+    stored dtype), and only the files they come from are verified. `device`: each tensor moves
+    there as soon as it is read, so the host holds one at a time."""
+    info = read_info(path)
+    lazies = _unsharded_lazies(info, padded_vocab_size)
+    return _read_verified(info, {name: pick(name, lazy) for name, lazy in lazies.items()}, dtype, device)
+
+
+def _unsharded_lazies(info: CheckpointInfo, padded_vocab_size: int) -> Lazies:
     files = _read_manifest(info.path)
     names = {(t, p): shard_filename(t, p) for t in range(info.tp) for p in range(info.pp)}
     missing = [n for n in names.values() if n not in files]
     if missing:
         raise CheckpointError(f"{info.path / missing[0]} is not listed in {info.path / MANIFEST}")
     shards = {rank: _manifest_leaves(info.path, files, name) for rank, name in names.items()}
-    padded = pad_vocab(info.arch.vocab_size, tp, VOCAB_MULTIPLE)
-    lazies = resize_vocab_lazy(unshard_lazy(shards, info.arch, info.tp, info.pp), info.arch.vocab_size, padded)
-    mine = shard_lazy(lazies, dataclasses.replace(info.arch, padded_vocab_size=padded), tp, pp)[tp_rank, pp_rank]
-    needed = sorted({s.path.name for lazy in mine.values() for s in sources_of(lazy) if isinstance(s, SafetensorsFile)})
+    return resize_vocab_lazy(unshard_lazy(shards, info.arch, info.tp, info.pp), info.arch.vocab_size, padded_vocab_size)
+
+
+def _read_verified(info: CheckpointInfo, lazies: Lazies, dtype: torch.dtype | None,
+                   device: torch.device | str | None = None) -> StateDict:
+    """Verify the files `lazies` read from (sha256, header), then read them (onto `device`)."""
+    files = _read_manifest(info.path)
+    needed = sorted({s.path.name for lazy in lazies.values() for s in sources_of(lazy) if isinstance(s, SafetensorsFile)})
     _verify_files(info.path, files, needed)
     for name in needed:
         _check_header(info.path, files, name)
-    return materialize_state(mine)
+    out = {}
+    for name, lazy in lazies.items():
+        tensor = lazy.materialize(dtype if dtype is not None and lazy.dtype.is_floating_point else None)
+        out[name] = tensor if device is None else tensor.to(device)
+    return out
 
 
 def load_shard_hybrid(path: str | os.PathLike, tp_rank: int, pp_rank: int) -> StateDict:

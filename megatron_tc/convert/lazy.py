@@ -34,11 +34,12 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 @dataclass
 class ReadStats:
-    """Bytes of the largest single read and of the largest tensor materialized."""
+    """Bytes of the largest single read and of the largest tensor materialized; bytes read in all."""
 
     max_read_bytes: int = 0
     max_materialized_bytes: int = 0
     reads: int = 0
+    read_bytes: int = 0
 
 
 _STATS: list[ReadStats] = []
@@ -161,6 +162,7 @@ class Leaf(LazyTensor):
         part = self.source.read(self.name, self.box)
         for stats in _STATS:
             stats.reads += 1
+            stats.read_bytes += part.numel() * part.element_size()
             stats.max_read_bytes = max(stats.max_read_bytes, part.numel() * part.element_size())
         out.copy_(part.reshape(self.shape))
 

@@ -44,6 +44,7 @@ class RunContext:
     tb: Any  # megatron_tc.monitor.TBWriter
     _teacher: Any = field(default=None, repr=False)
     _data: Any = field(default=None, repr=False)
+    _shard_teacher: bool | None = field(default=None, repr=False)
 
     @property
     def rank0(self) -> bool:
@@ -62,20 +63,50 @@ class RunContext:
         return result
 
     # ---- the teacher (megatron_tc checkpoint written by the convert stage) ------------------------
-    def teacher(self):
-        """calibrate.teacher_io.Teacher: model (HybridLM, fp32, eval, on `self.device`), sha256,
-        tokenizer, files. The select / stats / init / eval stages run it where it is: the rank's
-        GPU under CUDA, so their sums live there and NCCL can reduce them."""
-        if self._teacher is None:
-            from megatron_tc.calibrate.teacher_io import load_teacher
+    def teacher(self, whole: bool = False):
+        """calibrate.teacher_io.Teacher: model (fp32, eval, on `self.device`), sha256, tokenizer,
+        files. The select / stats / init / eval stages run it where it is: the rank's GPU under
+        CUDA, so their sums live there and NCCL can reduce them.
 
-            if not self.paths.teacher.is_dir():
-                raise FileNotFoundError(f"{self.paths.teacher} does not exist: run the convert stage first "
-                                        "(add 'convert' to run.stages)")
-            teacher = load_teacher(self.paths.teacher)  # hashed on the CPU, then moved
+        With parallel.shard_teacher resolved on (`parallel.sharded_teacher.resolve_shard_teacher`)
+        the model is split over the tensor-parallel ranks (`Teacher.tp_group` set), each reading
+        only its slice; `whole=True` asks for a single-device HybridLM on every rank (the stages
+        that have no tensor-parallel path: ar / ga selection, eval). One teacher is kept at
+        a time: asking for the other kind loads it afresh."""
+        if not self.paths.teacher.is_dir():
+            raise FileNotFoundError(f"{self.paths.teacher} does not exist: run the convert stage first "
+                                    "(add 'convert' to run.stages)")
+        sharded = not whole and self.shard_teacher()
+        if self._teacher is not None and self._teacher.sharded != sharded:
+            self._teacher = None
+        if self._teacher is None:
+            from megatron_tc.calibrate.teacher_io import load_sharded_teacher, load_teacher
+
+            if sharded:  # read onto the device tensor by tensor: the host never holds the slice
+                teacher = load_sharded_teacher(self.paths.teacher, self.par, self.device)
+            else:
+                teacher = load_teacher(self.paths.teacher)  # hashed on the CPU, then moved
             teacher.model.to(self.device)
             self._teacher = teacher
         return self._teacher
+
+    def teacher_meta(self):
+        """The loaded teacher of either kind, for its hash, tokenizer, files and architecture only
+        (never switches kinds); loads one as `teacher()` when none is."""
+        return self._teacher if self._teacher is not None else self.teacher()
+
+    def shard_teacher(self) -> bool:
+        """parallel.shard_teacher resolved against the converted teacher's size and this device."""
+        if self._shard_teacher is None:
+            from megatron_tc.convert.checkpoint import read_info
+            from megatron_tc.parallel.sharded_teacher import resolve_shard_teacher
+
+            arch = read_info(self.paths.teacher).arch
+            self._shard_teacher = resolve_shard_teacher(self.cfg, arch, self.device)
+            if self._shard_teacher:
+                log.info("the teacher is split over %d tensor-parallel ranks (parallel.shard_teacher=%s)",
+                         self.par.tp_size, str(self.cfg.parallel.shard_teacher).lower())
+        return self._shard_teacher
 
     def release_teacher(self) -> None:
         """Forget the loaded teacher (a training stage may have cast or wrapped it in place); the
@@ -93,7 +124,7 @@ class RunContext:
                 "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer,
                 "seq_len": d.seq_len, "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens,
                 "bos": d.bos, "dedupe": d.dedupe})
-            teacher = self.teacher()
+            teacher = self.teacher_meta()
             tokenizer = teacher.tokenizer
             if d.tokenizer:  # another tokenizer for the data must map text exactly as the teacher's
                 from megatron_tc.data.tokenizer import check_same_tokenizer, load_tokenizer
@@ -152,11 +183,11 @@ def _as_dict(section: Any) -> dict[str, Any]:
 
 def rank0_save_student(ctx: RunContext, model_or_state: Any, arch: Any, out: Path, source: dict) -> None:
     """Write a single-device student as a megatron_tc checkpoint (rank 0), with the teacher's tokenizer."""
+    tokenizer_files = ctx.teacher_meta().tokenizer_files  # every rank: loading a split teacher is collective
     if ctx.rank0:
         from megatron_tc.convert.checkpoint import save_checkpoint
 
         state = model_or_state.state_dict() if hasattr(model_or_state, "state_dict") else model_or_state
         state = {k: v.detach().cpu() for k, v in state.items()}  # a student on the GPU is written from the host
-        save_checkpoint(state, arch, out, source=source, tokenizer_files=ctx.teacher().tokenizer_files,
-                        overwrite=True)
+        save_checkpoint(state, arch, out, source=source, tokenizer_files=tokenizer_files, overwrite=True)
     ctx.barrier()

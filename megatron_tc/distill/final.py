@@ -42,7 +42,7 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.distill.stages import build_naive_student
 
     cfg, device = ctx.cfg, ctx.device
-    teacher = ctx.teacher().model.to(device)
+    teacher = ctx.teacher(whole=True).model.to(device)  # scored on one device
     rows = window_rows(ctx.eval_windows())
     candidates: list[tuple[str, Any]] = [("naive zero-shot", None)]
     init_name = _init_name(ctx)

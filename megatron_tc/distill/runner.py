@@ -287,7 +287,7 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
             if stage == "convert":
                 from megatron_tc.config import validate_against_arch
 
-                validate_against_arch(cfg, ctx.teacher().model.arch, dist.get_world_size())
+                validate_against_arch(cfg, ctx.teacher_meta().model.arch, dist.get_world_size())
             seconds = round(time.time() - t0, 1)
             if ctx.rank0:
                 if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used

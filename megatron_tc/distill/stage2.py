@@ -18,7 +18,8 @@ the format `megatron_tc.eval.tokens_to_target` reads: {"step", "tokens" (trainin
 "ppl", "kl", "top1_agree", "teacher_ppl", "eval_tokens"}, with the zero-shot point at tokens 0.
 
 With parallel.tp > 1 (pp = 1) the student and the teacher are sharded by
-`parallel.tensor_parallel.apply_tensor_parallel` before their engines are built: DeepSpeed gets the
+`parallel.tensor_parallel.apply_tensor_parallel` before their engines are built (a teacher loaded
+split by `parallel.sharded_teacher` is used as it is): DeepSpeed gets the
 TP groups through `mpu` (ZeRO-3 over DP; gradient norms over TP), the losses and the evaluation
 work on vocabulary shards, DeepSpeed checkpoints hold one partition per TP rank, and the final
 student is gathered to its single-device form.
@@ -440,8 +441,12 @@ def shard_over_tp(student: nn.Module, teacher: nn.Module, ctx: Any) -> tuple[nn.
     holds); their logits are then vocabulary shards, which the losses and the evaluation reduce
     over the TP group."""
     from megatron_tc.model.config import pad_vocab
-    from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
+    from megatron_tc.parallel.tensor_parallel import TensorParallelHybridLM, apply_tensor_parallel
 
+    if isinstance(teacher, TensorParallelHybridLM):  # loaded split (parallel.shard_teacher): only the student
+        if student.arch.padded_vocab_size != teacher.arch.padded_vocab_size:
+            set_vocab_padding(student, teacher.arch.padded_vocab_size)
+        return apply_tensor_parallel(student, ctx), teacher
     # the teacher is sharded as a copy: the caller's (the run context's cached teacher) stays whole
     # for the stages that score it on one device (eval)
     teacher = copy.deepcopy(teacher)

@@ -87,7 +87,7 @@ def run_convert(ctx: RunContext) -> dict[str, Any]:
             convert_hf_to_megatron(source, ctx.paths.teacher, tp, pp, dtype=dtype, overwrite=True,
                                    progress=_progress(ctx))
     ctx.barrier()
-    arch = ctx.teacher().model.arch
+    arch = ctx.teacher_meta().model.arch
     return {"teacher": str(ctx.paths.teacher), "layers": arch.num_layers, "hidden": arch.hidden_size}
 
 
@@ -104,7 +104,7 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.calibrate.policies import uniform
     from megatron_tc.calibrate.student import pattern_from_keep
 
-    cfg, teacher = ctx.cfg, ctx.teacher()
+    cfg, teacher = ctx.cfg, ctx.teacher_meta()
     n = teacher.model.arch.num_layers
     if cfg.model.layer_pattern:
         pattern = cfg.model.layer_pattern
@@ -139,7 +139,8 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
 
     from megatron_tc.calibrate.policies import select_layers
 
-    teacher = ctx.teacher()
+    # ar and ga run the teacher on rank 0 alone: they need it whole; readout_gap reads statistics only
+    teacher = ctx.teacher(whole=policy != "readout_gap")
     stats = None
     if policy in ("readout_gap", "ga"):
         # readout_gap reads these statistics; ga's probe students are initialized from them
@@ -154,7 +155,7 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
                               readout_strategies=[get_strategy(readout)],
                               student_arch=arch.with_pattern("G" * arch.num_layers), seed=ctx.cfg.run.seed,
                               chunk_size=ctx.cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx),
-                              progress=_progress(ctx))
+                              tp_group=teacher.tp_group, progress=_progress(ctx))
     chosen = [None]
     if ctx.rank0:
         batches = _all_calibration_rows(ctx, ctx.cfg.data.calib_tokens)
@@ -177,7 +178,7 @@ def read_selection(ctx: RunContext) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run the select stage first (add 'select' to run.stages)")
     selection = json.loads(path.read_text())
-    if selection.get("teacher_sha256") != ctx.teacher().sha256:
+    if selection.get("teacher_sha256") != ctx.teacher_meta().sha256:
         raise ValueError(f"{path} was made for another teacher; rerun the select stage (--force select)")
     return selection
 
@@ -222,7 +223,8 @@ def run_stats(ctx: RunContext) -> dict[str, Any]:
             "num_layers": teacher.model.arch.num_layers, **ctx.data().bos_record()}
     stats = collect_stats(teacher.model, batches, converted, meta, readout_strategies=[strategy],
                           student_arch=teacher.model.arch.with_pattern(pattern.replace("|", "")), seed=cfg.run.seed,
-                          chunk_size=cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx), progress=_progress(ctx))
+                          chunk_size=cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx), tp_group=teacher.tp_group,
+                          progress=_progress(ctx))
     if ctx.rank0:
         stats.save(ctx.paths.stats)
         log_stats(stats, _TBAdapter(ctx.tb))
@@ -244,7 +246,7 @@ def build_naive_student(ctx: RunContext):
     """The naive conversion (q/k/v/o copied, GDN-only parameters at their defaults) of the selection."""
     from megatron_tc.calibrate.student import build_student
 
-    teacher = ctx.teacher()
+    teacher = ctx.teacher(whole=True)  # the eval stage scores it on one device
     pattern = read_selection(ctx)["pattern"].replace("|", "")
     return build_student(teacher.model, pattern, "naive", None, ctx.cfg.run.seed, teacher.sha256)
 
@@ -254,6 +256,7 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.calibrate.statsfile import TaylorStats
     from megatron_tc.calibrate.strategies import get_strategy
     from megatron_tc.calibrate.student import calibrate_student
+    from megatron_tc.calibrate.teacher_io import whole_teacher_state
 
     cfg, teacher = ctx.cfg, ctx.teacher()
     selection = read_selection(ctx)
@@ -288,7 +291,9 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
     student, report = calibrate_student(
         teacher.model, selection["keep"], strategy, calib_batches=calib, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=settings if settings is not None else False, dp_group=_dp_group(ctx),
-        writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
+        tp_group=teacher.tp_group, teacher_state=whole_teacher_state(teacher) if teacher.sharded else None,
+        # a split teacher gives every rank the same whole layer outputs: its TP ranks share the layers too
+        align_group=None if teacher.sharded else "dp", writer=curves, progress=_progress(ctx), seed=cfg.run.seed)
     curves.gather()
     if calib is not None:  # aligned on calibration rows: say how they started
         report.update(ctx.data().bos_record())

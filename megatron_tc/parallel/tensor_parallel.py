@@ -288,15 +288,6 @@ def _full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, torc
             for name, tensor in model.state_dict().items()}
 
 
-def unsharded_copy(model: nn.Module, tp_group: dist.ProcessGroup) -> HybridLM:
-    """A single-device HybridLM holding the full weights of the tensor-parallel `model` (same
-    dtypes and device), built on every rank of `tp_group` (collective); `model` stays sharded."""
-    device = next(model.parameters()).device
-    full = HybridLM(model.arch)
-    full.load_state_dict(_full_state(model, tp_group), assign=True)
-    return full.to(device).eval()
-
-
 def full_grad_slice(full: torch.Tensor, param: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """The part of an unsharded tensor `full` (a weight or its gradient) that `param` holds here."""
     if not is_tensor_parallel(param) or ctx.tp_size == 1:

@@ -31,7 +31,9 @@ def padded_teacher(teacher):
     return padded
 
 
-def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = None):
+def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = None, teacher_ckpt: Path | None = None):
+    """teacher_ckpt: a checkpoint of the padded teacher, loaded split over the TP ranks
+    (parallel.sharded_teacher) instead of sharding the in-memory teacher."""
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.evaluation import window_rows
     from megatron_tc.distill.stage2 import build_stage2
@@ -42,6 +44,10 @@ def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = 
     cfg = tiny_config(out, steps, parallel__tp=str(tp), **EXTRA)
     teacher, student = teacher_and_student(0)
     teacher = padded_teacher(teacher)
+    if teacher_ckpt is not None:
+        from megatron_tc.parallel.sharded_teacher import load_tensor_parallel
+
+        teacher = load_tensor_parallel(teacher_ckpt, ctx)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
     eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (4, SEQ)))
@@ -55,9 +61,9 @@ def run_stage2(out: Path, tp: int, steps: int = STEPS, stop_after: int | None = 
     return result
 
 
-def run_stage1(out: Path, tp: int, steps: int = 3) -> None:
+def run_stage1(out: Path, tp: int, steps: int = 3, teacher_ckpt: Path | None = None) -> None:
     """Stage 1 (the GDN mixers of layers 1 and 3 aligned to the teacher's attention outputs); the
-    merged student goes to out/student.pt."""
+    merged student goes to out/student.pt. teacher_ckpt: as in run_stage2."""
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.stage1 import build_stage1, merged_student_state
     from megatron_tc.monitor import TBWriter
@@ -68,6 +74,10 @@ def run_stage1(out: Path, tp: int, steps: int = 3) -> None:
                       distill__stage1__lr="1.0e-2")
     teacher, student = teacher_and_student(0)
     teacher = padded_teacher(teacher)
+    if teacher_ckpt is not None:
+        from megatron_tc.parallel.sharded_teacher import load_tensor_parallel
+
+        teacher = load_tensor_parallel(teacher_ckpt, ctx)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
     tb = TBWriter(out / "tb")

@@ -66,7 +66,7 @@ def tp_stats(rank: int, world_size: int, out_path: str) -> None:
 
 
 def tp_full_stats(rank: int, world_size: int, out_path: str) -> None:
-    """Both sweeps with the teacher sharded over TP=2 (readout on a gathered full copy); rank 0 saves."""
+    """Both sweeps with the teacher sharded over TP=2 (readout on gathered layers); rank 0 saves."""
     ctx, model, batches = _tp2_teacher_and_batches()
     stats = collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
                           readout_strategies=[get_strategy(s) for s in READOUT],

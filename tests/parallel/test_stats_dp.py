@@ -41,7 +41,7 @@ def test_tp2_stats_equal_tp1(tmp_path):
 
 
 def test_tp2_readout_sums_equal_tp1(tmp_path):
-    """With a TP=2 teacher the readout sweep runs on a gathered full copy: every sum (attention
+    """With a TP=2 teacher the readout sweep gathers one attention layer at a time: every sum (attention
     moments and taylor / taylor_fit readout sums) equals the single-process pass."""
     tp2 = _tp2_stats_match(_workers_stats.tp_full_stats, str(tmp_path / "tp2_full.pt"),
                            _workers_stats.stats_of_rows(range(4)))

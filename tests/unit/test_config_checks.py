@@ -254,3 +254,14 @@ def test_pretrain_stage_needs_a_model_config_a_tokenizer_and_eval_text():
     validate_config(make(*ok, "parallel.tp=2", "data.global_batch_size=2"), world_size=2)
     with raises(r"pretrain.min_lr=0.1 exceeds pretrain.lr=0.01"):
         validate_config(make(*ok, "pretrain.lr=0.01", "pretrain.min_lr=0.1"), world_size=1)
+
+
+def test_shard_teacher_true_needs_tensor_parallelism_without_pipeline():
+    validate_config(make("parallel.tp=2", "parallel.shard_teacher=true"), world_size=2)
+    with raises(r"parallel.shard_teacher=true .* needs parallel.tp > 1 and parallel.pp = 1 \(got tp=1, pp=1\)"):
+        validate_config(make("parallel.shard_teacher=true"), world_size=1)
+    with raises(r"\(got tp=2, pp=2\)"):
+        validate_config(make("parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.shard_teacher=true"),
+                        world_size=4)
+    with raises("parallel.shard_teacher: expected one of 'auto', true, false"):
+        make("parallel.shard_teacher=yes")
