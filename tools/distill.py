@@ -7,7 +7,7 @@ CONFIG defaults to configs/quickstart.yaml. --force reruns the named stages from
 for every one); --stop-after N stops a training stage after N steps with a checkpoint (the same
 command then resumes).
 """
-from megatron_tc.distill.cli import main
+from megatron_tc.distill.cli import process_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(process_main())

@@ -29,10 +29,7 @@ The peak is the larger of two phases, not the sum of every part: forward + backw
 states, the gathered weights, the activations and the loss buffers; the optimizer step holds the
 states, the teacher's logits (alive until the step ends) and the step's fp32 buffers.
 
-Step time: model FLOPs (`megatron_tc.bench.models`: 3 x student forward + teacher forward)
-divided by a sustained rate, the measured stage-2 MFU times the device's measured matmul peak
-(docs/benchmarks.md); scaling over ranks is taken as ideal, which the measured 2-GPU runs
-(75-97% efficiency) bound from above.
+Step time and tokens/s: `parallel.step_model` (a measured-and-fitted model, stated there).
 """
 from __future__ import annotations
 
@@ -47,15 +44,9 @@ import torch
 
 from megatron_tc.model.config import ArchConfig
 from megatron_tc.parallel.deepspeed_engine import zero_bucket_elements
+from megatron_tc.parallel.step_model import step_model
 
 GIB = 1024**3
-# stage-2 step on one H200, 1.1B teacher -> quarter-attention hybrid, ZeRO-3, chunked losses
-# (docs/benchmarks.md, section "Training"): 54.5% of the measured 708 TFLOP/s bf16 matmul peak
-MEASURED_MFU, MEASURED_PEAK_TFLOPS = 0.545, 708.0
-# assumptions of the step model (not measured here): NVLink bandwidth one GPU sustains in
-# collectives, parameters per second a host AdamW step updates per GPU's share, micro-batches per
-# pipeline step
-LINK_GBPS, HOST_ADAM_PARAMS_PER_S, PP_MICRO_BATCHES = 200.0, 1e9, 8
 # DeepSpeed's defaults for what the shipped JSON leaves out: parameters ZeRO-3 keeps gathered
 # (stage3_max_live_parameters) and parameters per optimizer sub-group (sub_group_size)
 ZERO3_LIVE_PARAMETERS, ZERO3_SUB_GROUP = 1_000_000_000, 1_000_000_000
@@ -178,7 +169,7 @@ def plan_memory(plan: PlanInput) -> dict[str, Any]:
     phases = {"fwd_bwd": static + parts["gathered_weights"] + parts["activations"] + parts["loss_buffers"],
               "step": static + 2 * tokens * vocab + parts["optimizer_step"]}
     total = max(phases.values())
-    step = step_model(student, plan.teacher, plan, tokens * plan.dp)
+    step = step_model(student, plan.teacher, plan)
     return {"bytes": {k: int(v) for k, v in parts.items()}, "total_bytes": int(total),
             "total_gib": round(total / GIB, 2), "peak_phase": max(phases, key=phases.get),
             **{f"{k}_phase_gib": round(v / GIB, 2) for k, v in phases.items()},
@@ -196,39 +187,6 @@ def activation_bytes(student: ArchConfig, plan: PlanInput, tokens: int) -> float
     else:
         held = tokens * sum(per_layer)
     return held * (plan.pp if plan.pp > 1 else 1)  # 1F1B keeps up to pp micro-batches in flight on stage 0
-
-
-def step_model(student: ArchConfig, teacher: ArchConfig, plan: PlanInput, global_tokens: int,
-               mfu: float = MEASURED_MFU, peak_tflops: float = MEASURED_PEAK_TFLOPS) -> dict[str, float]:
-    """Model FLOPs of one optimizer step (one micro-batch per rank) and its time: compute at the
-    measured sustained rate, plus communication and host work that are assumed not to overlap
-    (bandwidths `LINK_GBPS` inside a node, `HOST_ADAM_PARAMS_PER_S` for an offloaded optimizer),
-    and the pipeline bubble with `PP_MICRO_BATCHES` micro-batches per step. Only the compute
-    rate is measured; the other terms rank layouts and are not validated."""
-    from megatron_tc.bench.models import forward_flops
-
-    flops = 3 * forward_flops(student, global_tokens, plan.seq_len) + forward_flops(teacher, global_tokens, plan.seq_len)
-    if plan.activation_checkpointing:
-        flops += forward_flops(student, global_tokens, plan.seq_len)  # the recompute
-    gpus = plan.tp * plan.pp * plan.dp
-    compute = flops / (gpus * mfu * peak_tflops * 1e12)
-    if plan.pp > 1:
-        compute *= (PP_MICRO_BATCHES + plan.pp - 1) / PP_MICRO_BATCHES
-    tokens = plan.micro_batch_size * plan.seq_len
-    link = LINK_GBPS * 1e9
-    # TP: two all-reduces of [tokens, hidden] bf16 per layer forward, two backward (ring: 2 (tp-1)/tp)
-    tp_bytes = 4 * student.num_layers / plan.pp * tokens * student.hidden_size * 2 * 2 * (plan.tp - 1) / plan.tp
-    counts = parameter_counts(student, plan.trainable)
-    shard = counts["total"] / (plan.tp * plan.pp)
-    zero_bytes = 0.0
-    if plan.dp > 1:  # gradients reduced once; ZeRO-3 gathers the weights for forward and backward
-        zero_bytes = 2 * shard * (plan.dp - 1) / plan.dp * (3 if plan.zero_stage == 3 else 1)
-        if plan.teacher_mode == "engine":
-            zero_bytes += 2 * parameter_counts(teacher)["total"] / (plan.tp * plan.pp) * (plan.dp - 1) / plan.dp
-    host = counts["trainable"] / gpus / HOST_ADAM_PARAMS_PER_S if plan.offload_optimizer else 0.0
-    seconds = compute + (tp_bytes + zero_bytes) / link + host
-    return {"step_tflop": round(flops / 1e12, 1), "step_s": round(seconds, 3),
-            "tokens_per_s": round(global_tokens / seconds), "assumed_mfu": mfu, "assumed_peak_tflops": peak_tflops}
 
 
 def teacher_arch(source: str) -> ArchConfig:

@@ -97,5 +97,5 @@ def main(argv: list[str] | None = None) -> int:
         phase = {"fwd_bwd": "forward + backward", "step": "the optimizer step"}[result["peak_phase"]]
         print(f"{'total':16s} {result['total_gib']:8.2f} GiB per GPU at its peak, in {phase} (forward + backward "
               f"{result['fwd_bwd_phase_gib']:.2f}, step {result['step_phase_gib']:.2f}); step {result['step_tflop']} TFLOP, "
-              f"~{result['step_s']} s, ~{result['tokens_per_s']} tokens/s")
+              f"~{result['step_s']} s, ~{result['tokens_per_s']} tokens/s, MFU ~{result['mfu']:.0%}")
     return 0

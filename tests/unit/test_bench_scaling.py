@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "bench"))
+from megatron_tc.bench.scaling import add_efficiency, rank_counts
 
-from scaling import add_efficiency, rank_counts  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rank_counts_double_up_to_the_limit_and_include_it():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_tc.eval.paper_tokens import _goal_verdict
 from tests._scripts import load_script
 
 
@@ -217,7 +218,7 @@ def test_grid_cells_kept_only_as_curves_count_in_every_section(tmp_path):
     (None, 1.5, "missed"),                           # neither reaches it
 ])
 def test_goal_verdict(ratio, goal, verdict):
-    assert _load()._goal_verdict(ratio, goal) == verdict
+    assert _goal_verdict(ratio, goal) == verdict
 
 
 def test_several_roots_read_as_one_grid_and_a_scoped_report(tmp_path):
