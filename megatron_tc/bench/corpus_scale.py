@@ -70,19 +70,21 @@ def _time_v(cmd: list[str]) -> dict[str, Any]:
     return {"peak_rss_mib": round(rss / 1024, 1), "wall_s": round(seconds, 1), "stdout": done.stdout.strip()[-300:]}
 
 
-def loader_rss(prefix: str, steps: int, seq_len: int, batch: int) -> dict[str, Any]:
-    """Run in a child: open the store, draw `steps` shuffled global batches; peak RSS (MiB)."""
-    from megatron_tc.data import DistributedBatchLoader, PackedSequences
-    from megatron_tc.data.token_store import open_token_store
+def loader_rss(prefix: str, tokenizer: str, steps: int, seq_len: int, batch: int) -> dict[str, Any]:
+    """Run in a child: the run's data over the store (`data.token_store`, default split), then
+    `steps` shuffled global batches of the training split; resident memory (MiB)."""
+    from megatron_tc.data import DataConfig, prepare_data
+    from megatron_tc.data.tokenizer import load_tokenizer
 
-    stream = open_token_store(prefix)
-    loader = DistributedBatchLoader(PackedSequences(stream, seq_len, pad_id=0), batch, batch, seed=0)
+    data = prepare_data(DataConfig(token_store=prefix, seq_len=seq_len), None, tokenizer=load_tokenizer(tokenizer))
+    loader = data.loader("train", global_batch_size=batch, micro_batch_size=batch, seed=0)
     start = time.perf_counter()
     for _ in range(steps):
         loader.next_step()
     status = Path("/proc/self/status").read_text()
     kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("RssAnon", "RssFile")}
-    return {"documents": stream.num_docs, "tokens": int(len(stream.tokens)),
+    streams = [data.token_stream(s)[0] for s in ("calibration", "train", "eval")]
+    return {"documents": sum(s.num_docs for s in streams), "tokens": sum(len(s.tokens) for s in streams),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             # the store's pages the batches touched are file-backed (page cache, reclaimable)
             "rss_anon_mib": round(kib["RssAnon"] / 1024, 1), "rss_file_mib": round(kib["RssFile"] / 1024, 1),
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.loader_child:
         prefix, steps, seq, batch = args.loader_child
-        print(json.dumps(loader_rss(prefix, int(steps), int(seq), int(batch))))
+        print(json.dumps(loader_rss(prefix, args.tokenizer, int(steps), int(seq), int(batch))))
         return 0
     work = Path(args.work)
     tools = Path(__file__).resolve().parents[2] / "tools"

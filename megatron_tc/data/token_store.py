@@ -18,7 +18,7 @@ document and need the concatenation rebuilt.
 Tokenization follows `tokenize.tokenize_documents` exactly (`tokenize.document_ids`). A fast
 tokenizer encodes each chunk of documents with `tokenizers`' `encode_batch_fast`, which releases
 the GIL and runs on its own thread pool over every core, while a reader thread parses the next
-chunk: one process, one tokenizer in memory, at most three chunks of text in flight.
+chunk: one process, one tokenizer in memory, at most four chunks of text in flight.
 """
 from __future__ import annotations
 
