@@ -182,7 +182,7 @@ class PreparedData:
         UTF-8 file (for tools that take `--text FILE`); atomic."""
         from .documents import atomic_write_bytes
 
-        text = "\n\n".join(d.text.strip("\n") for d in self._docs[split]) + "\n"
+        text = "\n\n".join(d.text.strip("\n") for d in self.documents(split)) + "\n"
         atomic_write_bytes(Path(path), text.encode("utf-8"))
         return Path(path)
 
@@ -210,10 +210,11 @@ class StoreData(PreparedData):
         if model_vocab_size is not None:
             check_token_ids_fit(meta.max_token_id, model_vocab_size, f"the token store {cfg.token_store}")
         streams, self.manifest = open_store_splits(cfg.token_store, cfg.split, cfg.dedupe, run_dir, meta)
-        key = f"{meta.digest()}:{self.manifest_key()}"
+        key = f"{meta.digest()}:{self._split_key()}"
         self._streams = {s: (stream, f"{key}:{s}") for s, stream in streams.items()}
 
-    def manifest_key(self) -> str:
+    def _split_key(self) -> str:
+        """Keys the loader's resume check: the same store split the same way."""
         import hashlib
         import json
 
@@ -229,12 +230,6 @@ class StoreData(PreparedData):
     def token_stream(self, split: str) -> tuple[TokenStream, str]:
         return self._streams[split]
 
-    def write_text(self, split: str, path: Path | str) -> Path:
-        from .documents import atomic_write_bytes
-
-        text = "\n\n".join(d.text.strip("\n") for d in self.documents(split)) + "\n"
-        atomic_write_bytes(Path(path), text.encode("utf-8"))
-        return Path(path)
 
 
 def prepare_data(cfg: DataConfig, run_dir: Path | str | None, tokenizer: Any = None,
