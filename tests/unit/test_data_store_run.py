@@ -72,6 +72,9 @@ def test_a_store_gives_the_text_path_data(corpus, tmp_path, bos, extra):
                          store.sampled_sequences("calibration", 4 * SEQ, skip_tokens=SEQ))
     assert_batches_equal(text.first_sequences("eval", 3 * SEQ), store.first_sequences("eval", 3 * SEQ))
     assert torch.equal(text.token_ids("eval", 100), store.token_ids("eval", 100))
+    decoded = store.documents("eval")  # the store holds no text: decoded from the tokens
+    assert [d.name for d in decoded] == [d.name for d in text.documents("eval")]
+    assert [d.text.split() for d in decoded] == [d.text.split() for d in text.documents("eval")]
     manifest = json.loads((tmp_path / "store_run" / "data_manifest.json").read_text())
     assert [e["name"] for e in manifest["splits"]["eval"]] == text.manifest.names("eval")
     assert manifest["summary"]["train"]["tokens"] == len(text.token_stream("train")[0].tokens)
