@@ -36,9 +36,10 @@ def _paragraphs() -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", text) if len(p.strip()) > 40]
 
 
-def write_corpus(path: Path, gigabytes: float, doc_chars: int = 20000, seed: int = 0) -> int:
+def write_corpus(path: Path, gigabytes: float, doc_chars: int = 20000, seed: int = 0,
+                 paragraphs: list[str] | None = None) -> int:
     """Write a .jsonl corpus of about `gigabytes` GB; returns its size in bytes."""
-    paragraphs = _paragraphs()
+    paragraphs = paragraphs or _paragraphs()
     target, written, copy = int(gigabytes * 1e9), 0, 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as out:
@@ -106,15 +107,32 @@ def table_row(m: dict[str, Any]) -> list[str]:
             f"{m['loader']['rss_anon_mib']} / {m['loader']['rss_file_mib']}"]
 
 
+def measure(gb: float, work: Path, tokenizer: str, threads: int | None, steps: int, seq_len: int, batch: int,
+            paragraphs: list[str] | None = None) -> dict[str, Any]:
+    """Write a corpus of `gb` GB, preprocess it under /usr/bin/time, delete it, then time the loader."""
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    corpus, prefix = work / f"corpus_{gb:g}gb.jsonl", work / f"store_{gb:g}gb"
+    size = write_corpus(corpus, gb, paragraphs=paragraphs)
+    cmd = [sys.executable, str(tools / "preprocess.py"), "--input", str(corpus), "--tokenizer", tokenizer,
+           "--out", str(prefix)] + (["--threads", str(threads)] if threads else [])
+    pre = _time_v(cmd)
+    corpus.unlink()
+    load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", tokenizer,
+                    "--loader-child", str(prefix), str(steps), str(seq_len), str(batch)])
+    return {"corpus_bytes": size, "preprocess": {**pre, "mb_per_s": round(size / 1e6 / pre["wall_s"], 2)},
+            "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, nargs="+", default=[1.0, 5.0], help="corpus sizes (GB)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory / .gguf")
+    p.add_argument("--tokenizer", help="tokenizer directory / .gguf (--quick: a tiny one trained on the fly)")
     p.add_argument("--work", default="runs/corpus_scale", help="scratch directory for the corpora and stores "
                                                                  "(deleted at the end unless --keep-stores)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--keep-stores", action="store_true")
     p.add_argument("--steps", type=int, default=200, help="loader batches drawn per size")
+    p.add_argument("--quick", action="store_true", help="1 MB of synthetic text, a tiny tokenizer, 5 batches of 4 x 128")
     p.add_argument("--out", default="docs/results/corpus_scale.json")
     p.add_argument("--loader-child", nargs=4, metavar=("PREFIX", "STEPS", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -123,20 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(loader_rss(prefix, args.tokenizer, int(steps), int(seq), int(batch))))
         return 0
     work = Path(args.work)
-    tools = Path(__file__).resolve().parents[2] / "tools"
-    rows = []
+    sizes, steps, seq_len, batch, paragraphs = args.gb, args.steps, 2048, 8, None
+    if args.quick:
+        from megatron_tc.data.synthetic import synthetic_text, train_tiny_tokenizer
+
+        sizes, steps, seq_len, batch = [0.001], 5, 128, 4
+        paragraphs = [synthetic_text(60, seed=i).strip() for i in range(200)]
+        args.tokenizer = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer"))
+    if not args.tokenizer:
+        raise SystemExit("error: --tokenizer is required (the teacher's tokenizer directory or .gguf)")
     try:
-        for gb in args.gb:
-            corpus, prefix = work / f"corpus_{gb:g}gb.jsonl", work / f"store_{gb:g}gb"
-            size = write_corpus(corpus, gb)
-            cmd = [sys.executable, str(tools / "preprocess.py"), "--input", str(corpus), "--tokenizer", args.tokenizer,
-                   "--out", str(prefix)] + (["--threads", str(args.threads)] if args.threads else [])
-            pre = _time_v(cmd)
-            corpus.unlink()
-            load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", args.tokenizer,
-                            "--loader-child", str(prefix), str(args.steps), "2048", "8"])
-            rows.append({"corpus_bytes": size, "preprocess": {**pre, "mb_per_s": round(size / 1e6 / pre["wall_s"], 2)},
-                         "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}})
+        rows = []
+        for gb in sizes:
+            rows.append(measure(gb, work, args.tokenizer, args.threads, steps, seq_len, batch, paragraphs))
             print(rows[-1], flush=True)
     finally:
         if not args.keep_stores:
@@ -145,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    result = {"kind": "table", "what": WHAT, "date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    result = {"kind": "table", "what": WHAT, "date": dt.date.today().isoformat(),
+              "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
               "software": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__,
                            "megatron-core": importlib.metadata.version("megatron-core"), "tokenizers": tokenizers.__version__},
               "config": {"tokenizer": args.tokenizer, "threads": args.threads or os.cpu_count(),
-                         "doc_chars": 20000, "loader": {"steps": args.steps, "seq_len": 2048, "global_batch": 8}},
+                         "doc_chars": 20000, "loader": {"steps": steps, "seq_len": seq_len, "global_batch": batch}},
               "command": " ".join(["python", "tools/bench/corpus_scale.py", *(argv if argv is not None else sys.argv[1:])]),
               "columns": COLUMNS, "rows": [table_row(r) for r in rows], "measurements": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
