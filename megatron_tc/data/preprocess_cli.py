@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             print(f"error: --threads {args.threads}: give at least 1", file=sys.stderr)
             return 2
-        os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)  # read when the tokenizers pool starts
+        # read when the tokenizers thread pool starts (RAYON_RS_NUM_CPUS is the older name)
+        os.environ["RAYON_NUM_THREADS"] = os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
 
     from tqdm.auto import tqdm
