@@ -2,7 +2,7 @@
 """Tokenize a corpus with every core into a memory-mapped token store (megatron-core
 IndexedDataset .bin/.idx) that the training loader streams.
 
-    python tools/preprocess.py --input corpus/*.jsonl --tokenizer DIR --out data/corpus [--workers N]
+    python tools/preprocess.py --input corpus/*.jsonl --tokenizer DIR --out data/corpus [--threads N]
 """
 import sys
 

@@ -1,14 +1,16 @@
 """Preprocessing and loading a corpus at scale on CPU: peak resident memory and MB/s of
-tools/preprocess.py, and the loader's resident memory over the store at two corpus sizes.
+tools/preprocess.py, and the loader's resident memory over the store at several corpus sizes.
 
 The corpus is real text repeated with variation: the local Shakespeare / Milton texts
 (`data.corpus`), cut into paragraphs, each copy shuffled by its own seed and numbered, written
-as .jsonl documents of ~`doc_chars` characters until `--gb` gigabytes are written.
+as .jsonl documents of ~`doc_chars` characters until `--gb` gigabytes are written (`--quick`:
+synthetic text and a tiny tokenizer, so it runs anywhere in seconds).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import platform
@@ -35,9 +37,10 @@ def _paragraphs() -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", text) if len(p.strip()) > 40]
 
 
-def write_corpus(path: Path, gigabytes: float, doc_chars: int = 20000, seed: int = 0) -> int:
+def write_corpus(path: Path, gigabytes: float, doc_chars: int = 20000, seed: int = 0,
+                 paragraphs: list[str] | None = None) -> int:
     """Write a .jsonl corpus of about `gigabytes` GB; returns its size in bytes."""
-    paragraphs = _paragraphs()
+    paragraphs = paragraphs or _paragraphs()
     target, written, copy = int(gigabytes * 1e9), 0, 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as out:
@@ -69,68 +72,106 @@ def _time_v(cmd: list[str]) -> dict[str, Any]:
     return {"peak_rss_mib": round(rss / 1024, 1), "wall_s": round(seconds, 1), "stdout": done.stdout.strip()[-300:]}
 
 
-def loader_rss(prefix: str, steps: int, seq_len: int, batch: int) -> dict[str, Any]:
-    """Run in a child: open the store, draw `steps` shuffled global batches; peak RSS (MiB)."""
-    from megatron_tc.data import DistributedBatchLoader, PackedSequences
-    from megatron_tc.data.token_store import open_token_store
+def loader_rss(prefix: str, tokenizer: str, steps: int, seq_len: int, batch: int) -> dict[str, Any]:
+    """Run in a child: the run's data over the store (`data.token_store`, default split), then
+    `steps` shuffled global batches of the training split; resident memory (MiB)."""
+    from megatron_tc.data import DataConfig, prepare_data
+    from megatron_tc.data.tokenizer import load_tokenizer
 
-    stream = open_token_store(prefix)
-    loader = DistributedBatchLoader(PackedSequences(stream, seq_len, pad_id=0), batch, batch, seed=0)
+    data = prepare_data(DataConfig(token_store=prefix, seq_len=seq_len), None, tokenizer=load_tokenizer(tokenizer))
+    loader = data.loader("train", global_batch_size=batch, micro_batch_size=batch, seed=0)
     start = time.perf_counter()
     for _ in range(steps):
         loader.next_step()
     status = Path("/proc/self/status").read_text()
     kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("RssAnon", "RssFile")}
-    return {"documents": stream.num_docs, "tokens": int(len(stream.tokens)),
+    streams = [data.token_stream(s)[0] for s in ("calibration", "train", "eval")]
+    return {"documents": sum(s.num_docs for s in streams), "tokens": sum(len(s.tokens) for s in streams),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             # the store's pages the batches touched are file-backed (page cache, reclaimable)
             "rss_anon_mib": round(kib["RssAnon"] / 1024, 1), "rss_file_mib": round(kib["RssFile"] / 1024, 1),
             "batches_per_s": round(steps / (time.perf_counter() - start), 1)}
 
 
+WHAT = ("tools/preprocess.py (one process, the fast tokenizer's batch encoding on every core) tokenizing a text "
+        "corpus into a megatron-core IndexedDataset, and the token-store loader reading 200 steps of 8 x 2048 "
+        "tokens from it, on CPU")
+COLUMNS = ["corpus", "tokens", "preprocess MB/s", "preprocess peak RSS (MiB)",
+           "loader RSS anonymous / file-backed (MiB)"]
+
+
+def table_row(m: dict[str, Any]) -> list[str]:
+    size, tokens = m["corpus_bytes"], m["loader"]["tokens"]
+    corpus = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+    return [corpus, f"{tokens / 1e9:.2f}B" if tokens >= 1e9 else f"{tokens / 1e6:.1f}M",
+            f"{m['preprocess']['mb_per_s']:.2f}", f"{m['preprocess']['peak_rss_mib']:.0f}",
+            f"{m['loader']['rss_anon_mib']} / {m['loader']['rss_file_mib']}"]
+
+
+def measure(gb: float, work: Path, tokenizer: str, threads: int | None, steps: int, seq_len: int, batch: int,
+            paragraphs: list[str] | None = None) -> dict[str, Any]:
+    """Write a corpus of `gb` GB, preprocess it under /usr/bin/time, delete it, then time the loader."""
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    corpus, prefix = work / f"corpus_{gb:g}gb.jsonl", work / f"store_{gb:g}gb"
+    size = write_corpus(corpus, gb, paragraphs=paragraphs)
+    cmd = [sys.executable, str(tools / "preprocess.py"), "--input", str(corpus), "--tokenizer", tokenizer,
+           "--out", str(prefix)] + (["--threads", str(threads)] if threads else [])
+    pre = _time_v(cmd)
+    corpus.unlink()
+    load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", tokenizer,
+                    "--loader-child", str(prefix), str(steps), str(seq_len), str(batch)])
+    return {"corpus_bytes": size, "preprocess": {**pre, "mb_per_s": round(size / 1e6 / pre["wall_s"], 2)},
+            "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, nargs="+", default=[1.0, 5.0], help="corpus sizes (GB)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory / .gguf")
-    p.add_argument("--work", default="runs/corpus_scale")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--tokenizer", help="tokenizer directory / .gguf (--quick: a tiny one trained on the fly)")
+    p.add_argument("--work", default="runs/corpus_scale", help="scratch directory for the corpora and stores "
+                                                                 "(deleted at the end unless --keep-stores)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--keep-stores", action="store_true")
     p.add_argument("--steps", type=int, default=200, help="loader batches drawn per size")
+    p.add_argument("--quick", action="store_true", help="1 MB of synthetic text, a tiny tokenizer, 5 batches of 4 x 128")
     p.add_argument("--out", default="docs/results/corpus_scale.json")
     p.add_argument("--loader-child", nargs=4, metavar=("PREFIX", "STEPS", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.loader_child:
         prefix, steps, seq, batch = args.loader_child
-        print(json.dumps(loader_rss(prefix, int(steps), int(seq), int(batch))))
+        print(json.dumps(loader_rss(prefix, args.tokenizer, int(steps), int(seq), int(batch))))
         return 0
     work = Path(args.work)
-    tools = Path(__file__).resolve().parents[2] / "tools"
-    rows = []
+    sizes, steps, seq_len, batch, paragraphs = args.gb, args.steps, 2048, 8, None
+    if args.quick:
+        from megatron_tc.data.synthetic import synthetic_text, train_tiny_tokenizer
+
+        sizes, steps, seq_len, batch = [0.001], 5, 128, 4
+        paragraphs = [synthetic_text(60, seed=i).strip() for i in range(200)]
+        args.tokenizer = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer"))
+    if not args.tokenizer:
+        raise SystemExit("error: --tokenizer is required (the teacher's tokenizer directory or .gguf)")
     try:
-        for gb in args.gb:
-            corpus, prefix = work / f"corpus_{gb:g}gb.jsonl", work / f"store_{gb:g}gb"
-            size = write_corpus(corpus, gb)
-            cmd = [sys.executable, str(tools / "preprocess.py"), "--input", str(corpus), "--tokenizer", args.tokenizer,
-                   "--out", str(prefix)] + (["--workers", str(args.workers)] if args.workers else [])
-            pre = _time_v(cmd)
-            corpus.unlink()
-            load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", args.tokenizer,
-                            "--loader-child", str(prefix), str(args.steps), "2048", "8"])
-            rows.append({"corpus_bytes": size, "preprocess": {**pre, "mb_per_s": round(size / 1e6 / pre["wall_s"], 2)},
-                         "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}})
+        rows = []
+        for gb in sizes:
+            rows.append(measure(gb, work, args.tokenizer, args.threads, steps, seq_len, batch, paragraphs))
             print(rows[-1], flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep_stores:
+            shutil.rmtree(work, ignore_errors=True)
     import tokenizers
     import torch
     import transformers
 
-    result = {"date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    result = {"kind": "table", "what": WHAT, "date": dt.date.today().isoformat(),
+              "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
               "software": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
-              "config": {"tokenizer": args.tokenizer, "workers": args.workers or os.cpu_count(), "chunk_docs": 256,
-                         "doc_chars": 20000, "loader": {"steps": args.steps, "seq_len": 2048, "global_batch": 8}},
+                           "transformers": transformers.__version__,
+                           "megatron-core": importlib.metadata.version("megatron-core"), "tokenizers": tokenizers.__version__},
+              "config": {"tokenizer": args.tokenizer, "threads": args.threads or os.cpu_count(),
+                         "doc_chars": 20000, "loader": {"steps": steps, "seq_len": seq_len, "global_batch": batch}},
               "command": " ".join(["python", "tools/bench/corpus_scale.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rows": rows}
+              "columns": COLUMNS, "rows": [table_row(r) for r in rows], "measurements": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

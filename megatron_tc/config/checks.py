@@ -316,6 +316,9 @@ def _data_errors(cfg: Config) -> list[str]:
     d, stages = cfg.data, cfg.run.stages
     src, split = d.source, d.split
     errors = []
+    if d.token_store is not None and src != type(src)():
+        errors.append("data.token_store and data.source are exclusive: the store holds the documents; remove the "
+                      "data.source settings (or data.token_store)")
     if src.kind in ("text", "jsonl", "parquet") and not src.paths:
         errors.append(f"data.source.kind={src.kind!r} needs data.source.paths (files, directories or globs)")
     if src.kind == "hub" and not src.hub_name:

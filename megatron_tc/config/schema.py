@@ -152,6 +152,10 @@ class DataConfig:
         "document): 'auto' when the teacher's tokenizer adds BOS to encoded text (Gemma, Llama-3), true "
         "always, false never. Recorded in the run manifest and every results file.")
     dedupe: bool = opt(True, "Drop exact-duplicate documents so no text can land in two splits.")
+    token_store: Optional[str] = opt(
+        None, "Prefix of a token store written by tools/preprocess.py (PREFIX.bin/.idx/.docs.tsv/.json), read "
+        "instead of data.source (leave data.source unset): split, packed and ordered as the same documents as text. "
+        "It must have been tokenized with the teacher's tokenizer and this data.bos / eos_token / add_special_tokens.")
     micro_batch_size: int = opt(1, "Sequences per rank per forward/backward.")
     global_batch_size: int = opt(4, "Sequences per optimizer step over all data-parallel ranks (a multiple of micro_batch_size * dp).")
     calib_tokens: int = opt(8192, "Calibration tokens for the statistics pass.")

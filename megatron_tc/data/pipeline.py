@@ -34,7 +34,8 @@ class DataConfig:
     document (default: the tokenizer's EOS); add_special_tokens: let the tokenizer add its own
     (e.g. BOS) to each document; bos: "auto" | True | False, whether every sequence starts with BOS
     (megatron_tc.data.bos; "auto" follows the tokenizer); dedupe: drop exact-duplicate texts (keeps
-    the first by load order), so no text can land in two splits."""
+    the first by load order), so no text can land in two splits; token_store: the prefix of a store
+    written by tools/preprocess.py, read instead of `source` (megatron_tc.data.store_data)."""
 
     source: SourceConfig = field(default_factory=SourceConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
@@ -44,6 +45,7 @@ class DataConfig:
     add_special_tokens: bool = True
     bos: str | bool = "auto"
     dedupe: bool = True
+    token_store: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], strict: bool = True) -> "DataConfig":
@@ -180,7 +182,7 @@ class PreparedData:
         UTF-8 file (for tools that take `--text FILE`); atomic."""
         from .documents import atomic_write_bytes
 
-        text = "\n\n".join(d.text.strip("\n") for d in self._docs[split]) + "\n"
+        text = "\n\n".join(d.text.strip("\n") for d in self.documents(split)) + "\n"
         atomic_write_bytes(Path(path), text.encode("utf-8"))
         return Path(path)
 
@@ -190,16 +192,62 @@ class PreparedData:
                                       micro_batch_size, dp_rank, dp_size, seed, shuffle)
 
 
+class StoreData(PreparedData):
+    """PreparedData over a token store (`cfg.token_store`): the same splits, sequences and loaders,
+    the tokens read from the memory-mapped store instead of tokenized text."""
+
+    def __init__(self, cfg: DataConfig, run_dir: Path | None, tokenizer: Any, model_vocab_size: int | None) -> None:
+        from .store_data import check_store_matches, open_store_splits
+        from .token_store import StoreMeta
+
+        self.cfg, self.run_dir, self.tokenizer, self.model_vocab_size = cfg, run_dir, tokenizer, model_vocab_size
+        self.eos_id = resolve_eos_id(tokenizer, cfg.eos_token)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.bos_id = resolve_bos_id(tokenizer, cfg.bos)
+        meta = StoreMeta.load(cfg.token_store)
+        check_store_matches(cfg.token_store, meta, tokenizer_fingerprint(tokenizer), self.eos_id, self.bos_id,
+                            cfg.add_special_tokens)
+        if model_vocab_size is not None:
+            check_token_ids_fit(meta.max_token_id, model_vocab_size, f"the token store {cfg.token_store}")
+        streams, self.manifest = open_store_splits(cfg.token_store, cfg.split, cfg.dedupe, run_dir, meta)
+        key = f"{meta.digest()}:{self._split_key()}"
+        self._streams = {s: (stream, f"{key}:{s}") for s, stream in streams.items()}
+
+    def _split_key(self) -> str:
+        """Keys the loader's resume check: the same store split the same way."""
+        import hashlib
+        import json
+
+        payload = {"split": asdict(self.cfg.split), "dedupe": self.cfg.dedupe}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+    def documents(self, split: str) -> list[Document]:
+        """The split's documents decoded from their tokens (the store holds no text)."""
+        from .store_data import decode_documents
+
+        return decode_documents(self._streams[split][0], self.manifest.names(split), self.tokenizer)
+
+    def token_stream(self, split: str) -> tuple[TokenStream, str]:
+        return self._streams[split]
+
+
+
 def prepare_data(cfg: DataConfig, run_dir: Path | str | None, tokenizer: Any = None,
                  model_vocab_size: int | None = None) -> PreparedData:
     """Load documents, split them (manifest in `run_dir`, verified if it exists), check the
-    tokenizer against the model's vocabulary. Tokenization happens lazily per split."""
+    tokenizer against the model's vocabulary. Tokenization happens lazily per split. With
+    `cfg.token_store` the documents and their tokens come from the store instead."""
     if tokenizer is None:
         if cfg.tokenizer is None:
             raise DataError("no tokenizer: set data.tokenizer or pass the teacher's tokenizer")
         tokenizer = load_tokenizer(cfg.tokenizer)
     if model_vocab_size is not None:
         check_vocab_fits(tokenizer, model_vocab_size)
+    if cfg.token_store is not None:
+        if asdict(cfg.source) != asdict(SourceConfig()):
+            raise DataError("data.token_store and data.source are exclusive: the store holds the documents; remove "
+                            "the data.source settings (or data.token_store)")
+        return StoreData(cfg, None if run_dir is None else Path(run_dir), tokenizer, model_vocab_size)
     docs = load_documents(cfg.source)
     if cfg.dedupe:
         docs, _ = dedupe_documents(docs)

@@ -36,14 +36,21 @@ def tokenize_documents(docs: list[Document], tok: Any, eos_id: int, add_special_
         chunk = docs[i : i + batch_size]
         ids = tok([d.text for d in chunk], add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
         for d, seq in zip(chunk, ids):
-            if not seq or seq[-1] != eos_id:
-                seq = list(seq) + [eos_id]
-            if bos_id is not None and seq[0] != bos_id:
-                seq = [bos_id] + list(seq)
-            token_lists.append(np.asarray(seq, dtype=np.int32))
+            token_lists.append(document_ids(seq, eos_id, bos_id))
             bar.update(len(d.text))
     bar.close()
     return TokenStream.from_token_lists(token_lists)
+
+
+def document_ids(ids: list[int], eos_id: int, bos_id: int | None = None) -> np.ndarray:
+    """A document's encoded ids -> its stored tokens int32 [n]: EOS appended unless the tokenizer
+    already ended it with EOS; with `bos_id`, BOS prepended unless it already starts with it."""
+    seq = list(ids)
+    if not seq or seq[-1] != eos_id:
+        seq.append(eos_id)
+    if bos_id is not None and seq[0] != bos_id:
+        seq.insert(0, bos_id)
+    return np.asarray(seq, dtype=np.int32)
 
 
 def cache_key(docs: list[Document], tok_fingerprint: str, eos_id: int, add_special_tokens: bool,

@@ -120,10 +120,7 @@ class RunContext:
             from megatron_tc.data import DataConfig, prepare_data
 
             d = self.cfg.data
-            dcfg = DataConfig.from_dict({
-                "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer,
-                "seq_len": d.seq_len, "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens,
-                "bos": d.bos, "dedupe": d.dedupe})
+            dcfg = DataConfig.from_config(d)  # the pipeline's keys of the run config's data section
             teacher = self.teacher_meta()
             tokenizer = teacher.tokenizer
             if d.tokenizer:  # another tokenizer for the data must map text exactly as the teacher's
@@ -173,12 +170,6 @@ class RunContext:
         """The BOS convention of the run's data (megatron_tc.data.bos.bos_record), or None while
         no stage has prepared the data."""
         return None if self._data is None else self._data.bos_record()
-
-
-def _as_dict(section: Any) -> dict[str, Any]:
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(section) if is_dataclass(section) else dict(section)
 
 
 def rank0_save_student(ctx: RunContext, model_or_state: Any, arch: Any, out: Path, source: dict) -> None:

@@ -145,12 +145,8 @@ def _prepare_data(ctx: RunContext, tokenizer: Any, vocab_size: int) -> Any:
     """The run's PreparedData with the configured tokenizer (there is no teacher yet); installed
     as the context's data so ctx.eval_windows() and the loader see it."""
     from megatron_tc.data import DataConfig, prepare_data
-    from megatron_tc.distill.context import _as_dict
 
-    d = ctx.cfg.data
-    dcfg = DataConfig.from_dict({
-        "source": _as_dict(d.source), "split": _as_dict(d.split), "tokenizer": d.tokenizer, "seq_len": d.seq_len,
-        "eos_token": d.eos_token, "add_special_tokens": d.add_special_tokens, "bos": d.bos, "dedupe": d.dedupe})
+    dcfg = DataConfig.from_config(ctx.cfg.data)
 
     def prepare():
         data = prepare_data(dcfg, ctx.paths.root, tokenizer=tokenizer, model_vocab_size=vocab_size)

@@ -72,15 +72,15 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
     # select (ar / ga / readout_gap) and stats read calibration rows in data.calib_order and seed
     # the readout fits' default GDN parameters with run.seed
     "select": ("model.layer_pattern", "model.policy", "model.keep_fraction", "model.keep_count", "model.keep_layers",
-               "data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens",
-               "data.calib_order", "data.bos", "calibrate.stats_chunk_size", "run.seed"),
-    "stats": ("data.source", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens", "data.bos",
+               "data.source", "data.token_store", "data.split", "data.tokenizer", "data.seq_len",
+               "data.calib_tokens", "data.calib_order", "data.bos", "calibrate.stats_chunk_size", "run.seed"),
+    "stats": ("data.source", "data.token_store", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens", "data.bos",
               "data.calib_order", "calibrate.init", "calibrate.stats_chunk_size", "run.seed"),
     "init": ("calibrate", "model.gdn_conv_size", "model.gdn_expand_kv", "model.gdn_b_bias", "model.gdn_chunk_size",
              "run.seed"),
     "stage1": ("distill.stage1", "distill.stage2.tokens", "data", "run.seed", "run.precision"),
     "stage2": ("distill", "data", "run.seed", "run.precision"),
-    "eval": ("eval", "data.source", "data.split", "data.eval_tokens", "data.seq_len", "data.bos"),
+    "eval": ("eval", "data.source", "data.token_store", "data.split", "data.eval_tokens", "data.seq_len", "data.bos"),
     "export": ("export", "parallel.tp", "parallel.pp"),
 }
 

@@ -35,6 +35,7 @@ def test_every_stage_key_names_a_config_field(stage):
     ("run.seed=7", "select"),
     ("data.calib_tokens=4096", "select"),
     ("data.bos=false", "select"),  # calibration rows, training sequences and eval windows change
+    ("data.token_store=corpus/store", "select"),  # every split's documents come from the store
     ("calibrate.init=naive", "stats"),
     ("distill.stage2.lr=1e-3", "stage2"),
     ("eval.batch_size=4", "eval"),
