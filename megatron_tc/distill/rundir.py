@@ -85,6 +85,11 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+# keys that joined a stage's list later: while unset they stay out of the payload, so the run
+# directories written before them keep their fingerprints
+UNSET_LEFT_OUT = frozenset({"data.token_store"})
+
+
 def _select(tree: dict[str, Any], prefix: str) -> Any:
     node: Any = tree
     for part in prefix.split("."):
@@ -92,12 +97,21 @@ def _select(tree: dict[str, Any], prefix: str) -> Any:
     return node
 
 
+def _without_unset(prefix: str, node: Any) -> Any:
+    """`node` (the config under `prefix`) without the UNSET_LEFT_OUT keys below it that are None."""
+    if not isinstance(node, dict):
+        return node
+    return {k: _without_unset(f"{prefix}.{k}", v) for k, v in node.items()
+            if not (f"{prefix}.{k}" in UNSET_LEFT_OUT and v is None)}
+
+
 def stage_fingerprints(config_dict: dict[str, Any], stages: list[str]) -> dict[str, str]:
     """sha256 per stage over its config keys and the fingerprint of the stage before it."""
     out: dict[str, str] = {}
     previous = ""
     for stage in stages:
-        payload = {key: _select(config_dict, key) for key in STAGE_KEYS[stage]}
+        payload = {key: _without_unset(key, _select(config_dict, key)) for key in STAGE_KEYS[stage]
+                   if not (key in UNSET_LEFT_OUT and _select(config_dict, key) is None)}
         digest = hashlib.sha256(json.dumps([previous, payload], sort_keys=True, default=str).encode()).hexdigest()
         out[stage] = previous = digest[:16]
     return out

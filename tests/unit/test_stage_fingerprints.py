@@ -43,3 +43,18 @@ def test_every_stage_key_names_a_config_field(stage):
 def test_a_change_invalidates_its_stage_and_every_later_one(override, first_changed):
     start = PIPELINE.index(first_changed)
     assert _changed(override) == PIPELINE[start:]
+
+
+def test_an_unset_token_store_leaves_the_fingerprints_of_run_directories_written_before_it():
+    tree = config_to_dict(load_config(None, check=False))
+    assert tree["data"]["token_store"] is None
+    del tree["data"]["token_store"]  # the config as it was before the key existed
+    before = {stage: tuple(k for k in keys if k != "data.token_store") for stage, keys in STAGE_KEYS.items()}
+    import megatron_tc.distill.rundir as rundir
+    saved = dict(rundir.STAGE_KEYS)
+    try:
+        rundir.STAGE_KEYS.update(before)
+        old = stage_fingerprints(tree, PIPELINE)
+    finally:
+        rundir.STAGE_KEYS.update(saved)
+    assert _fingerprints() == old
