@@ -66,6 +66,7 @@ class PlanInput:
     seq_len: int = 2048
     activation_checkpointing: bool = False
     trainable: str = "all"  # or 'mixers', 'gdn'
+    compile: str = "auto"  # stage 2's parallel.compile: auto, true or false (the step model's fixed cost)
 
 
 class PlanError(ValueError):

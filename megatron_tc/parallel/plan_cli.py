@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--trainable", default="all", choices=["all", "mixers", "gdn"])
+    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help="stage 2's parallel.compile (the step model's per-layer cost)")
     p.add_argument("--search", type=int, metavar="GPUS", help="list the layouts of GPUS GPUs that fit --gpu-gib")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (with --search: 90%% is usable)")
     p.add_argument("--top", type=int, default=8, help="with --search: how many layouts to print")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         arch = teacher_arch(args.teacher)
         plan = PlanInput(arch, _pattern(arch.num_layers, args), args.tp, args.pp, args.dp, args.zero_stage,
                          args.offload_optimizer, args.teacher_mode, args.micro_batch, args.seq_len,
-                         args.activation_checkpointing, args.trainable)
+                         args.activation_checkpointing, args.trainable, args.compile)
         if args.search:
             fits = search(plan, args.search, args.gpu_gib)[: args.top]
             if args.json:

@@ -10,7 +10,9 @@ Per GPU, with one micro-batch per rank::
                   backward (op benchmark at 16 heads x 128, 131072 tokens)
     fixed         LAYER_MS per student layer of the stage (forward + backward; x 1.5 with
                   checkpointing, whose recompute repeats the forward): kernel launches, DeepSpeed's
-                  per-module hooks and host synchronisation, independent of the batch
+                  per-module hooks and host synchronisation, independent of the batch;
+                  COMPILED_LAYER_MS when stage 2 compiles the decoder layers (parallel.compile,
+                  whose `auto` compiles under ZeRO-1/2 with tp = pp = 1 and no checkpointing)
     parameters    PARAMETER_MS_PER_BILLION per 10^9 parameters of the rank's (tp x pp) slice: ZeRO's gathers into
                   full tensors, the fp32 gradient copies and the AdamW step on the device
     communication ZeRO gathers and gradient reduce-scatter over dp, TP all-reduces of [tokens,
@@ -22,7 +24,8 @@ The fixed cost runs on the host while the device computes, so the step takes the
 (matmul + GDN kernel) and the fixed cost, plus the rest. MATMUL_EFFICIENCY, PARAMETER_MS_PER_BILLION and
 LAYER_MS are fitted (minimax relative error) to the three ZeRO-3 steps measured on one H200
 (SmolLM2-135M, the 1.1B configuration, Llama-3-8B's widths with 8 layers); the measured points
-and the model's error at each are in docs/results/step_model.json. LINK_GBPS,
+and the model's error at each are in docs/results/step_model.json. COMPILED_LAYER_MS is
+fitted to the one compiled step measured (SmolLM2-135M, ZeRO-1). LINK_GBPS,
 HOST_ADAM_PARAMS_PER_S and PP_MICRO_BATCHES are assumptions, not measurements: tensor and
 pipeline parallelism, offload and more than two GPUs are extrapolations.
 """
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 MEASURED_PEAK_TFLOPS = 708.0
 # fitted to the measured ZeRO-3 steps (docs/results/step_model.json)
 MATMUL_EFFICIENCY, PARAMETER_MS_PER_BILLION, LAYER_MS = 0.73, 64.0, 20.75
+# fitted to the compiled ZeRO-1 step of SmolLM2-135M (docs/results/step_model.json)
+COMPILED_LAYER_MS = 13.06
 # fla's chunk kernel, forward + backward, 16 heads x 128 over 131072 tokens: 22.25 ms
 # (docs/results/bench_h200_gdn_op_h16d128.json) for 3 x 16 x (8 x 64 x 128 + 6 x 128^2) FLOPs a token
 GDN_KERNEL_TFLOPS = 46.3
@@ -52,6 +57,13 @@ def gdn_forward_flops(arch: ArchConfig, tokens: int, context: int) -> float:
     from megatron_tc.bench.models import mixer_flops_per_token
 
     return tokens * sum(mixer_flops_per_token(arch, k, context) for k in arch.layer_kinds if k == "G")
+
+
+def compiles(plan: "PlanInput") -> bool:
+    """Whether stage 2 compiles the student's decoder layers under `plan` (parallel.compile's rule)."""
+    if plan.compile == "auto":
+        return plan.zero_stage in (1, 2) and plan.tp == 1 and plan.pp == 1 and not plan.activation_checkpointing
+    return plan.compile == "true"
 
 
 def step_terms(student: ArchConfig, teacher: ArchConfig, plan: "PlanInput") -> dict[str, float]:
@@ -84,7 +96,8 @@ def step_terms(student: ArchConfig, teacher: ArchConfig, plan: "PlanInput") -> d
     return {
         "matmul": matmul / gpus / (MATMUL_EFFICIENCY * MEASURED_PEAK_TFLOPS * 1e12) * bubble,
         "gdn_kernel": gdn / gpus / (GDN_KERNEL_TFLOPS * 1e12) * bubble,
-        "fixed": stage_layers * LAYER_MS * 1e-3 * (1.5 if plan.activation_checkpointing else 1.0),
+        "fixed": stage_layers * (COMPILED_LAYER_MS if compiles(plan) else LAYER_MS) * 1e-3
+                 * (1.5 if plan.activation_checkpointing else 1.0),
         "parameters": local / 1e9 * PARAMETER_MS_PER_BILLION * 1e-3,
         "communication": (tp_bytes + zero_bytes) / (LINK_GBPS * 1e9),
         "host_optimizer": counts["trainable"] / gpus / HOST_ADAM_PARAMS_PER_S if plan.offload_optimizer else 0.0,

@@ -77,7 +77,7 @@ def _measured(doc: dict, source: str) -> float:
     if name == "bench_h200_train_step_8b_shape.json":
         return data["measurements"][0]["step_ms_median"]
     if name == "throughput_h200_train_smollm2.json":
-        return next(m["step_ms_median"] for m in data["measurements"] if m["path"] == "pipeline (ZeRO-1)")
+        return next(m["step_ms_median"] for m in data["measurements"] if m["path"] == "pipeline (ZeRO-1, compiled layers)")
     raise AssertionError(f"no reader for {name}")
 
 
@@ -87,7 +87,8 @@ def test_the_model_reproduces_the_measured_steps():
     assert {p["role"] for p in points} == {"fit", "check"}
     for point in points:
         p = plan(point["model"], micro_batch_size=point["micro_batch"], seq_len=point["seq_len"], dp=point["dp"],
-                 zero_stage=point["zero_stage"], activation_checkpointing=point["checkpointing"])
+                 zero_stage=point["zero_stage"], activation_checkpointing=point["checkpointing"],
+                 compile=point["compile"])
         if "measured_ms" in point:
             if point["source"].endswith(".json") or ".json," in point["source"]:
                 assert _measured(doc, point["source"]) == pytest.approx(point["measured_ms"], abs=0.05)
@@ -99,3 +100,14 @@ def test_the_model_reproduces_the_measured_steps():
             assert point["measured_efficiency"] == pytest.approx(one / two, abs=0.001)
             model = mp.plan_memory(dataclasses.replace(p, dp=1))["step_s"] / mp.plan_memory(p)["step_s"]
             assert abs(model - point["measured_efficiency"]) <= TOLERANCE
+
+
+def test_compiled_layers_follow_parallel_compile_and_lower_only_the_fixed_cost():
+    # auto compiles where stage 2 does: ZeRO-1/2, tp = pp = 1, no activation checkpointing
+    assert sm.compiles(plan(zero_stage=1)) and sm.compiles(plan(zero_stage=2))
+    assert not any(sm.compiles(plan(**kw)) for kw in (dict(zero_stage=3), dict(zero_stage=0),
+                                                      dict(zero_stage=1, activation_checkpointing=True),
+                                                      dict(zero_stage=1, compile="false")))
+    eager, compiled = terms(plan(zero_stage=1, compile="false")), terms(plan(zero_stage=1))
+    assert compiled["fixed"] == pytest.approx(eager["fixed"] * sm.COMPILED_LAYER_MS / sm.LAYER_MS, rel=1e-9)
+    assert {k: v for k, v in compiled.items() if k != "fixed"} == {k: v for k, v in eager.items() if k != "fixed"}
