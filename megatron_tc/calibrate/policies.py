@@ -6,6 +6,12 @@ them: `uniform` keeps layer 0 and every k-th; `ar` bypasses one layer's attentio
 ranks layers by the perplexity increase; `ga` ranks one-layer-kept students initialized with
 taylor_calibrate (aligned) by perplexity. Perplexity is measured on calibration batches (the
 authors measure on their evaluation text). `readout_gap` (taylor_fit's own) reads the statistics pass only.
+
+`ar` and `ga` also take a teacher split over tensor-parallel ranks (`tp_group`; every rank of the
+group calls them with the same batches): the teacher's perplexity comes from its vocabulary shards
+without gathering the logits, a bypassed layer zeroes the row-parallel (already reduced) attention
+output, and ga's probe students, whole on every rank, are built from `teacher_state` (the whole
+weights read by name) and aligned on the split teacher's whole layer outputs.
 """
 from __future__ import annotations
 
@@ -47,28 +53,35 @@ def uniform(num_layers: int, num_keep: int) -> Selection:
 
 
 @torch.no_grad()
-def perplexity(model: HybridLM, batches: Sequence[dict]) -> float:
-    """Token-level perplexity of next-token prediction over the rows of `batches`."""
+def perplexity(model: HybridLM, batches: Sequence[dict], tp_group=None) -> float:
+    """Token-level perplexity of next-token prediction over the rows of `batches`. With `tp_group`
+    the model is tensor-parallel and its logits are vocabulary shards ([B, T, V_pad / TP]): the
+    cross-entropy is computed on them (a collective), the full logits are never gathered."""
+    from megatron_tc.parallel.losses import vocab_parallel_cross_entropy
+
     nll, count = 0.0, 0
     device = next(model.parameters()).device
     for batch in batches:
         ids = batch["input_ids"].to(device)
         doc_ids = batch.get("doc_ids")
-        logits = model(ids, doc_ids=None if doc_ids is None else doc_ids.to(device)).float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        nll -= float(logp.gather(-1, ids[:, 1:, None]).double().sum())
+        logits = model(ids, doc_ids=None if doc_ids is None else doc_ids.to(device))
+        ce = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], model.arch.vocab_size, tp_group=tp_group)
+        nll += float(ce.double().sum())
         count += ids[:, 1:].numel()
     return math.exp(nll / max(count, 1))
 
 
-def _build(teacher, keep, init, stats, sha, seed):
+def _build(teacher, keep, init, stats, sha, seed, teacher_state=None):
     from .student import build_student, pattern_from_keep
 
-    return build_student(teacher, pattern_from_keep(teacher.arch.num_layers, keep), init, stats, seed, sha)
+    return build_student(teacher, pattern_from_keep(teacher.arch.num_layers, keep), init, stats, seed, sha,
+                         teacher_state)
 
 
 class _BypassAttention:
-    """Within the block, layer `index`'s attention outputs zeros (only the residual passes)."""
+    """Within the block, layer `index`'s attention outputs zeros (only the residual passes). On a
+    tensor-parallel teacher the hook sees o_proj's row-parallel output after its all-reduce, the
+    same on every rank: zeroing it bypasses the whole layer."""
 
     def __init__(self, model: HybridLM, index: int):
         self.mixer, self.handle = model.layers[index].mixer, None
@@ -84,35 +97,41 @@ class _BypassAttention:
 def attention_removal(
     teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str | None = None,
     stats: TaylorStats | None = None, teacher_sha256: str | None = None, seed: int = 0, progress=None,
+    tp_group=None, teacher_state=None,
 ) -> Selection:
     """`ar`: score = perplexity increase over the teacher when one layer's attention is bypassed
-    (whatever the init). With `init`, the layer is converted with that closed form instead."""
+    (whatever the init). With `init`, the layer is converted with that closed form instead (a
+    whole student: from `teacher_state` when the teacher is split over `tp_group`)."""
     layers = list(range(teacher.arch.num_layers))
-    base = perplexity(teacher, batches)
+    base = perplexity(teacher, batches, tp_group)
     scores = {}
     for layer in (progress(layers) if progress else layers):
         if init is None:
             with _BypassAttention(teacher, layer):
-                scores[layer] = perplexity(teacher, batches) - base
+                scores[layer] = perplexity(teacher, batches, tp_group) - base
         else:
-            student = _build(teacher, [l for l in layers if l != layer], init, stats, teacher_sha256, seed)
+            student = _build(teacher, [l for l in layers if l != layer], init, stats, teacher_sha256, seed,
+                             teacher_state)
             scores[layer] = perplexity(student, batches) - base
     keep = sorted(sorted(layers, key=lambda l: -scores[l])[:num_keep])
     return Selection("ar", keep, scores, {"init": init or "bypass", "teacher_ppl": base})
 
 
-def _probe(teacher, keep, init, stats, sha, seed, calib_batches, heldout_batches):
+def _probe(teacher, keep, init, stats, sha, seed, calib_batches, heldout_batches, tp_group=None, teacher_state=None):
     """A student keeping `keep` as attention: the init's closed form, aligned when it aligns (ga's
-    taylor_calibrate with the authors' probe learning rate)."""
+    taylor_calibrate with the authors' probe learning rate). In a world of several processes
+    every rank calls this with the same rows and gets the same whole layer outputs (a split
+    teacher's too): the layers are aligned dealt over the world."""
     from .strategies import PAPER_GA_ALIGN
     from .student import calibrate_student
 
     strategy = get_strategy(init)
     if strategy.align is None:
-        return _build(teacher, keep, init, stats, sha, seed)
+        return _build(teacher, keep, init, stats, sha, seed, teacher_state)
     align = PAPER_GA_ALIGN if strategy.name == "taylor_calibrate" else True
     student, _ = calibrate_student(teacher, keep, strategy, calib_batches=calib_batches, heldout_batches=heldout_batches,
-                                   stats=stats, teacher_sha256=sha, align=align, progress=False, seed=seed)
+                                   stats=stats, teacher_sha256=sha, align=align, tp_group=tp_group,
+                                   teacher_state=teacher_state, align_group=None, progress=False, seed=seed)
     return student
 
 
@@ -120,6 +139,7 @@ def greedy_addition(
     teacher: HybridLM, num_keep: int, batches: Sequence[dict], init: str = "taylor_calibrate",
     stats: TaylorStats | None = None, teacher_sha256: str | None = None, rounds: int = 1, seed: int = 0,
     progress=None, calib_batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
+    tp_group=None, teacher_state=None,
 ) -> Selection:
     """`ga`: from all layers converted, add the attention layer that lowers perplexity most.
     rounds=1 (the authors'): one ranking of one-layer-kept students (L of them, each initialized
@@ -135,7 +155,8 @@ def greedy_addition(
         candidates = [l for l in layers if l not in keep]
         ppl = {}
         for layer in (progress(candidates) if progress else candidates):
-            student = _probe(teacher, keep + [layer], init, stats, teacher_sha256, seed, calib, heldout_batches)
+            student = _probe(teacher, keep + [layer], init, stats, teacher_sha256, seed, calib, heldout_batches,
+                             tp_group, teacher_state)
             ppl[layer] = perplexity(student, batches)
         order = sorted(candidates, key=lambda l: ppl[l])
         history.append({str(l): ppl[l] for l in order})

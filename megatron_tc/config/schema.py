@@ -81,10 +81,10 @@ class ParallelConfig:
     )
     shard_teacher: Literal["auto", True, False] = opt(
         "auto",
-        "Split the teacher over the tensor-parallel ranks for the statistics pass, alignment and stages 1 and 2, "
-        "each rank reading only its slice of the checkpoint (needs tp > 1 and pp = 1; ar / ga selection and eval "
-        "still load it whole). 'auto': when tp > 1, pp = 1 and the fp32 teacher would take more than half of one "
-        "device.",
+        "Split the teacher over the tensor-parallel ranks for every stage that runs it (ar / ga selection, the "
+        "statistics pass, alignment, stages 1 and 2, eval), each rank reading only its slice of the checkpoint "
+        "(needs tp > 1 and pp = 1). 'auto': when tp > 1, pp = 1 and the fp32 teacher would take more than half of "
+        "one device.",
     )
     activation_checkpointing: bool = opt(False, "Recompute layer activations in backward to save memory.")
     compile: Literal["auto", True, False] = opt(

@@ -70,9 +70,10 @@ class RunContext:
 
         With parallel.shard_teacher resolved on (`parallel.sharded_teacher.resolve_shard_teacher`)
         the model is split over the tensor-parallel ranks (`Teacher.tp_group` set), each reading
-        only its slice; `whole=True` asks for a single-device HybridLM on every rank (the stages
-        that have no tensor-parallel path: ar / ga selection, eval). One teacher is kept at
-        a time: asking for the other kind loads it afresh."""
+        only its slice; every stage that runs the teacher (select's ar / ga, stats, init,
+        stage 1, stage 2, eval) works on it split. `whole=True` asks for a single-device HybridLM
+        on every rank whatever the setting. One teacher is kept at a time: asking for the other
+        kind loads it afresh."""
         if not self.paths.teacher.is_dir():
             raise FileNotFoundError(f"{self.paths.teacher} does not exist: run the convert stage first "
                                     "(add 'convert' to run.stages)")

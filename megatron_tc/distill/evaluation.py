@@ -11,7 +11,9 @@ window whose scores they drop.
 Under tensor parallelism the logits are vocabulary shards ([1, T, V_pad / TP]); pass `vocab_size`
 and `tp_group`: log-probabilities are normalized over the TP group, per-token sums and the top-1
 token are reduced over it, and the full logits are never gathered. The teacher cache then holds
-this rank's shard of the teacher's log-probs.
+this rank's shard of the teacher's log-probs. A teacher split over TP ranks scoring a whole
+student (the eval stage) passes `teacher_tp_group` instead: the teacher's terms are computed on
+its shards, the student's log-probs whole, and the KL on the columns of the teacher's shard.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ class TeacherCache:
 
     def __init__(self, max_bytes: int = 1 << 30):
         self.max_bytes = max_bytes
-        self.rows: dict[int, torch.Tensor] | None = None  # filled by the first evaluation
+        # row -> (log-probs [T - 1, V_local], global id of their first column); filled by the first evaluation
+        self.rows: dict[int, tuple[torch.Tensor, int]] | None = None
         self.enabled = True
 
     def plan(self, num_rows: int, seq_len: int, vocab: int) -> None:
@@ -102,13 +105,18 @@ def forward_plan(rows: list[torch.Tensor], batch_size: int, dp_rank: int, dp_siz
 @torch.no_grad()
 def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Tensor], dp_rank: int, dp_size: int,
                dp_group=None, device: torch.device | str = "cpu", cache: TeacherCache | None = None,
-               vocab_size: int | None = None, tp_group=None, batch_size: int = 1) -> dict[str, float]:
+               vocab_size: int | None = None, tp_group=None, batch_size: int = 1,
+               teacher_tp_group=None) -> dict[str, float]:
     """{"ppl", "nll", "kl", "top1_agree", "teacher_ppl", "tokens"} over `rows` (each [1, T]), run
     `batch_size` rows of one length per forward ([b, T]).
 
     With a `cache`, the teacher runs only in the first call; later calls reuse its log-probs.
-    With `tp_group` (TP > 1) the logits are vocabulary shards and `vocab_size` is required."""
-    if tp_group is not None and vocab_size is None:
+    With `tp_group` (TP > 1) both models' logits are vocabulary shards; with `teacher_tp_group`
+    only the teacher's are (the student's are whole, [b, T, vocab_size]). Either needs `vocab_size`."""
+    if tp_group is not None and teacher_tp_group is not None:
+        raise ValueError("score_rows: pass tp_group (both models' logits are shards) or teacher_tp_group, not both")
+    t_group = tp_group if tp_group is not None else teacher_tp_group
+    if t_group is not None and vocab_size is None:
         raise ValueError("score_rows with a tp_group needs vocab_size (to mask the padded vocabulary rows)")
     if not rows:
         raise ValueError("no evaluation windows: data.eval_tokens is too small for the sequence length")
@@ -133,12 +141,14 @@ def score_rows(student: LogitsFn, teacher: LogitsFn | None, rows: list[torch.Ten
             lps, start = _log_probs(s_logits[j, :-1], vocab_size, tp_group)
             sums[0] += -_target_log_probs(lps, start, targets, tp_group)
             if teacher is not None:
-                lpt = cache.rows[index] if cached else _log_probs(t_logits[j, :-1], vocab_size, tp_group)[0]
+                lpt, t_start = cache.rows[index] if cached else _log_probs(t_logits[j, :-1], vocab_size, t_group)
                 if filling:
-                    store[index] = lpt
-                sums[1] += _tp_sum((lpt.exp() * (lpt - lps)).sum(dtype=torch.float64).cpu(), tp_group)
-                sums[2] += -_target_log_probs(lpt, start, targets, tp_group)
-                sums[3] += float((_top1(lps, start, tp_group) == _top1(lpt, start, tp_group)).sum())
+                    store[index] = (lpt, t_start)
+                # the student's log-probs on the teacher's columns (all of them unless only the teacher is split)
+                lps_t = lps if t_group is tp_group else lps[..., t_start:t_start + lpt.shape[-1]]
+                sums[1] += _tp_sum((lpt.exp() * (lpt - lps_t)).sum(dtype=torch.float64).cpu(), t_group)
+                sums[2] += -_target_log_probs(lpt, t_start, targets, t_group)
+                sums[3] += float((_top1(lps, start, tp_group) == _top1(lpt, t_start, t_group)).sum())
             sums[4] += targets.numel()
     if filling:
         cache.rows = store

@@ -3,7 +3,9 @@
 eval scores, on the held-out evaluation windows, the teacher, the naive zero-shot conversion, the
 configured init's zero-shot student and each trained student that exists (after stage 1, after
 stage 2): perplexity, KL(teacher || student) per token and top-1 agreement. Windows are spread
-over data-parallel ranks (plain replicated modules; sums all-reduced).
+over data-parallel ranks (plain replicated modules; sums all-reduced). A teacher split over the
+tensor-parallel ranks (parallel.shard_teacher) stays split: its terms come from its vocabulary
+shards, the students are whole on every rank.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.distill.stages import build_naive_student
 
     cfg, device = ctx.cfg, ctx.device
-    teacher = ctx.teacher(whole=True).model.to(device)  # scored on one device
+    loaded = ctx.teacher()
+    teacher = loaded.model.to(device)
     rows = window_rows(ctx.eval_windows())
     candidates: list[tuple[str, Any]] = [("naive zero-shot", None)]
     init_name = _init_name(ctx)
@@ -58,7 +61,8 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
     for label, path in candidates:
         model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
         scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device,
-                            cache, batch_size=eval_batch_size(cfg))
+                            cache, vocab_size=teacher.arch.vocab_size, batch_size=eval_batch_size(cfg),
+                            teacher_tp_group=loaded.tp_group)
         if not results:  # the teacher's own perplexity comes with the first comparison
             results.append({"model": "teacher", "ppl": scores["teacher_ppl"], "kl": 0.0, "top1_agree": 1.0,
                             "path": str(ctx.paths.teacher)})

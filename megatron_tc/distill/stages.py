@@ -134,13 +134,14 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
 
 def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
     """ar / ga / readout_gap on calibration text: the statistics are DP-sharded sums over every
-    rank (a collective), the choice is made on rank 0 and shared."""
+    rank (a collective). ar and ga run on every rank with every calibration row: a split
+    teacher's TP ranks run each forward together, and ga's probe layers are aligned dealt over
+    the world. The choice is rank 0's, shared."""
     import torch.distributed as dist
 
     from megatron_tc.calibrate.policies import select_layers
 
-    # ar and ga run the teacher on rank 0 alone: they need it whole; readout_gap reads statistics only
-    teacher = ctx.teacher(whole=policy != "readout_gap")
+    teacher = ctx.teacher()
     stats = None
     if policy in ("readout_gap", "ga"):
         # readout_gap reads these statistics; ga's probe students are initialized from them
@@ -157,20 +158,34 @@ def _policy_selection(ctx: RunContext, policy: str, num_keep: int):
                               chunk_size=ctx.cfg.calibrate.stats_chunk_size, dp_group=_dp_group(ctx),
                               tp_group=teacher.tp_group, progress=_progress(ctx))
     chosen = [None]
-    if ctx.rank0:
+    if ctx.rank0 or policy != "readout_gap":
         batches = _all_calibration_rows(ctx, ctx.cfg.data.calib_tokens)
         extra: dict[str, Any] = {}
         if policy != "readout_gap":
             extra["teacher_sha256"] = teacher.sha256
+            if teacher.sharded:
+                from megatron_tc.calibrate.teacher_io import whole_teacher_state
+
+                extra.update(tp_group=teacher.tp_group, teacher_state=whole_teacher_state(teacher))
         if policy == "ga":  # the probes align on as many tokens as the authors' (8 x 256)
             from megatron_tc.calibrate.strategies import PAPER_GA_TOKENS
 
             tokens = max(ctx.cfg.data.seq_len, min(alignment_tokens(ctx.cfg), PAPER_GA_TOKENS))
             extra["calib_batches"] = _all_calibration_rows(ctx, tokens)
-        chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
+        chosen[0] = select_layers(policy, num_keep, teacher=teacher.model, stats=stats, batches=batches,
+                                  progress=_progress_bar(ctx, policy), **extra)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
+
+
+def _progress_bar(ctx: RunContext, policy: str):
+    """A tqdm over the layers ar / ga score (rank 0, logging.progress_bar), else None."""
+    if not _progress(ctx):
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda layers: tqdm(layers, desc=f"select {policy}", unit="layer", dynamic_ncols=True)
 
 
 def read_selection(ctx: RunContext) -> dict[str, Any]:
@@ -245,10 +260,12 @@ def _align_settings(cfg: Any, strategy: Any):
 def build_naive_student(ctx: RunContext):
     """The naive conversion (q/k/v/o copied, GDN-only parameters at their defaults) of the selection."""
     from megatron_tc.calibrate.student import build_student
+    from megatron_tc.calibrate.teacher_io import whole_teacher_state
 
-    teacher = ctx.teacher(whole=True)  # the eval stage scores it on one device
+    teacher = ctx.teacher()
     pattern = read_selection(ctx)["pattern"].replace("|", "")
-    return build_student(teacher.model, pattern, "naive", None, ctx.cfg.run.seed, teacher.sha256)
+    state = whole_teacher_state(teacher) if teacher.sharded else None  # a split teacher holds only slices
+    return build_student(teacher.model, pattern, "naive", None, ctx.cfg.run.seed, teacher.sha256, state)
 
 
 def run_init(ctx: RunContext) -> dict[str, Any]:

@@ -46,11 +46,53 @@ def load_and_forward(rank: int, world_size: int, ckpt: str, out: str, bad_ckpt: 
     apply_tensor_parallel(reference, ctx)
     with torch.no_grad():
         logits = gather_vocab_shards(model(ids, doc_ids=doc_ids), model.arch.vocab_size, ctx)
-    torch.save({"state": model.state_dict(), "reference": reference.state_dict(), "logits": logits,
-                "padded": model.arch.padded_vocab_size, "sha256": checkpoint_weights_sha256(ckpt),
-                "read_bytes": reads.read_bytes}, f"{out}.{rank}")
+    record = {"state": model.state_dict(), "reference": reference.state_dict(), "logits": logits,
+              "padded": model.arch.padded_vocab_size, "sha256": checkpoint_weights_sha256(ckpt),
+              "read_bytes": reads.read_bytes}
+    record.update(select_and_score(model, ckpt, ctx))
+    torch.save(record, f"{out}.{rank}")
     _bad_tp(rank, bad_ckpt, out)
     dist.barrier()
+
+
+GA_ALIGN_STEPS = 3  # the authors' 300 probe alignment steps, shortened for the tests
+
+
+def select_and_score(teacher, ckpt: str | None = None, ctx=None) -> dict:
+    """The `ar` and `ga` selections (keep 2 of 3 layers; ga's probes taylor_calibrate students with
+    GA_ALIGN_STEPS alignment steps) and the eval stage's scores of the naive GAG student against
+    `teacher` over the 4 rows (batches of 2 windows; a second call from the teacher cache). With
+    a ParallelContext `ctx` the teacher is split over its TP group and the students are built from
+    the checkpoint `ckpt`."""
+    from dataclasses import replace
+
+    from megatron_tc.calibrate import strategies
+    from megatron_tc.calibrate.policies import attention_removal, greedy_addition
+    from megatron_tc.calibrate.stats import collect_stats
+    from megatron_tc.calibrate.student import build_student
+    from megatron_tc.calibrate.teacher_io import Teacher, whole_teacher_state
+    from megatron_tc.distill.evaluation import TeacherCache, score_rows
+
+    _, ids, doc_ids = tiny_teacher_and_rows()
+    batches = row_batches(ids, doc_ids, range(4))
+    tp_group, dp_group = (None, None) if ctx is None else (ctx.tp_group, ctx.dp_group)
+    state = None if tp_group is None else whole_teacher_state(Teacher(teacher, "t", None, {}, ckpt, tp_group=tp_group))
+    ar = attention_removal(teacher, 2, batches, tp_group=tp_group)
+    stats = collect_stats(teacher, batches, [0, 1, 2], {"teacher_sha256": "t"},
+                          readout_strategies=[strategies.get_strategy("taylor")],
+                          student_arch=teacher.arch.with_pattern("GGG"), dp_group=dp_group, tp_group=tp_group,
+                          progress=False)
+    paper = strategies.PAPER_GA_ALIGN
+    strategies.PAPER_GA_ALIGN = replace(paper, steps=GA_ALIGN_STEPS)
+    try:
+        ga = greedy_addition(teacher, 2, batches, stats=stats, teacher_sha256="t", tp_group=tp_group, teacher_state=state)
+    finally:
+        strategies.PAPER_GA_ALIGN = paper
+    student = build_student(teacher, "GAG", "naive", teacher_state=state)
+    rows, cache = [ids[i:i + 1] for i in range(4)], TeacherCache()
+    scores = [score_rows(lambda x: student(x), lambda x: teacher(x), rows, 0, 1, cache=cache, batch_size=2,
+                         vocab_size=teacher.arch.vocab_size, teacher_tp_group=tp_group) for _ in range(2)]
+    return {"ar": ar.to_json(), "ga": ga.to_json(), "eval": scores}
 
 
 def stats(rank: int, world_size: int, ckpt: str, out: str) -> None:

@@ -69,6 +69,28 @@ def test_each_rank_reads_its_slice_and_the_logits_equal_the_whole_teacher(loaded
             assert torch.equal(got["state"][name], value), name
 
 
+def test_ar_ga_and_eval_scores_of_the_sharded_teacher_equal_the_replicated_teachers(loaded):
+    """On the split teacher (both ranks): `ar` (one layer's row-parallel attention output zeroed,
+    perplexity from vocabulary shards), `ga` (probe students built from the checkpoint, aligned
+    over both ranks) and the eval stage's teacher perplexity, KL and top-1 agreement of a whole
+    student (also from the teacher cache) equal one process's with the whole teacher."""
+    model, _, _ = _workers_stats.tiny_teacher_and_rows()
+    want = workers.select_and_score(model)
+    assert want["eval"][0]["kl"] > 1e-3 and want["eval"][0]["top1_agree"] < 1
+    ppl = want["ar"]["details"]["teacher_ppl"]
+    for rank in range(2):
+        got = torch.load(f"{loaded}.{rank}")
+        for policy in ("ar", "ga"):
+            assert got[policy]["keep"] == want[policy]["keep"], (rank, policy)
+        assert got["ar"]["details"]["teacher_ppl"] == pytest.approx(ppl, rel=1e-6)
+        # ar's scores are differences of perplexities: fp32 rounding of each, relative to the perplexity
+        assert got["ar"]["scores"] == pytest.approx(want["ar"]["scores"], abs=1e-6 * ppl), rank
+        assert got["ga"]["scores"] == pytest.approx(want["ga"]["scores"], rel=1e-5), rank
+        for scores in got["eval"]:  # the first call fills the teacher cache, the second reads it
+            for key in ("teacher_ppl", "ppl", "kl", "top1_agree", "tokens"):
+                assert scores[key] == pytest.approx(want["eval"][0][key], rel=1e-5, abs=1e-7), (rank, key)
+
+
 def test_statistics_of_the_sharded_teacher_equal_the_replicated_teachers(ckpt, tmp_path):
     """Both sweeps, with the layers' inputs and outputs kept from sweep 1 and with a second forward
     (budget 0): every sum equals the single-process pass within the statistics tests' tolerance."""
@@ -143,19 +165,24 @@ def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedPro
 
 
 def test_pipeline_with_a_sharded_teacher(tmp_path):
-    """The launcher with parallel.shard_teacher=true runs every stage (stats, init, stage 1 and
-    stage 2 on the split teacher; eval loads it whole); its statistics and the starting point of
-    every aligned layer equal the replicated teacher's run."""
+    """The launcher with parallel.shard_teacher=true runs every stage on the split teacher
+    (select with policy ar, stats, init, stage 1, stage 2, eval); its selection, statistics, the
+    starting point of every aligned layer and the eval rows of the teacher and the zero-shot
+    students equal the replicated teacher's run."""
     from megatron_tc.testing import write_tiny_teacher
 
     assets = write_tiny_teacher(tmp_path / "assets", n_docs=40, words_per_doc=(50, 300))
-    sharded = _launch(assets, tmp_path / "sharded", "parallel.shard_teacher=true",
+    sharded = _launch(assets, tmp_path / "sharded", "parallel.shard_teacher=true", "model.policy=ar",
                       "run.stages=[convert,select,stats,init,stage1,stage2,eval]", "distill.stage2.steps=2")
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-5000:]
     assert "the teacher is split over 2 tensor-parallel ranks" in sharded.stdout + sharded.stderr
-    replicated = _launch(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
-                         "run.stages=[convert,select,stats,init]")
+    replicated = _launch(assets, tmp_path / "replicated", "parallel.shard_teacher=false", "model.policy=ar",
+                         "run.stages=[convert,select,stats,init,eval]")
     assert replicated.returncode == 0, replicated.stdout[-3000:] + replicated.stderr[-5000:]
+    chosen, want_chosen = (json.loads((tmp_path / run / "select/selection.json").read_text())
+                           for run in ("sharded", "replicated"))
+    assert chosen["policy"] == "ar" and chosen["keep"] == want_chosen["keep"]
+    assert chosen["scores"] == pytest.approx(want_chosen["scores"], abs=1e-6 * want_chosen["details"]["teacher_ppl"])
     got, want = (TaylorStats.load(tmp_path / run / "stats/stats.pt") for run in ("sharded", "replicated"))
     assert got.meta["teacher_sha256"] == want.meta["teacher_sha256"] and sorted(got.sums) == sorted(want.sums)
     for key, value in want.sums.items():
@@ -166,8 +193,14 @@ def test_pipeline_with_a_sharded_teacher(tmp_path):
     assert sorted(aligned) == sorted(want_aligned) and len(aligned) >= 2
     for layer, report in want_aligned.items():
         assert abs(aligned[layer]["initial"] - report["initial"]) <= 1e-5 * report["initial"], layer
-    results = json.loads((tmp_path / "sharded/eval/results.json").read_text())
-    assert [r["model"] for r in results["rows"]][-1] == "after distillation"
+    results, want_results = (json.loads((tmp_path / run / "eval/results.json").read_text())["rows"]
+                             for run in ("sharded", "replicated"))
+    assert [r["model"] for r in results][-1] == "after distillation"
+    assert [r["model"] for r in results[:3]] == [r["model"] for r in want_results] == \
+        ["teacher", "naive zero-shot", "taylor_calibrate zero-shot"]
+    for row, want_row in zip(results, want_results):  # the zero-shot students differ only by alignment rounding
+        for key in ("ppl", "kl", "top1_agree"):
+            assert row[key] == pytest.approx(want_row[key], rel=1e-4, abs=1e-6), (row["model"], key)
 
 
 @pytest.mark.parametrize("rows_per_read", [7, 4096])
