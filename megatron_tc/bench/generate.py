@@ -15,7 +15,9 @@ static cache to the longest `generate` the model has run (`_previous_max_cache_l
 compiled step is reused), which would make a 4k case after a 32k one attend over 32k slots. The
 model forward alone over the prompt (a fresh static cache, the last token's logits: what
 `generate` runs for its prefill) is timed too, so generate's own overhead can be told apart from
-the model's; `profile=True` adds the operators of one such forward (host and device self time).
+the model's, and once at a prompt length the process has not run (one token shorter: what a new
+prompt length costs before any per-shape planning or tuning is cached); `profile=True` adds the
+operators of one such forward (host and device self time).
 """
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def time_prefill_forward(model, ids: torch.Tensor, length: int, repeats: int) -> dict[str, float]:
-    """Milliseconds of `prefill_forward` (one warm-up call first), min/median/max over repeats."""
+    """Milliseconds of `prefill_forward`, min/median/max over repeats after one warm-up call (with
+    repeats=0, the single call itself)."""
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
@@ -130,7 +133,7 @@ def time_prefill_forward(model, ids: torch.Tensor, length: int, repeats: int) ->
         prefill_forward(model, ids, length)
         sync(ids.device)
         times.append(1e3 * (time.perf_counter() - start))
-    return spread(times[1:])
+    return spread(times[1:] or times)
 
 
 def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tokens: int, repeats: int,
@@ -143,9 +146,11 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
         runs.append(one_generate(model, ids, new_tokens, warmup_steps, **kwargs))
     runs = runs[1:]
     decode = spread([r["decode_ms"] for r in runs])
+    unseen = ids[:, 1:].contiguous()  # a prompt length this process has not run
     row = {"batch": batch, "prompt": prompt, "decode_ms": decode, "tokens_per_s": 1e3 * batch / decode["median"],
            "prefill_ms": spread([r["prefill_ms"] for r in runs]),
            "prefill_forward_ms": time_prefill_forward(model, ids, prompt + new_tokens, repeats),
+           "prefill_new_length_ms": time_prefill_forward(model, unseen, prompt + new_tokens, 0)["median"],
            "captured_step": getattr(model, "_graph", None) is not None}
     if profile:
         row["prefill_profile"] = profile_rows(lambda: prefill_forward(model, ids, prompt + new_tokens), device)
