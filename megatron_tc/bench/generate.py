@@ -9,15 +9,26 @@ Per model and batch size: one `generate` of `new_tokens` greedy tokens after a p
 `prompt` tokens; a logits processor stamps each step (after a device sync, which generate's own
 stopping check makes anyway), so prefill (prompt -> first token) and the per-token decoding time
 (median step after `warmup_steps`) come from the same call; repeated `repeats` times.
+
+Each case starts from the state a fresh process would have for its shape: transformers sizes a
+static cache to the longest `generate` the model has run (`_previous_max_cache_length`, so that its
+compiled step is reused), which would make a 4k case after a 32k one attend over 32k slots. The
+model forward alone over the prompt (a fresh static cache, the last token's logits: what
+`generate` runs for its prefill) is timed too, so generate's own overhead can be told apart from
+the model's, and once at a prompt length the process has not run (one token shorter: what a new
+prompt length costs before any per-shape planning or tuning is cached); `profile=True` adds the
+operators of one such forward (host and device self time).
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from megatron_tc.bench.common import profile_rows, sync
 from megatron_tc.model.config import ArchConfig
 
 
@@ -66,6 +77,35 @@ class StepClock:
         return scores
 
 
+def fresh_shape_state(model) -> None:
+    """Forget the cache length transformers keeps from earlier `generate` calls (see the module doc)."""
+    if "_previous_max_cache_length" in vars(model):
+        del model._previous_max_cache_length
+
+
+def static_cache(model, length: int):
+    """The static cache `generate` would build for `length` tokens: the exported student's own
+    class, or transformers' StaticCache for a teacher."""
+    from transformers import StaticCache
+
+    from megatron_tc.convert.hf_student import MegatronTCCache, MegatronTCForCausalLM
+
+    if isinstance(model, MegatronTCForCausalLM):
+        return MegatronTCCache(model.config, static_len=length)
+    return StaticCache(config=model.config, max_cache_len=length)
+
+
+def prefill_forward(model, ids: torch.Tensor, length: int) -> torch.Tensor:
+    """One forward over the prompt ids [B, T] into a fresh static cache of `length` slots, the last
+    token's logits only: generate's prefill without generate."""
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
+                    **{key: static_cache(model, length)})
+    return out.logits
+
+
 def one_generate(model, ids: torch.Tensor, new_tokens: int, warmup_steps: int, **kwargs: Any) -> dict[str, float]:
     from transformers import LogitsProcessorList
 
@@ -83,15 +123,35 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def time_prefill_forward(model, ids: torch.Tensor, length: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of `prefill_forward`, min/median/max over repeats after one warm-up call (with
+    repeats=0, the single call itself)."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(ids.device)
+        start = time.perf_counter()
+        prefill_forward(model, ids, length)
+        sync(ids.device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return spread(times[1:] or times)
+
+
 def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tokens: int, repeats: int,
-                 warmup_steps: int, vocab: int, device: torch.device) -> dict[str, Any]:
+                 warmup_steps: int, vocab: int, device: torch.device, profile: bool = False) -> dict[str, Any]:
     gen = torch.Generator(device="cpu").manual_seed(batch)
+    fresh_shape_state(model)
     runs = []
     for _ in range(repeats + 1):  # the first run compiles / captures; not reported
         ids = torch.randint(3, vocab, (batch, prompt), generator=gen).to(device)
         runs.append(one_generate(model, ids, new_tokens, warmup_steps, **kwargs))
     runs = runs[1:]
     decode = spread([r["decode_ms"] for r in runs])
-    return {"batch": batch, "prompt": prompt, "decode_ms": decode, "tokens_per_s": 1e3 * batch / decode["median"],
-            "prefill_ms": spread([r["prefill_ms"] for r in runs]),
-            "captured_step": getattr(model, "_graph", None) is not None}
+    unseen = ids[:, 1:].contiguous()  # a prompt length this process has not run
+    row = {"batch": batch, "prompt": prompt, "decode_ms": decode, "tokens_per_s": 1e3 * batch / decode["median"],
+           "prefill_ms": spread([r["prefill_ms"] for r in runs]),
+           "prefill_forward_ms": time_prefill_forward(model, ids, prompt + new_tokens, repeats),
+           "prefill_new_length_ms": time_prefill_forward(model, unseen, prompt + new_tokens, 0)["median"],
+           "captured_step": getattr(model, "_graph", None) is not None}
+    if profile:
+        row["prefill_profile"] = profile_rows(lambda: prefill_forward(model, ids, prompt + new_tokens), device)
+    return row

@@ -1,14 +1,20 @@
-"""tools/bench/generate.py runs end to end with --quick on CPU and reports every case (no timing asserted)."""
+"""tools/bench/generate.py runs end to end with --quick on CPU and reports every case (no timing
+asserted); each case starts from its own shape's state, and its timed prefill forward is the
+model's forward over the prompt."""
 from __future__ import annotations
 
 import json
 
+import torch
+
+from megatron_tc.bench.generate import bench_decode, prefill_forward, student_model, teacher_model
+from megatron_tc.bench.models import PRESETS
 from tests._scripts import load_script
 
 
 def test_quick_generate_benchmark_reports_teacher_and_student(tmp_path):
     out = tmp_path / "generate.json"
-    assert load_script("tools/bench/generate.py").main(["--quick", "--out", str(out)]) == 0
+    assert load_script("tools/bench/generate.py").main(["--quick", "--profile", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = {(r["role"], r["batch"], r["prompt"]): r for r in data["rows"]}
     assert set(rows) == {(role, b, p) for role in ("teacher", "student") for b, p in ((2, 32), (1, 16))}
@@ -16,4 +22,36 @@ def test_quick_generate_benchmark_reports_teacher_and_student(tmp_path):
         assert "error" not in row, row
         assert 0 < row["decode_ms"]["min"] <= row["decode_ms"]["median"] <= row["decode_ms"]["max"]
         assert row["tokens_per_s"] > 0 and row["prefill_ms"]["median"] > 0
+        assert 0 < row["prefill_forward_ms"]["min"] <= row["prefill_forward_ms"]["max"]
+        assert row["prefill_new_length_ms"] > 0
+        total = row["prefill_profile"][0]
+        assert total["op"] == "(all)" and total["calls"] > 0 and total["host_ms"] > 0
     assert rows[("student", 2, 32)]["captured_step"] is False  # CPU: no CUDA graph
+
+
+def test_each_case_sizes_the_teacher_static_cache_for_its_own_prompt():
+    """transformers keeps the longest static cache length across generate calls; a short case run
+    after a long one must not inherit it (it would attend over the long case's slots)."""
+    torch.manual_seed(0)
+    arch = PRESETS["tiny"]()
+    model = teacher_model(arch, torch.device("cpu"), torch.float32)
+    new = 3
+    for batch, prompt in ((2, 32), (1, 12)):
+        bench_decode(model, {"cache_implementation": "static"}, batch, prompt, new, 1, 0, arch.vocab_size,
+                     torch.device("cpu"))
+    assert model._previous_max_cache_length == 12 + new - 1
+
+
+def test_prefill_forward_matches_an_uncached_forward():
+    """The timed prefill (fresh static cache, last token's logits) computes the same logits as a
+    plain forward over the prompt, for the student and for the teacher."""
+    torch.manual_seed(0)
+    arch = PRESETS["tiny"]()
+    ids = torch.randint(3, arch.vocab_size, (2, 20))
+    for build in (student_model, teacher_model):
+        model = build(arch, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            reference = model(input_ids=ids, use_cache=False).logits[:, -1:]
+        logits = prefill_forward(model, ids, 24)
+        assert logits.shape == reference.shape
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,8 @@
 """`model.generate` speed, teacher (transformers, static cache, compiled) vs exported student.
 
     python tools/bench/generate.py [--models smollm2-135m,llama-1b] [--prompt 32768]
-        [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--out FILE] [--quick]
+        [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--profile] [--out FILE]
+        [--quick]
 
 Prints one JSON object per measurement as it finishes (so a run cut short keeps what it has) and
 writes them all to --out. See megatron_tc/bench/generate.py for what is measured.
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", default="4096,32768", help="prompt lengths of the B=1 prefill comparison")
     p.add_argument("--roles", default="teacher,student",
                    help="teacher, student (captured decoding step on CUDA), student-eager (capture off)")
+    p.add_argument("--profile", action="store_true",
+                   help="add the operators of one prefill forward per case (host and device self time)")
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
     args = p.parse_args(argv)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 try:
                     row = bench_decode(model, kwargs, batch, prompt, args.new_tokens, args.repeats,
-                                       args.warmup_steps, arch.vocab_size, device)
+                                       args.warmup_steps, arch.vocab_size, device, args.profile)
                 except torch.OutOfMemoryError as exc:
                     row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
                     torch.cuda.empty_cache()
