@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             load = _time_v([sys.executable, "-m", "megatron_tc.bench.corpus_scale", "--tokenizer", args.tokenizer,
                             "--loader-child", str(prefix), str(args.steps), "2048", "8"])
             rows.append({"corpus_bytes": size, "preprocess": {**pre, "mb_per_s": round(size / 1e6 / pre["wall_s"], 2)},
-                         "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}})
+                         "loader": {**json.loads(load["stdout"].splitlines()[-1]),
+                                    "process_peak_rss_mib": load["peak_rss_mib"]}})
             print(rows[-1], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -124,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    result = {"date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    result = {"date": dt.date.today().isoformat(),
+              "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
               "software": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
               "config": {"tokenizer": args.tokenizer, "workers": args.workers or os.cpu_count(), "chunk_docs": 256,
                          "doc_chars": 20000, "loader": {"steps": args.steps, "seq_len": 2048, "global_batch": 8}},
-              "command": " ".join(["python", "tools/bench/corpus_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python", "tools/bench/corpus_scale.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

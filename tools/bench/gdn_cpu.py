@@ -42,7 +42,8 @@ def time_one(backend: str, args: argparse.Namespace, backward: bool) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    for name, default in (("batch", 2), ("seq", 512), ("heads", 4), ("dim", 64), ("chunk", 64), ("repeats", 5), ("threads", 1)):
+    for name, default in (("batch", 2), ("seq", 512), ("heads", 4), ("dim", 64), ("chunk", 64), ("repeats", 5),
+                          ("threads", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
