@@ -54,7 +54,8 @@ class Timing:
     first_ms: float  # the first call (warm-up: includes compilation/autotuning)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ms": round(self.ms, 4), "reps": self.reps, "timer": self.method, "first_call_ms": round(self.first_ms, 1)}
+        return {"ms": round(self.ms, 4), "reps": self.reps, "timer": self.method,
+                "first_call_ms": round(self.first_ms, 1)}
 
 
 def time_once(fn: Callable[[], Any], device: torch.device) -> float:

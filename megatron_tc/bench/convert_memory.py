@@ -137,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         src, tp2pp2, tp4 = work / "hf", work / "tp2pp2", work / "tp4pp1"
         result["weight_bytes"] = write_random_llama(src, args.layers)
         result["write_source_s"] = round(time.perf_counter() - start, 1)
-        print(f"wrote {result['weight_bytes'] / 1e9:.1f} GB of random weights in {result['write_source_s']} s", flush=True)
+        print(f"wrote {result['weight_bytes'] / 1e9:.1f} GB of random weights in {result['write_source_s']} s",
+              flush=True)
         result["convert_tp2_pp2"] = timed_child([py, str(tools / "convert_hf_to_megatron.py"), "--hf", str(src),
                                                  "--out", str(tp2pp2), "--tp", "2", "--pp", "2", "--overwrite"])
         print(result["convert_tp2_pp2"], flush=True)
         shutil.rmtree(src)
-        result["reshard_tp4_pp1"] = timed_child([py, str(tools / "reshard.py"), "--ckpt", str(tp2pp2), "--out", str(tp4),
-                                                 "--tp", "4", "--pp", "1", "--overwrite"])
+        result["reshard_tp4_pp1"] = timed_child([py, str(tools / "reshard.py"), "--ckpt", str(tp2pp2),
+                                                 "--out", str(tp4), "--tp", "4", "--pp", "1", "--overwrite"])
         print(result["reshard_tp4_pp1"], flush=True)
         if not args.keep:
             shutil.rmtree(tp2pp2)
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             write_random_llama(cut, args.parity_layers, seed=1)
             timed_child([py, str(tools / "convert_hf_to_megatron.py"), "--hf", str(cut), "--out", str(cut_ck),
                          "--tp", "2", "--pp", "2", "--overwrite"])
-            result["parity_cut"] = {"layers": args.parity_layers, "layout": "tp2 x pp2", **logits_parity(cut, cut_ck, getattr(torch, args.parity_dtype))}
+            parity = logits_parity(cut, cut_ck, getattr(torch, args.parity_dtype))
+            result["parity_cut"] = {"layers": args.parity_layers, "layout": "tp2 x pp2", **parity}
             print(result["parity_cut"], flush=True)
     finally:
         if not args.keep:

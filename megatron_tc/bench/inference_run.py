@@ -137,11 +137,13 @@ def bench_role(name, role, model, args, device, peaks, report) -> None:
                     row["note"] = (row.get("note", "") + f" static graph failed: {type(exc).__name__}").strip()
                     report.error(f"{name} {role} decode static graph B={b}", exc)
         except Exception as exc:
-            row["note"] = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else f"failed: {type(exc).__name__}"
+            oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+            row["note"] = "out of memory" if oom else f"failed: {type(exc).__name__}"
             report.error(f"{name} {role} decode B={b}", exc)
         cache = logits = token = ids = None  # noqa: F841  (free the KV before the next batch size)
         report.add("decode", row)
-        print(f"{name} {role} decode B={b}: {row.get('eager_ms')} ms/step eager, {row.get('graph_ms')} graph", flush=True)
+        print(f"{name} {role} decode B={b}: {row.get('eager_ms')} ms/step eager, {row.get('graph_ms')} graph",
+              flush=True)
         _free(device)
 
 
@@ -162,12 +164,14 @@ def summarize(report: Report, name: str) -> None:
         if row["model"] == name and row["role"] == "teacher":
             s = find("prefill", "student", T=row["T"])
             if "tok_per_s" in row and "tok_per_s" in s:
-                report.add("summary", {"model": name, "metric": f"prefill tok/s T={row['T']}", "teacher": row["tok_per_s"],
-                                       "student": s["tok_per_s"], "ratio": s["tok_per_s"] / row["tok_per_s"]})
+                report.add("summary", {"model": name, "metric": f"prefill tok/s T={row['T']}",
+                                       "teacher": row["tok_per_s"], "student": s["tok_per_s"],
+                                       "ratio": s["tok_per_s"] / row["tok_per_s"]})
             if row.get("total_bytes") and s.get("total_bytes"):
                 ratio = s["total_bytes"] / row["total_bytes"]
-                report.add("summary", {"model": name, "metric": f"cache bytes T={row['T']}", "teacher": row["total_bytes"],
-                                       "student": s["total_bytes"], "ratio": ratio, "goal": f"<= {CACHE_GOAL}",
+                report.add("summary", {"model": name, "metric": f"cache bytes T={row['T']}",
+                                       "teacher": row["total_bytes"], "student": s["total_bytes"], "ratio": ratio,
+                                       "goal": f"<= {CACHE_GOAL}",
                                        "met": ratio <= CACHE_GOAL})
     for row in report.data.get("decode", []):
         if row["model"] == name and row["role"] == "teacher":
@@ -176,7 +180,8 @@ def summarize(report: Report, name: str) -> None:
                 key = f"{kind}_tok_per_s"
                 if key in row and key in s:
                     ratio = s[key] / row[key]
-                    report.add("summary", {"model": name, "metric": f"decode tok/s ctx={row['context']} B={row['B']} ({kind})",
+                    metric = f"decode tok/s ctx={row['context']} B={row['B']} ({kind})"
+                    report.add("summary", {"model": name, "metric": metric,
                                            "teacher": row[key], "student": s[key], "ratio": ratio,
                                            "goal": f">= {DECODE_GOAL}", "met": ratio >= DECODE_GOAL})
 

@@ -130,7 +130,8 @@ def run_driver(args: argparse.Namespace, script: Path) -> int:
     else:
         counts = rank_counts(torch.cuda.device_count() if cuda else args.max_ranks)
     if cuda and max(counts) > torch.cuda.device_count():
-        raise SystemExit(f"error: --ranks {args.ranks} asks for {max(counts)} GPUs; {torch.cuda.device_count()} visible")
+        raise SystemExit(f"error: --ranks {args.ranks} asks for {max(counts)} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     signal.signal(signal.SIGTERM, _terminated)  # `timeout` around the driver ends the ranks too
     report = Report("scaling", args.out, torch.device("cpu"), args)
     report.data["env"]["device"] = "cuda" if cuda else "cpu"

@@ -73,7 +73,8 @@ def run_worker(args) -> None:
     trainer = train_step.Trainer(student, teacher, args, device, ctx)
     t_setup = time.perf_counter() - t_build
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)  # each rank its own data
-    make_ids = lambda: torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device, generator=gen)  # noqa: E731
+    def make_ids() -> torch.Tensor:
+        return torch.randint(0, arch.vocab_size, (args.batch, args.seq), device=device, generator=gen)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

@@ -66,8 +66,8 @@ def load_whole(ckpt: str, out: str) -> None:
 
     before, start = _status_mib("VmRSS"), time.perf_counter()
     teacher = load_teacher(ckpt)
-    record = {"rank": 0, "before_mib": before, "peak_mib": _status_mib("VmHWM"), "held_bytes": _held_bytes(teacher.model),
-              "seconds": time.perf_counter() - start}
+    record = {"rank": 0, "before_mib": before, "peak_mib": _status_mib("VmHWM"),
+              "held_bytes": _held_bytes(teacher.model), "seconds": time.perf_counter() - start}
     Path(f"{out}.0").write_text(json.dumps(record))
 
 
@@ -78,8 +78,8 @@ def load_split(rank: int, world_size: int, ckpt: str, out: str) -> None:
     ctx = init_parallel(tp=world_size)
     before, start = _status_mib("VmRSS"), time.perf_counter()
     teacher = load_sharded_teacher(ckpt, ctx)
-    record = {"rank": rank, "before_mib": before, "peak_mib": _status_mib("VmHWM"), "held_bytes": _held_bytes(teacher.model),
-              "seconds": time.perf_counter() - start}
+    record = {"rank": rank, "before_mib": before, "peak_mib": _status_mib("VmHWM"),
+              "held_bytes": _held_bytes(teacher.model), "seconds": time.perf_counter() - start}
     Path(f"{out}.{rank}").write_text(json.dumps(record))
 
 
@@ -111,7 +111,8 @@ def row(tp: int, records: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="TP sizes to split over (the whole load always runs)")
+    p.add_argument("--tp", type=int, nargs="+", default=[2, 4],
+                   help="TP sizes to split over (the whole load always runs)")
     p.add_argument("--work", default="runs/sharded_teacher", help="scratch directory (git-ignored)")
     p.add_argument("--out", default="docs/results/sharded_teacher_memory.json")
     args = p.parse_args(argv)
@@ -129,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "kind": "table",
-        "what": (f"Loading a teacher of Llama-3-8B's widths with {args.layers} layers (a {weight_bytes / GIB:.2f} GiB "
-                 "bf16 checkpoint with one shard, loaded in fp32) on CPU, in fresh processes: per rank, the fp32 weights "
-                 "it holds, how much its peak resident memory grew during the load, that peak, and the load's wall "
-                 "time (slowest rank; rank 0 also hashes the whole teacher, streamed)"),
+        "what": (f"Loading a teacher of Llama-3-8B's widths with {args.layers} layers "
+                 f"(a {weight_bytes / GIB:.2f} GiB bf16 checkpoint with one shard, loaded in fp32) on CPU, in fresh "
+                 "processes: per rank, the fp32 weights it holds, how much its peak resident memory grew during the "
+                 "load, that peak, and the load's wall time (slowest rank; rank 0 also hashes the whole teacher, "
+                 "streamed)"),
         "date": dt.date.today().isoformat(), "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores",
         "software": {"python": platform.python_version(), "torch": torch.__version__},
         "config": f"Llama-3-8B widths, {args.layers} layers, untied head; gloo ranks on one machine",
-        "command": " ".join(["python", "tools/bench/sharded_teacher.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "tools/bench/sharded_teacher.py",
+                             *(argv if argv is not None else sys.argv[1:])]),
         "bos": None,
         "columns": ["teacher", "weights held per rank (GiB)", "peak growth per rank (GiB)",
                     "peak resident per rank (GiB)", "wall (s)"],

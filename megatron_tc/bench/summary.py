@@ -1,8 +1,9 @@
 """Headline numbers of a benchmark run: `python -m megatron_tc.bench.summary DIR`.
 
-Reads the result files in DIR (JSON with a 'benchmark' key) (written by tools/bench/*.py) and prints, compactly, the rows that
-docs/benchmarks.md needs: GDN timings against the SDPA anchors, student/teacher ratios, MFU,
-statistics-pass ratio and calibration wall time, and every recorded error.
+Reads the result files in DIR (JSON with a 'benchmark' key) (written by tools/bench/*.py) and prints,
+compactly, the rows that docs/benchmarks.md needs: GDN timings against the SDPA anchors,
+student/teacher ratios, MFU, statistics-pass ratio and calibration wall time, and every recorded
+error.
 """
 from __future__ import annotations
 
@@ -39,12 +40,16 @@ def summarize(directory: Path) -> str:
         if run.get("benchmark") == "gdn":
             rows = [r for r in run.get("rows", []) if r.get("anchor_ms") or (r.get("T", 0) >= 32768 and "ms" in r)]
             parts.append(markdown_table(run.get("checks", []), ["method", "H", "D", "max_rel_err", "worst"]))
-            parts.append(markdown_table(rows, ["H", "D", "B", "T", "pass", "method", "ms", "anchor_ms", "vs_sdpa", "note"]))
+            parts.append(markdown_table(rows, ["H", "D", "B", "T", "pass", "method", "ms", "anchor_ms", "vs_sdpa",
+                                               "note"]))
         elif run.get("benchmark") == "inference":
-            parts.append(markdown_table(run.get("checks", []), ["model", "role", "rel_err", "rel_err_fp32", "bf16_vs_fp32"]))
-            parts.append(markdown_table(run.get("summary", []), ["model", "metric", "teacher", "student", "ratio", "goal", "met"]))
-            parts.append(markdown_table(run.get("decode", []), ["model", "role", "B", "eager_ms", "graph_ms",
-                                                                "static_eager_ms", "static_graph_ms", "floor_ms", "note"]))
+            parts.append(markdown_table(run.get("checks", []),
+                                        ["model", "role", "rel_err", "rel_err_fp32", "bf16_vs_fp32"]))
+            parts.append(markdown_table(run.get("summary", []),
+                                        ["model", "metric", "teacher", "student", "ratio", "goal", "met"]))
+            parts.append(markdown_table(run.get("decode", []),
+                                        ["model", "role", "B", "eager_ms", "graph_ms", "static_eager_ms",
+                                         "static_graph_ms", "floor_ms", "note"]))
         elif run.get("benchmark") == "train":
             parts.append(markdown_table(run.get("checks", []), ["model", "loss_rel_err", "grad_rel_err_global",
                                                                 "bf16_chunk_grad_rel_err_global", "max_grad_rel_err",

@@ -32,20 +32,10 @@ def synthetic_text(n_words: int, seed: int = 0) -> str:
 def train_tiny_tokenizer(out_dir: Path | str, vocab_size: int = 320, seed: int = 0) -> Path:
     """Train a sentencepiece model (ids: 0 <unk>, 1 <s>, 2 </s>, byte fallback) into `out_dir`
     as `tokenizer.model` plus the HF files; returns `out_dir`."""
-    import sentencepiece as spm
-    from transformers import AutoTokenizer
+    from megatron_tc.data.tokenizer_training import train_unigram_tokenizer
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = synthetic_text(3000, seed).splitlines()
-    spm.set_random_generator_seed(seed)  # training samples sentences; fixed seed = same model
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(out / "tokenizer"), vocab_size=vocab_size,
-        model_type="unigram", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
-        minloglevel=2, num_threads=1,
-    )
-    (out / "tokenizer.vocab").unlink(missing_ok=True)
-    AutoTokenizer.from_pretrained(str(out)).save_pretrained(str(out))
+    train_unigram_tokenizer(synthetic_text(3000, seed).splitlines(), out, vocab_size, seed=seed)
     return out
 
 

@@ -35,8 +35,9 @@ def cells(roots: list[Path], part: str, teachers=TEACHERS, policies=POLICIES) ->
 
 def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dict[tuple[str, str, str], dict]:
     """(teacher, policy, init) -> {"dir": the file} for grid cells that survive only as their stage-2
-    curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (cells kept only as curves): read by every section; the zero-shot table takes their step-0
-    evaluation in place of the eval stage's (marked)."""
+    curve, <teacher>_<policy>_<init>_eval_log.jsonl in `dirs` (cells kept only as curves): read by
+    every section; the zero-shot table takes their step-0 evaluation in place of the eval stage's
+    (marked)."""
     suffix, out = "_eval_log.jsonl", {}
     for d in dirs:
         if not d.is_dir():
@@ -77,7 +78,8 @@ def pretrain_section(roots: list[Path], out: Path, teachers=TEACHERS) -> str:
             if (run / "train_log.jsonl").is_file() else []
         manifest = _json(run.parent / "manifest.json") or {}
         secs = (manifest.get("stages", {}).get("pretrain") or {}).get("seconds")
-        tps = sorted(r["tokens_per_s"] for r in train[len(train) // 10:])[len(train[len(train) // 10:]) // 2] if train else None
+        steady = sorted(r["tokens_per_s"] for r in train[len(train) // 10:])  # the first tenth warms up
+        tps = steady[len(steady) // 2] if train else None
         best = min(evals, key=lambda e: e["ppl"]) if evals else None
         rows.append([name, fmt_tokens(evals[-1]["tokens"]) if evals else "—", evals[-1]["step"] if evals else "—",
                      fmt_num(train[-1]["ce"]) if train else "—", fmt_num(evals[-1]["ppl"]) if evals else "—",

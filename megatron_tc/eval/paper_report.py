@@ -147,7 +147,8 @@ def recipe_section(roots: list[Path], s2: dict, teachers=TEACHERS, policies=POLI
                 tc, us = (cell_curve(runs, (teacher, policy, i)) for i in ("taylor_calibrate", fit))
                 res = tokens_to_target([tc, us], ks=KS, naive="", baselines=("taylor_calibrate",), stay=True)
                 got = " / ".join(fmt_ratio(res["ratios"]["vs_taylor_calibrate"][fit][lab]) for lab in KS_LABELS)
-                within.append(f"- {teacher} / {policy}, {what}: {fit} vs taylor_calibrate at {' / '.join(KS_LABELS)}: {got}")
+                within.append(f"- {teacher} / {policy}, {what}: {fit} vs taylor_calibrate at "
+                              f"{' / '.join(KS_LABELS)}: {got}")
     if not rows:
         return "No cell of another stage-2 recipe in these results."
     header = ["teacher", "policy", "recipe", "init", "zero-shot ppl", "final ppl", "final KL",

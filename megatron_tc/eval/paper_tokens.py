@@ -27,13 +27,14 @@ def _tokens_rows(teacher: str, policy: str, res: dict, fit: str, how: str,
             verdict = _goal_verdict(r, goal)
             if not verdict:
                 continue
-            line = f"{verdict}: tokens ({how}) {teacher}/{policy} {lab}: {fit} vs {base} {fmt_ratio(r)} (goal ≥ {goal}x)"
+            line = (f"{verdict}: tokens ({how}) {teacher}/{policy} {lab}: {fit} vs {base} {fmt_ratio(r)} "
+                    f"(goal ≥ {goal}x)")
             if verdict == "not shown":
                 line += f"; {base} did not reach it in the budget"
                 if base == "naive" and long_res is not None:
                     long_r = long_res["ratios"]["vs_naive_long"][fit][lab]
-                    line += (f"; against naive given {_long_factor(long_res, fit):.1f}x the budget: {fmt_ratio(long_r)}, "
-                             f"{_goal_verdict(long_r, goal) or 'met'}")
+                    line += (f"; against naive given {_long_factor(long_res, fit):.1f}x the budget: "
+                             f"{fmt_ratio(long_r)}, {_goal_verdict(long_r, goal) or 'met'}")
             misses.append(line)
     return rows, misses
 
@@ -72,7 +73,8 @@ def long_naive_section(long_res: dict, fit: str) -> str:
         if how == "reached and stayed":
             finals.append(f"- {teacher} / {policy}: naive ends at ppl {fmt_num(by['naive_long']['final_ppl'])} after "
                           f"{fmt_tokens(by['naive_long']['final_tokens'])} tokens ({_long_factor(res, fit):.1f}x the "
-                          f"budget); {fit} at {fmt_num(by[fit]['final_ppl'])} after {fmt_tokens(by[fit]['final_tokens'])}")
+                          f"budget); {fit} at {fmt_num(by[fit]['final_ppl'])} after "
+                          f"{fmt_tokens(by[fit]['final_tokens'])}")
     if not rows:
         return "No long naive run yet."
     header = ["teacher", "policy", "how", "target", "naive, long budget", f"{fit}, grid budget",
@@ -122,7 +124,8 @@ def tokens_section(s2: dict, out: Path, fit: str, long_res: dict | None = None) 
                                                     (long_res or {}).get((teacher, policy, how)))
                 rows[how] += got_rows
                 misses += got_misses
-    header = ["teacher", "policy", "target", "naive", "taylor_calibrate", fit, f"{fit} vs naive", f"{fit} vs taylor_calibrate"]
+    header = ["teacher", "policy", "target", "naive", "taylor_calibrate", fit, f"{fit} vs naive",
+              f"{fit} vs taylor_calibrate"]
     text = "\n\n".join(f"{how.capitalize()}:\n\n{md_table(header, r)}" for how, r in rows.items())
     return text + ("\n\nPer cell (curves, plots): " + ", ".join(links) if links else ""), misses
 

@@ -1,4 +1,4 @@
-"""tools/paper/grid.py: the stage-2 and zero-shot grids share each (teacher, policy)'s
+"""tools/paper/grid.py (megatron_tc.eval.paper_grid): the stage-2 and zero-shot grids share each (teacher, policy)'s
 converted teacher and layer selection, in both directions, and never overwrite a cell's own."""
 from __future__ import annotations
 
@@ -13,7 +13,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _driver():
-    return load_script("tools/paper/grid.py")
+    from megatron_tc.eval import paper_grid
+
+    return paper_grid
+
+
+def test_the_tool_writes_the_quick_teacher_configs_and_prints_the_quick_overrides(tmp_path, capsys):
+    tool = load_script("tools/paper/grid.py")
+    assert tool.main(["quick-configs", str(tmp_path)]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["teacher_mistral.json", "teacher_qwen2.json", "teacher_qwen3.json"]
+    mistral = json.loads((tmp_path / "teacher_mistral.json").read_text())
+    assert (mistral["num_hidden_layers"], mistral["num_attention_heads"], mistral["sliding_window"]) == (4, 2, 16)
+    capsys.readouterr()
+    assert tool.main(["quick-overrides"]) == 0
+    assert capsys.readouterr().out.split() == _driver().QUICK
 
 
 def _grid(tmp_path: Path, part: str, inits: list[str]):

@@ -7,57 +7,23 @@ Prints median wall time (fresh random inputs each repeat, one warm-up excluded) 
 forward+backward, and the speed-up of the chunked kernel; also the max relative difference of
 the two outputs as a sanity check.
 """
-from __future__ import annotations
-
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_tc.model.ops import gated_delta_rule
-
-
-def inputs(b: int, t: int, h: int, d: int, grad: bool) -> dict[str, torch.Tensor]:
-    x = dict(
-        q=torch.randn(b, t, h, d), k=torch.randn(b, t, h, d), v=torch.randn(b, t, h, d),
-        g=-torch.rand(b, t, h) * 0.5, beta=torch.rand(b, t, h),
-    )
-    return {n: v.requires_grad_(grad) for n, v in x.items()}
+from megatron_tc.bench.gdn_cpu import run  # noqa: E402
 
 
-def time_one(backend: str, args: argparse.Namespace, backward: bool) -> float:
-    times = []
-    for rep in range(args.repeats + 1):
-        x = inputs(args.batch, args.seq, args.heads, args.dim, backward)
-        start = time.perf_counter()
-        with torch.set_grad_enabled(backward):
-            o, _ = gated_delta_rule(**x, use_qk_l2norm=True, chunk_size=args.chunk, backend=backend)
-            if backward:
-                o.sum().backward()
-        if rep:  # the first run is a warm-up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    for name, default in (("batch", 2), ("seq", 512), ("heads", 4), ("dim", 64), ("chunk", 64), ("repeats", 5), ("threads", 1)):
+    for name, default in (("batch", 2), ("seq", 512), ("heads", 4), ("dim", 64), ("chunk", 64), ("repeats", 5),
+                          ("threads", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    x = inputs(args.batch, args.seq, args.heads, args.dim, False)
-    o_c, _ = gated_delta_rule(**x, use_qk_l2norm=True, chunk_size=args.chunk, backend="chunk")
-    o_r, _ = gated_delta_rule(**x, use_qk_l2norm=True, backend="recurrent")
-    diff = ((o_c - o_r).abs().max() / o_r.abs().max()).item()
-    print(f"B={args.batch} T={args.seq} H={args.heads} D={args.dim} chunk={args.chunk} fp32 "
-          f"threads={args.threads} repeats={args.repeats} (max rel diff chunk vs recurrent {diff:.1e})")
-    print(f"{'pass':<14}{'recurrent ms':>14}{'chunk ms':>12}{'speed-up':>10}")
-    for label, backward in (("forward", False), ("fwd+bwd", True)):
-        rec, chunk = time_one("recurrent", args, backward), time_one("chunk", args, backward)
-        print(f"{label:<14}{rec * 1e3:>14.1f}{chunk * 1e3:>12.1f}{rec / chunk:>9.1f}x")
+    run(p.parse_args(argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="micro-batch rows per rank")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6, help="timed steps per N (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (fla compiles during the first; one warm-up step is too few)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (fla compiles during the first; one warm-up step is too few)")
     p.add_argument("--trainable", default="all", choices=("all", "mixers", "gdn"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per N before the job is killed")
     p.add_argument("--deepspeed-config", default=None,

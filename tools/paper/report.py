@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list: the policies to report")
     ap.add_argument("--grid-eval-logs", type=Path, action="append", default=[],
                     help="a dir of <teacher>_<policy>_<init>_eval_log.jsonl: grid cells kept only as curves, read "
-                         "where no cell of the grid is in --runs by every section, the zero-shot table with their step-0 evaluation (repeatable)")
+                         "where no cell of the grid is in --runs by every section, the zero-shot table with "
+                         "their step-0 evaluation (repeatable)")
     args = ap.parse_args(argv)
-    teachers, policies = parse_names(args.teachers, TEACHERS, "teachers"), parse_names(args.policies, POLICIES, "policies")
+    teachers = parse_names(args.teachers, TEACHERS, "teachers")
+    policies = parse_names(args.policies, POLICIES, "policies")
     print(write_paper_report(args.runs or [Path("runs/paper")], args.out, args.variant, teachers, policies,
                              args.grid_eval_logs))
     return 0

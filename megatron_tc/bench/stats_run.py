@@ -1,0 +1,229 @@
+"""The statistics-pass benchmark (tools/bench/stats.py): both sweeps of the statistics pass against
+a plain teacher forward over the same tokens, checks of the sweep-1 sums, and the calibration wall
+time of `taylor_calibrate` (statistics + closed form + per-layer alignment)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megatron_tc.bench.common import Report, pick_device, profile_rows, rel_err, sync, time_fn
+from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern
+from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel
+from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats, collect_stats
+from megatron_tc.calibrate.strategies import get_strategy
+from megatron_tc.calibrate.student import calibrate_student, converted_layers
+from megatron_tc.model import HybridLM
+from megatron_tc.model.gdn import GatedDeltaNet
+
+STATS_GOAL, CALIBRATE_GOAL_S = 1.5, 180.0
+
+
+def random_batches(vocab: int, rows: int, seq: int, num: int, device) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.randint(0, vocab, (rows, seq), device=device)} for _ in range(num)]
+
+
+def stats_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
+    """Sweep-1 sums on the device (teacher dtype) vs an fp32 CPU copy, one [1, 256] batch."""
+    batch = random_batches(teacher.arch.vocab_size, 1, 256, 1, device)
+    got = collect_attention_stats(teacher, batch, layers, meta, chunk_size=chunk, progress=False)
+    ref_model = copy.deepcopy(teacher).float().cpu()
+    ref = collect_attention_stats(ref_model, [{"input_ids": batch[0]["input_ids"].cpu()}], layers, meta,
+                                  chunk_size=chunk, progress=False)
+    errors = {k: rel_err(got.sums[k].cpu(), v) for k, v in ref.sums.items() if v.abs().sum() > 0}
+    worst = max(errors, key=errors.get)
+    return {"check": "sweep-1 sums: device vs fp32 CPU", "max_rel_err": errors[worst], "worst": worst,
+            "median_rel_err": sorted(errors.values())[len(errors) // 2]}
+
+
+@contextlib.contextmanager
+def stats_kernel(mode: str):
+    """$MEGATRON_TC_STATS_KERNEL=mode inside (auto, triton, reference)."""
+    old = os.environ.get(STATS_KERNEL_ENV)
+    os.environ[STATS_KERNEL_ENV] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(STATS_KERNEL_ENV, None)
+        else:
+            os.environ[STATS_KERNEL_ENV] = old
+
+
+def kernel_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
+    """Sweep-1 sums of one [1, 256] batch: the kernel vs the PyTorch chunks, both on the device."""
+    batch = random_batches(teacher.arch.vocab_size, 1, 256, 1, device)
+    out = {}
+    for mode in ("triton", "reference"):
+        with stats_kernel(mode):
+            out[mode] = collect_attention_stats(teacher, batch, layers, meta, chunk_size=chunk, progress=False)
+    ref = out["reference"].sums
+    errors = {k: rel_err(out["triton"].sums[k], v) for k, v in ref.items() if v.abs().sum() > 0}
+    worst = max(errors, key=errors.get)
+    return {"check": "sweep-1 sums: kernel vs PyTorch chunks (device)", "max_rel_err": errors[worst], "worst": worst,
+            "median_rel_err": sorted(errors.values())[len(errors) // 2]}
+
+
+def warm_gdn_kernels(arch, layer: int, device, seq: int) -> float:
+    """First use of the fp32 GDN kernels (forward + backward) outside the timed calibration; seconds."""
+    start = time.perf_counter()
+    mixer = GatedDeltaNet(arch, layer).to(device)
+    x = torch.randn(2, seq, arch.hidden_size, device=device)
+    mixer(x).square().mean().backward()
+    with torch.no_grad():
+        mixer(x)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
+    batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
+    tokens = args.batch * args.seq * args.num_batches
+    meta = {"teacher_sha256": "bench", "seq_len": args.seq}
+    base = {"tokens": tokens, "B": args.batch, "T": args.seq, "layers": len(layers), "dtype": args.dtype}
+
+    def forward():
+        with torch.no_grad():
+            for batch in batches:
+                teacher(batch["input_ids"])
+
+    fwd = time_fn(forward, device, budget_ms=args.budget_ms, max_reps=10)
+    report.add("rows", {**base, "pass": "teacher forward", "ms": fwd.ms, "tok_per_s": tokens / (fwd.ms * 1e-3),
+                        "ratio": 1.0})
+    holder = {}
+
+    def sweep1():
+        holder["stats"] = collect_attention_stats(teacher, batches, layers, meta, chunk_size=args.chunk_size,
+                                                  progress=False)
+
+    sweep1_impl = "triton" if use_stats_kernel(batches[0]["input_ids"]) else "pytorch"
+    rows = [("stats sweep 1 (attention moments)", sweep1)]
+    strategies = [get_strategy(s) for s in args.readout.split(",") if s]
+    if strategies:
+        def sweep2():
+            if "stats" not in holder:
+                raise RuntimeError("sweep 2 needs the statistics of sweep 1, which failed")
+            collect_readout_stats(holder["stats"], teacher, batches, strategies, student_arch, progress=False)
+
+        rows.append((f"stats sweep 2 (readout: {args.readout})", sweep2))
+    total = 0.0
+    for label, fn in rows:
+        row = {**base, "pass": label, "impl": sweep1_impl if label.startswith("stats sweep 1") else None}
+        try:
+            timing = time_fn(fn, device, budget_ms=args.budget_ms, max_reps=5)
+            total += timing.ms
+            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
+        except Exception as exc:
+            row["note"] = f"failed: {type(exc).__name__}"
+            report.error(label, exc)
+        report.add("rows", row)
+    if strategies and args.profile and "stats" in holder:
+        for row in profile_rows(sweep2, device):
+            report.add("profile", row)
+    if all("ms" in r for r in report.data["rows"][-len(rows):]):
+        report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
+                            "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
+                            "goal": f"<= {STATS_GOAL}", "met": total / fwd.ms <= STATS_GOAL})
+    if strategies:  # what the pipeline runs: both sweeps, the teacher forward once per batch
+        label = "statistics pass, one forward (collect_stats)"
+        row = {**base, "pass": label}
+        try:
+            timing = time_fn(lambda: collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
+                                                   student_arch=student_arch, chunk_size=args.chunk_size,
+                                                   progress=False), device, budget_ms=args.budget_ms, max_reps=5)
+            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms,
+                       goal=f"<= {STATS_GOAL}", met=timing.ms / fwd.ms <= STATS_GOAL)
+        except Exception as exc:
+            row["note"] = f"failed: {type(exc).__name__}"
+            report.error(label, exc)
+        report.add("rows", row)
+    if args.sweep1_reference:  # the PyTorch chunks, for the kernel's gain (not in the total)
+        label = "stats sweep 1 (attention moments), PyTorch reference"
+        row = {**base, "pass": label, "impl": "pytorch"}
+        try:
+            with stats_kernel("reference"):
+                timing = time_fn(sweep1, device, budget_ms=args.budget_ms, max_reps=5)
+            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
+        except Exception as exc:
+            row["note"] = f"failed: {type(exc).__name__}"
+            report.error(label, exc)
+        report.add("rows", row)
+
+
+def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
+    arch = teacher.arch
+    rows = args.calib_tokens // args.calib_seq
+    calib = random_batches(arch.vocab_size, 1, args.calib_seq, rows, device)
+    calib = [{"input_ids": torch.cat([b["input_ids"] for b in calib[i:i + 4]])} for i in range(0, rows, 4)]
+    strategy = get_strategy("taylor_calibrate")
+    align = strategy.align if args.align_steps is None else replace(strategy.align, steps=args.align_steps)
+    row = {"init": strategy.name, "tokens": rows * args.calib_seq, "seq": args.calib_seq,
+           "converted_layers": len(converted_layers(pattern)), "align_steps": align.steps}
+    try:
+        row["warmup_s"] = warm_gdn_kernels(arch.with_pattern(pattern), converted_layers(pattern)[0], device,
+                                           args.calib_seq)
+        sync(device)
+        start = time.perf_counter()
+        _, result = calibrate_student(teacher, keep, strategy, calib_batches=calib, teacher_sha256=None, align=align,
+                                      progress=False, meta={"seq_len": args.calib_seq})
+        sync(device)
+        row["wall_s"] = time.perf_counter() - start
+        row.update(stats_s=result.get("stats_seconds"), align_s=result.get("align_seconds"),
+                   goal=f"< {CALIBRATE_GOAL_S:.0f} s", met=row["wall_s"] < CALIBRATE_GOAL_S)
+        best = [v["best"] for v in result.get("align", {}).values()]
+        if best:
+            row["mean_best_rel_mse"] = sum(best) / len(best)
+    except Exception as exc:
+        row["note"] = f"failed: {type(exc).__name__}"
+        report.error("calibrate_student", exc)
+    report.add("calibrate", row)
+
+
+
+def run(args: Any) -> int:
+    """Checks, the statistics pass against the forward and (unless args.no_calibrate) calibration."""
+    device = pick_device(args.device)
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    torch.manual_seed(0)
+    report = Report("stats", args.out, device, args)
+    if args.gguf:
+        teacher, _ = load_gguf_teacher(args.gguf)
+        report.note(f"teacher weights from {args.gguf}")
+    else:
+        with torch.device(device):
+            teacher = HybridLM(PRESETS["tiny" if args.quick else "smollm2-135m"]())
+    teacher = teacher.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32).eval()
+    pattern = quarter_pattern(teacher.arch.num_layers)
+    keep = [i for i, kind in enumerate(pattern) if kind == "A"]
+    layers = converted_layers(pattern)
+    report.data["pattern"] = pattern
+    try:
+        report.add("checks", stats_check(teacher, layers, device, {"teacher_sha256": "bench", "seq_len": 256},
+                                         args.chunk_size))
+    except Exception as exc:
+        report.error("stats check", exc)
+    if args.sweep1_reference and use_stats_kernel(torch.zeros(1, device=device)):
+        try:
+            report.add("checks", kernel_check(teacher, layers, device, {"teacher_sha256": "bench", "seq_len": 256},
+                                              args.chunk_size))
+        except Exception as exc:
+            report.error("kernel check", exc)
+    bench_stats(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
+    if not args.no_calibrate:
+        bench_calibrate(teacher, keep, pattern, args, device, report)
+    report.finish([
+        ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
+        ("Statistics pass vs teacher forward (same tokens)", "rows",
+         ["pass", "impl", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
+        ("Sweep 2 profile (self time; all operators, then the heaviest)", "profile",
+         ["op", "calls", "host_ms", "device_ms"]),
+        ("Calibration wall time (taylor_calibrate)", "calibrate",
+         ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
+          "mean_best_rel_mse", "goal", "met", "note"]),
+    ])
+    return 0
