@@ -51,7 +51,7 @@ def test_the_rule_reads_gguf_metadata_and_sentencepiece_tokenizers(tmp_path):
         path = write_gguf_tokenizer(tmp_path / f"bos_{flag}.gguf", add_bos=flag)
         tok = load_tokenizer(path)
         assert tokenizer_adds_bos(tok) is flag and tok.bos_token_id == 1
-    # the tokenizer tools/experiments/paper_data.py trains for the small pretrained teachers adds none
+    # the tokenizer tools/paper/data.py trains for the small pretrained teachers adds none
     assert not tokenizer_adds_bos(load_tokenizer(train_tiny_tokenizer(tmp_path / "spm")))
 
 
