@@ -7,7 +7,7 @@ block, op for op; `fused(name, fn)` returns torch.compile(fn) (one forward and o
 kernel per block, same arithmetic in fp32 registers instead of memory) for tensors on CUDA (the
 student's forward/backward and the teacher's forward), and fn itself otherwise: on CPU, while a
 CUDA graph is being captured (StaticDecoder) and with MEGATRON_TC_COMPILE=0 the model runs
-exactly the old code. Inside a decoder layer compiled whole (`megatron_tc.model.compile`) each
+the eager formulas exactly. Inside a decoder layer compiled whole (`megatron_tc.model.compile`) each
 block is the plain formula, fused together with its neighbours by that layer's compile.
 MEGATRON_TC_COMPILE=force compiles on CPU too (tests of the compiled path). A compile that fails
 warns once and runs eagerly from then on.
