@@ -113,8 +113,9 @@ def stats_main(argv=None) -> int:
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     student_arch = teacher.model.arch.with_pattern("G" * teacher.model.arch.num_layers)
     t0 = time.time()
-    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id, source), readout_strategies=strategies,
-                          student_arch=student_arch, chunk_size=args.chunk_size, progress=not args.no_progress)
+    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id, source),
+                          readout_strategies=strategies, student_arch=student_arch, chunk_size=args.chunk_size,
+                          progress=not args.no_progress)
     stats.meta["num_layers"] = teacher.model.arch.num_layers
     stats.meta["seconds"] = round(time.time() - t0, 1)
     stats.save(args.out)
@@ -144,7 +145,8 @@ def _batches(source, teacher, args, bos_id: int | None) -> list[dict]:
     try:
         return source.batches(teacher.tokenizer, args.tokens, args.seq_len, bos_id)
     except ValueError as err:
-        raise SystemExit(f"error: --tokens {args.tokens}: {err}; give more calibration text or fewer --tokens") from None
+        raise SystemExit(f"error: --tokens {args.tokens}: {err}; give more calibration text or fewer --tokens") \
+            from None
 
 
 def _heldout_batches(args, teacher, strategy: str, bos_id: int | None, source) -> list[dict]:

@@ -18,9 +18,8 @@ from megatron_tc.data import DataConfig, prepare_data
 from megatron_tc.data.manifest import SplitConfig
 from megatron_tc.data.overlap import text_record
 from megatron_tc.data.preprocess_cli import main as preprocess_main
-from megatron_tc.data.synthetic import gemma3_style_tokenizer as gemma_style_tokenizer
-from megatron_tc.data.synthetic import (llama3_style_tokenizer, smollm2_style_tokenizer, synthetic_text,
-                                        train_tiny_tokenizer)
+from megatron_tc.data.synthetic import (gemma3_style_tokenizer, llama3_style_tokenizer, smollm2_style_tokenizer,
+                                        synthetic_text, train_tiny_tokenizer)
 from megatron_tc.data.tokenizer import load_tokenizer as load_tokenizer_dir
 from megatron_tc.eval.loading import load_tokenizer
 
@@ -120,7 +119,8 @@ def test_a_store_and_the_tools_select_and_calibrate(setup, tmp_path):
     keep = json.loads((tmp_path / "keep.json").read_text())
     assert keep["token_store"] == str(root / "store") and keep["split"]["calibration_docs"] == ["book"]
     out = tmp_path / "student"
-    assert calibrate_main(common + ["--init", "taylor_fit", "--keep", "1", "--align-steps", "2", "--out", str(out)]) == 0
+    assert calibrate_main(common + ["--init", "taylor_fit", "--keep", "1", "--align-steps", "2",
+                                    "--out", str(out)]) == 0
     report = json.loads((out / "calibrate_report.json").read_text())
     assert report["token_store"] == str(root / "store") and report["align"]["0"]["best_step"] in (0, 2)
     with pytest.raises(SystemExit, match=r"held-out calibration tokens .* the calibration split of"):
@@ -192,7 +192,7 @@ def test_decoded_text_is_compared_as_the_tokenizer_gives_it_back(setup, tmp_path
     rows = [{"name": "a", "text": f"{spaced}\n\n{_paragraphs(4, 1)[0]}"}] + [
         {"name": f"b{i}", "text": t} for i, t in enumerate(_paragraphs(5, 9))]
     (corpus / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    gemma_style_tokenizer().save_pretrained(str(tmp_path / "lossy"))  # no byte fallback: "\u00e9" is <unk>
+    gemma3_style_tokenizer().save_pretrained(str(tmp_path / "lossy"))  # no byte fallback: "\u00e9" is <unk>
     assert preprocess_main(["--input", str(corpus / "docs.jsonl"), "--name-key", "name", "--tokenizer",
                             str(tmp_path / "lossy"), "--out", str(tmp_path / "store")]) == 0
     tok = load_tokenizer_dir(tmp_path / "lossy")
@@ -203,7 +203,8 @@ def test_decoded_text_is_compared_as_the_tokenizer_gives_it_back(setup, tmp_path
     with pytest.raises(OverlapError, match="shares 1 paragraph"):
         check_disjoint(store.record, store.comparable(text_record(evaluation)))
 
-    dropping = _teacher(tmp_path / "dropping", load_tokenizer_dir(train_tiny_tokenizer(tmp_path / "tt", vocab_size=320)))
+    whitespace_tok = load_tokenizer_dir(train_tiny_tokenizer(tmp_path / "tt", vocab_size=320))  # drops "\n\n"
+    dropping = _teacher(tmp_path / "dropping", whitespace_tok)
     assert preprocess_main(["--input", str(corpus / "docs.jsonl"), "--name-key", "name", "--tokenizer", str(dropping),
                             "--out", str(tmp_path / "dropping_store")]) == 0
     with pytest.raises(SystemExit, match="does not give blank lines back"):
