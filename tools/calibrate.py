@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Teacher -> zero-shot student: python tools/calibrate.py --teacher DIR --init NAME --keep LAYERS|--policy NAME --text FILE --tokens N --out DIR"""
+"""Teacher -> zero-shot student: python tools/calibrate.py --teacher DIR --init NAME --keep LAYERS|--policy NAME --text FILE|--token-store PREFIX --tokens N --out DIR"""
 import sys
 
 from megatron_tc.calibrate.cli import calibrate_main

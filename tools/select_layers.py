@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Retained-layer policy: python tools/select_layers.py --teacher DIR --policy NAME --text FILE --out keep.json"""
+"""Retained-layer policy: python tools/select_layers.py --teacher DIR --policy NAME --text FILE|--token-store PREFIX --out keep.json"""
 import sys
 
 from megatron_tc.calibrate.cli import select_main

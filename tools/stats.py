@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Taylor statistics pass: python tools/stats.py --teacher DIR --text FILE --tokens N --out stats.pt"""
+"""Taylor statistics pass: python tools/stats.py --teacher DIR --text FILE|--token-store PREFIX --tokens N --out stats.pt"""
 import sys
 
 from megatron_tc.calibrate.cli import stats_main

@@ -11,12 +11,13 @@ import torch
 
 from megatron_tc.data.overlap import OverlapError, check_disjoint, text_record
 
+from .calib_source import add_source_args, open_source
 from .policies import POLICIES, select_layers, uniform
 from .stats import collect_stats, describe, log_stats
 from .statsfile import TaylorStats
 from .strategies import REGISTRY, get_strategy
 from .student import calibrate_student, converted_layers, pattern_from_keep
-from .teacher_io import load_teacher, text_batches
+from .teacher_io import load_teacher
 
 PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-closed", "taylor_fit-bias", "taylor_fit-sinkfree")  # readout sums: every other registered strategy reuses one of these
 
@@ -32,7 +33,7 @@ def _layers(text: str, num_layers: int) -> list[int]:
 
 def _data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--teacher", required=True, help="megatron_tc checkpoint, HF directory or .gguf")
-    ap.add_argument("--text", required=True, help="calibration text file (never the evaluation text)")
+    add_source_args(ap)
     ap.add_argument("--eval-text", default=None,
                     help="the evaluation text: refused when the calibration text shares a paragraph with it "
                          "(tools/calibrate.py also reports zero-shot perplexity on it)")
@@ -69,19 +70,19 @@ def _bos_record(args, bos_id: int | None) -> dict:
     return bos_record(bos_id, args.bos)
 
 
-def _meta(args, teacher, bos_id: int | None) -> dict:
-    return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), "text": os.path.abspath(args.text),
-            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": [Path(args.text).stem],
-            "text_record": text_record(args.text), **_bos_record(args, bos_id)}
+def _meta(args, teacher, bos_id: int | None, source) -> dict:
+    return {"teacher_sha256": teacher.sha256, "teacher_path": str(teacher.path), **source.describe(),
+            "tokens_requested": args.tokens, "seq_len": args.seq_len, "documents": source.document_names(),
+            "text_record": source.record, **_bos_record(args, bos_id)}
 
 
-def _refuse_overlap(args, stats: TaylorStats | None = None) -> None:
-    """Exit with one error line when the calibration text (or the text a stats file was computed
-    on) shares a paragraph with --eval-text."""
+def _refuse_overlap(args, source, stats: TaylorStats | None = None) -> None:
+    """Exit with one error line when the calibration text (a --text file or the store's decoded
+    calibration documents; or the text a stats file was computed on) shares a paragraph with --eval-text."""
     if not args.eval_text:
         return
-    evaluation = text_record(args.eval_text)
-    records = [text_record(args.text)]
+    records = [source.record]
+    evaluation = source.comparable(text_record(args.eval_text))
     if stats is not None and "text_record" in stats.meta:
         records.append(stats.meta["text_record"])
     try:
@@ -100,18 +101,21 @@ def stats_main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=128, help="queries per attention-probability chunk")
     ap.add_argument("--out", required=True, help="stats file to write")
     args = ap.parse_args(argv)
-    _refuse_overlap(args)
+    source = open_source(args)
+    _ = source.record  # the stats file records the text's hashes: made (or refused) before any work
+    _refuse_overlap(args, source)
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     layers = _layers(args.layers, teacher.model.arch.num_layers)
     bos_id = _bos_id(args, teacher)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
+    batches = _batches(source, teacher, args, bos_id)
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     student_arch = teacher.model.arch.with_pattern("G" * teacher.model.arch.num_layers)
     t0 = time.time()
-    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id), readout_strategies=strategies,
-                          student_arch=student_arch, chunk_size=args.chunk_size, progress=not args.no_progress)
+    stats = collect_stats(teacher.model, batches, layers, _meta(args, teacher, bos_id, source),
+                          readout_strategies=strategies, student_arch=student_arch, chunk_size=args.chunk_size,
+                          progress=not args.no_progress)
     stats.meta["num_layers"] = teacher.model.arch.num_layers
     stats.meta["seconds"] = round(time.time() - t0, 1)
     stats.save(args.out)
@@ -136,15 +140,25 @@ def _keep(args, teacher, stats, batches) -> tuple[list[int], dict | None]:
     return sel.keep, sel.to_json()
 
 
-def _heldout_batches(args, teacher, strategy: str, bos_id: int | None) -> list[dict]:
+def _batches(source, teacher, args, bos_id: int | None) -> list[dict]:
+    """The first --tokens calibration tokens of the source as one-row batches."""
+    try:
+        return source.batches(teacher.tokenizer, args.tokens, args.seq_len, bos_id)
+    except ValueError as err:
+        raise SystemExit(f"error: --tokens {args.tokens}: {err}; give more calibration text or fewer --tokens") \
+            from None
+
+
+def _heldout_batches(args, teacher, strategy: str, bos_id: int | None, source) -> list[dict]:
     """The calibration tokens after --tokens (a quarter of --tokens by default, at least one row)."""
     tokens = args.heldout_tokens if args.heldout_tokens is not None else max(args.seq_len, args.tokens // 4)
+    where = args.text if args.text is not None else f"the calibration split of {args.token_store}"
     try:
-        return text_batches(args.text, teacher.tokenizer, tokens, args.seq_len, skip_tokens=args.tokens, bos_id=bos_id)
+        return source.batches(teacher.tokenizer, tokens, args.seq_len, bos_id, skip_tokens=args.tokens)
     except ValueError as err:
         raise SystemExit(f"error: --init {strategy} picks its best alignment step on held-out calibration tokens "
-                         f"({tokens} after the first --tokens {args.tokens} of {args.text}), but {err}; give a longer "
-                         "--text, fewer --tokens, or --heldout-tokens of at least --seq-len") from None
+                         f"({tokens} after the first --tokens {args.tokens} of {where}), but {err}; give more "
+                         "calibration text, fewer --tokens, or --heldout-tokens of at least --seq-len") from None
 
 
 def calibrate_main(argv=None) -> int:
@@ -165,18 +179,19 @@ def calibrate_main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="checkpoint directory to write")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    _refuse_overlap(args)
+    source = open_source(args)
+    _refuse_overlap(args, source)
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     strategy = get_strategy(args.init)
     bos_id = _bos_id(args, teacher)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
+    batches = _batches(source, teacher, args, bos_id)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
-    _refuse_overlap(args, stats)
+    _refuse_overlap(args, source, stats)
     heldout = None
     if not args.no_align and strategy.align is not None and strategy.align.best_on == "heldout":
-        heldout = _heldout_batches(args, teacher, strategy.name, bos_id)
+        heldout = _heldout_batches(args, teacher, strategy.name, bos_id, source)
     keep, selection = _keep(args, teacher, stats, batches)
     align = False if args.no_align else True
     if align and strategy.align is not None and args.align_steps is not None:
@@ -187,10 +202,11 @@ def calibrate_main(argv=None) -> int:
         teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
         teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
         seed=args.seed,
-        meta={"seq_len": args.seq_len, "text": os.path.abspath(args.text), **_bos_record(args, bos_id)},
+        meta={"seq_len": args.seq_len, **source.describe(), **_bos_record(args, bos_id)},
     )
     report.update(_bos_record(args, bos_id))
-    report.update(teacher_sha256=teacher.sha256, text=os.path.abspath(args.text), tokens=args.tokens,
+    report.update(source.describe())
+    report.update(teacher_sha256=teacher.sha256, tokens=args.tokens,
                   seq_len=args.seq_len, selection=selection, converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
     if args.eval_text:
         from megatron_tc.eval.perplexity import evaluate_text
@@ -209,11 +225,11 @@ def calibrate_main(argv=None) -> int:
     return 0
 
 
-def _ga_stats(teacher, batches, args, bos_id: int | None) -> TaylorStats:
+def _ga_stats(teacher, batches, args, bos_id: int | None, source) -> TaylorStats:
     """Statistics of every layer for ga's probe students (their init's readout sums)."""
     arch = teacher.model.arch
     strategy = get_strategy(args.init or "taylor_calibrate")
-    return collect_stats(teacher.model, batches, list(range(arch.num_layers)), _meta(args, teacher, bos_id),
+    return collect_stats(teacher.model, batches, list(range(arch.num_layers)), _meta(args, teacher, bos_id, source),
                          readout_strategies=[strategy] if strategy.needs_readout else [],
                          student_arch=arch.with_pattern("G" * arch.num_layers), progress=not args.no_progress)
 
@@ -230,14 +246,15 @@ def select_main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="ga: 1 = one ranking, K = forward greedy")
     ap.add_argument("--out", required=True, help="JSON file: keep, scores, details")
     args = ap.parse_args(argv)
-    _refuse_overlap(args)
+    source = open_source(args)
+    _refuse_overlap(args, source)
     if args.threads:
         torch.set_num_threads(args.threads)
     teacher = load_teacher(args.teacher)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
-    _refuse_overlap(args, stats)
+    _refuse_overlap(args, source, stats)
     bos_id = _bos_id(args, teacher)
-    batches = text_batches(args.text, teacher.tokenizer, args.tokens, args.seq_len, bos_id=bos_id)
+    batches = _batches(source, teacher, args, bos_id)
     num_keep = args.num_keep or max(1, round(teacher.model.arch.num_layers / 4))
     extra = {}
     if args.policy in ("ar", "ga"):
@@ -246,13 +263,13 @@ def select_main(argv=None) -> int:
             extra["init"] = args.init
         if args.policy == "ga":
             extra["rounds"] = args.rounds
-            stats = stats or _ga_stats(teacher, batches, args, bos_id)
+            stats = stats or _ga_stats(teacher, batches, args, bos_id, source)
         if not args.no_progress:
             from tqdm.auto import tqdm
 
             extra["progress"] = lambda xs: tqdm(xs, desc=args.policy, unit="student")
     sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
-    out = sel.to_json() | {"teacher_sha256": teacher.sha256, "text": os.path.abspath(args.text), "tokens": args.tokens,
+    out = sel.to_json() | {"teacher_sha256": teacher.sha256, **source.describe(), "tokens": args.tokens,
                            **_bos_record(args, bos_id)}
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import unicodedata
+from collections.abc import Iterable
 
 from .documents import DataError
 
@@ -31,10 +32,15 @@ def normalise_paragraph(paragraph: str) -> str:
     return _SPACE.sub(" ", unicodedata.normalize("NFKC", paragraph).casefold()).strip()
 
 
+def paragraphs(text: str) -> list[str]:
+    """The runs of `text` between blank lines, as they are (not normalised)."""
+    return _BLANK_LINE.split(text.replace("\r\n", "\n"))
+
+
 def paragraph_hashes(text: str) -> set[str]:
     """sha256 (first 16 hex digits) of every normalised paragraph of >= MIN_PARAGRAPH_CHARS characters."""
     out = set()
-    for paragraph in _BLANK_LINE.split(text.replace("\r\n", "\n")):
+    for paragraph in paragraphs(text):
         norm = normalise_paragraph(paragraph)
         if len(norm) >= MIN_PARAGRAPH_CHARS:
             out.add(hashlib.sha256(norm.encode()).hexdigest()[:16])
@@ -47,6 +53,19 @@ def text_record(path: str | os.PathLike) -> dict:
     hashes = paragraph_hashes(data.decode("utf-8", errors="replace"))
     return {"path": os.path.abspath(path), "sha256": hashlib.sha256(data).hexdigest(),
             "paragraphs": len(hashes), "paragraph_hashes": sorted(hashes)}
+
+
+def documents_record(label: str, texts: Iterable[str]) -> dict:
+    """`text_record` of documents (e.g. a token store's calibration split, decoded): the union of
+    each document's paragraph hashes (a paragraph never spans two documents); `sha256` of the
+    texts joined by blank lines; `path` the label that names them in errors."""
+    hashes: set[str] = set()
+    digest = hashlib.sha256()
+    for i, text in enumerate(texts):
+        hashes |= paragraph_hashes(text)
+        digest.update((b"\n\n" if i else b"") + text.encode("utf-8"))
+    return {"path": label, "sha256": digest.hexdigest(), "paragraphs": len(hashes),
+            "paragraph_hashes": sorted(hashes)}
 
 
 def check_disjoint(calibration: dict, evaluation: dict) -> None:
