@@ -133,10 +133,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         raise AssertionError(f"{len(reports)} of {world_size} ranks failed:\n" + "\n".join(reports))
 
 
-def write_tiny_teacher(root, n_docs: int = 40, words_per_doc: tuple[int, int] = (50, 300)):
-    """root/teacher: a random 4-layer Llama (hidden 64) saved as an HF directory with a 320-piece
-    sentencepiece tokenizer trained on synthetic text; root/text: `n_docs` synthetic documents.
-    Returns `root` (a pathlib.Path)."""
+def write_tiny_teacher(root, n_docs: int = 40, words_per_doc: tuple[int, int] = (50, 300),
+                       initializer_range: float = 0.02):
+    """root/teacher: a random 4-layer Llama (hidden 64, weights drawn with std `initializer_range`)
+    saved as an HF directory with a 320-piece sentencepiece tokenizer trained on synthetic text;
+    root/text: `n_docs` synthetic documents. Returns `root` (a pathlib.Path)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -148,7 +149,8 @@ def write_tiny_teacher(root, n_docs: int = 40, words_per_doc: tuple[int, int] = 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         initializer_range=initializer_range)
     LlamaForCausalLM(config).save_pretrained(str(root / "teacher"))
     write_synthetic_corpus(root / "text", n_docs=n_docs, words_per_doc=words_per_doc)
     return root

@@ -23,9 +23,19 @@ def finite_losses(path: Path) -> tuple[bool, str]:
     if not path.is_file():
         return False, f"{path} missing"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return False, "no rows"
     losses = [r.get("loss") for r in rows]
-    ok = bool(rows) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
-    return ok, f"{len(rows)} logged steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}" if rows else "no rows"
+    for line, (row, loss) in enumerate(zip(rows, losses), start=1):
+        # NaN/Infinity read back as floats; a null (or absent) loss reads back as None
+        if not _is_finite_number(loss):
+            where = f"step {row['step']}" if "step" in row else f"record {line}"
+            return False, f"{len(rows)} logged steps, first non-finite at {where}: loss {loss!r}"
+    return True, f"{len(rows)} logged steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}"
+
+
+def _is_finite_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def new_gdn_kernels(marker: Path) -> list[str]:

@@ -43,7 +43,7 @@ def test_smoke_folder_is_excluded_once_and_never_in_a_worktree(tmp_path):
     assert (worktree / ".git").read_text() == "gitdir: elsewhere\n"
 
 
-def _finished_run(root: Path, world: int, stage2_loss: float) -> tuple[Path, Path]:
+def _finished_run(root: Path, world: int, stage2_loss: float | None) -> tuple[Path, Path]:
     """A run directory and launcher log as a finished 2-rank smoke run leaves them."""
     import json
 
@@ -52,7 +52,8 @@ def _finished_run(root: Path, world: int, stage2_loss: float) -> tuple[Path, Pat
     (run / "stage2").mkdir(parents=True)
     (run / "manifest.json").write_text(json.dumps({"stages": stages, "run": {"world_size": world}}))
     (run / "config.yaml").write_text("run:\n  precision: bf16\n")
-    (run / "stage2" / "train_log.jsonl").write_text("".join(json.dumps({"loss": x}) + "\n" for x in (9.5, stage2_loss)))
+    records = [{"step": step, "loss": x} for step, x in ((1, 9.5), (2, stage2_loss))]
+    (run / "stage2" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "export" / "hf").mkdir(parents=True)
     (run / "export" / "hf" / "config.json").write_text("{}")
     log = root / "launch.log"
@@ -71,5 +72,18 @@ def test_check_smoke_passes_a_finished_run_and_fails_a_nan_loss(tmp_path, capsys
     run, log = _finished_run(tmp_path / "nan", 2, float("nan"))
     assert tool.main([str(run), "--log", str(log), "--world", "4"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL stage2 losses finite" in out and "FAIL world size: manifest 2, expected 4" in out
+    assert "FAIL stage2 losses finite: 2 logged steps, first non-finite at step 2: loss nan" in out
+    assert "FAIL world size: manifest 2, expected 4" in out
     assert "FAIL deepspeed launcher: dist_world_size=4 in log: False, local slots 2" in out
+
+
+def test_check_smoke_reports_a_null_loss_as_a_failed_check(tmp_path, capsys):
+    # json.dumps(None) -> null: the check names the step instead of raising on formatting None
+    from tests._scripts import load_script
+
+    tool = load_script("tools/bench/check_smoke.py")
+    run, log = _finished_run(tmp_path / "null", 2, None)
+    assert tool.main([str(run), "--log", str(log), "--world", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL stage2 losses finite: 2 logged steps, first non-finite at step 2: loss None" in out
+    assert "5/6 checks passed" in out
