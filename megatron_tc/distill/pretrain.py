@@ -27,7 +27,8 @@ import torch
 
 from megatron_tc.distill.context import RunContext
 from megatron_tc.distill.losses import IGNORE, next_token_labels
-from megatron_tc.distill.stage2 import Stage2Trainer, evaluates_while_training, stage2_deepspeed_config
+from megatron_tc.distill.stage2 import Stage2Trainer, evaluates_while_training
+from megatron_tc.distill.stage2_setup import stage2_deepspeed_config
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)
@@ -89,7 +90,7 @@ class PretrainTrainer(Stage2Trainer):
 def shard_for_tp(model: Any, par: Any) -> None:
     """`model` tensor-parallel in place (megatron-core layers), its vocabulary padded first when TP
     does not divide the padding; the trainer's gathered state comes back at the original padding."""
-    from megatron_tc.distill.stage2 import set_vocab_padding
+    from megatron_tc.distill.stage2_setup import set_vocab_padding
     from megatron_tc.model.config import pad_vocab
     from megatron_tc.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -30,7 +30,8 @@ from megatron_tc.distill.evaluation import append_jsonl, truncate_jsonl
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.distill.signals import signal_name, stop_requested
-from megatron_tc.distill.stage2 import gather_full_state, restore_vocab_padding
+from megatron_tc.distill.stage2 import gather_full_state
+from megatron_tc.distill.stage2_setup import restore_vocab_padding
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
 from megatron_tc.parallel.deepspeed_engine import EngineOwner
@@ -199,7 +200,7 @@ class Stage1Trainer(EngineOwner):
 def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: Any, layers: list[int],
                  out_dir: Path, tb: Any, device: torch.device) -> tuple[Stage1Trainer, ConvertedMixers]:
     """The DeepSpeed engine over the converted mixers (stage-1 lr) and the trainer."""
-    from megatron_tc.distill.stage2 import stage2_deepspeed_config
+    from megatron_tc.distill.stage2_setup import stage2_deepspeed_config
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, freeze
 
     if not layers:
@@ -209,7 +210,7 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
                                   "independent, so use data (and tensor) parallelism")
     out_dir.mkdir(parents=True, exist_ok=True)
     if ctx.tp_size > 1:  # in place for the student (the caller merges from it), a copy of the teacher
-        from megatron_tc.distill.stage2 import shard_over_tp
+        from megatron_tc.distill.stage2_setup import shard_over_tp
 
         student, teacher = shard_over_tp(student, teacher, ctx)
     wrapped = ConvertedMixers(student, layers)

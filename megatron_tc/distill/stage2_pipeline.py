@@ -20,8 +20,8 @@ from torch import nn
 
 from megatron_tc.distill.numerics import NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import apply_lr
-from megatron_tc.distill.stage2 import (Stage2Trainer, restore_vocab_padding, select_trainable, shard_over_tp,
-                                         stage2_deepspeed_config)
+from megatron_tc.distill.stage2 import Stage2Trainer, select_trainable
+from megatron_tc.distill.stage2_setup import restore_vocab_padding, shard_over_tp, stage2_deepspeed_config
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)

@@ -115,7 +115,7 @@ def stage1_bf16_with_fp32_teacher(rank: int, world_size: int, root: str) -> None
     targets keep full precision), so the captured inputs must be cast to the engine's dtype
     (a crash on the first GPU smoke run). bf16 is switched on for CUDA only, so the
     engine's config is forced to bf16 here: DeepSpeed's bf16 ZeRO runs on CPU too."""
-    import megatron_tc.distill.stage2 as stage2_module
+    import megatron_tc.distill.stage2_setup as stage2_module
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.stage1 import build_stage1
     from megatron_tc.monitor import TBWriter

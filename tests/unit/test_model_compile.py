@@ -12,7 +12,7 @@ import torch
 
 from megatron_tc.bench.models import tiny
 from megatron_tc.config import ConfigError, apply_overrides, config_from_dict, validate_config
-from megatron_tc.distill.stage2 import resolve_compile
+from megatron_tc.distill.stage2_setup import resolve_compile
 from megatron_tc.model import HybridLM
 from megatron_tc.model.compile import compile_decoder_layers, is_compiled
 

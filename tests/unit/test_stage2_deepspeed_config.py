@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_tc.config.loader import load_config
-from megatron_tc.distill.stage2 import stage2_deepspeed_config
+from megatron_tc.distill.stage2_setup import stage2_deepspeed_config
 from megatron_tc.parallel.state import ParallelContext
 
 WARNING = "ZeRO-3 over one data-parallel rank shards nothing"

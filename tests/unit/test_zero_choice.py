@@ -85,7 +85,7 @@ def test_pipeline_resolves_auto_from_the_models_and_keeps_an_explicit_stage(monk
     from types import SimpleNamespace
 
     import megatron_tc.parallel.memory as memory
-    from megatron_tc.distill.stage2 import resolve_zero_stage
+    from megatron_tc.distill.stage2_setup import resolve_zero_stage
 
     with torch.device("meta"):
         teacher = HybridLM(llama_1b())
