@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -23,6 +24,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 # A peer's process ending mid-collective, as gloo and NCCL report it on the ranks left waiting.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
              "NCCL communicator was aborted", "ProcessGroupNCCL's watchdog")
+PEER_EXIT_GRACE_S = 3.0
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -77,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         if not peer_failed(err):
             raise
-        print(f"rank {_rank()}: stopped because another rank failed (its error is above)", file=sys.stderr)
+        print(f"rank {_rank()}: stopped because another rank failed (its error is above)", file=sys.stderr,
+              flush=True)
+        # launchers report the first rank to exit non-zero: let the failing rank, already exiting
+        # when its peers learn of it, go first so its code (2 for bad input) is the job's
+        time.sleep(PEER_EXIT_GRACE_S)
         return 1
     except StoppedBySignal as stop:  # the code a shell gives a process the signal ended: not finished
         print(str(stop), file=sys.stderr)
