@@ -70,9 +70,10 @@ def tiny_config(out: Path, steps: int, pp: int = 1, tp: int = 1, **extra: str):
     return load_config(Path(__file__).resolve().parents[2] / "configs/tiny.yaml", overrides)
 
 
-def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0, pp: int = 1, tp: int = 1,
-             **extra: str):
-    """Build everything from scratch (as a new job would) and run stage 2 in `out`."""
+def build_tiny_stage2(out: Path, steps: int, pp: int = 1, tp: int = 1, seed: int = 0, eval_windows: int = 6,
+                      **extra: str):
+    """(ctx, trainer, tb): stage 2 of the tiny teacher and student built from scratch in `out`, as a
+    new job builds it: packed synthetic training text, `eval_windows` zipf evaluation windows."""
     from megatron_tc.data.loader import DistributedBatchLoader
     from megatron_tc.distill.evaluation import window_rows
     from megatron_tc.distill.stage2 import build_stage2
@@ -84,9 +85,16 @@ def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0
     teacher, student = teacher_and_student(seed)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
-    eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (6, SEQ)))
+    eval_ids = torch.from_numpy(zipf_tokens(np.random.default_rng(2), (eval_windows, SEQ)))
     tb = TBWriter(out / "tb")
     trainer = build_stage2(cfg, ctx, student, teacher, loader, window_rows([eval_ids]), out, tb, torch.device("cpu"))
+    return ctx, trainer, tb
+
+
+def run_once(out: Path, steps: int, stop_after: int | None = None, seed: int = 0, pp: int = 1, tp: int = 1,
+             **extra: str):
+    """Build everything from scratch (as a new job would) and run stage 2 in `out`."""
+    _, trainer, tb = build_tiny_stage2(out, steps, pp, tp, seed, **extra)
     with trainer:  # releases the engine, so runs in one process do not pile up
         result = trainer.run(stop_after=stop_after)
     tb.close()

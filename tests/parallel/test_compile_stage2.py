@@ -7,6 +7,7 @@ import torch
 
 from megatron_tc.testing import run_distributed
 from tests.parallel import _workers_compile
+from tests.parallel._workers_distill import teacher_and_student
 
 
 def _log(run, name: str, key: str) -> torch.Tensor:
@@ -25,7 +26,7 @@ def test_compiled_layers_train_as_the_eager_student(tmp_path):
     torch.testing.assert_close(_log(compiled, "eval_log.jsonl", "kl"), _log(eager, "eval_log.jsonl", "kl"),
                                rtol=1e-5, atol=0)
     got, want = torch.load(compiled / "student.pt"), torch.load(eager / "student.pt")
-    initial = _workers_compile.teacher_and_student(0)[1].state_dict()
+    initial = teacher_and_student(0)[1].state_dict()
     assert got.keys() == want.keys() == initial.keys()
     for name, value in want.items():  # AdamW turns rounding-level gradient differences into small update ones
         step_compiled, step_eager = got[name] - initial[name], value - initial[name]

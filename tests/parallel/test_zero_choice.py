@@ -6,6 +6,7 @@ import torch
 
 from megatron_tc.testing import run_distributed
 from tests.parallel import _workers_zero_choice
+from tests.parallel._workers_distill import teacher_and_student
 
 
 def _losses(run) -> torch.Tensor:
@@ -23,7 +24,7 @@ def test_auto_picks_zero1_and_trains_as_zero3(tmp_path):
     assert len(auto) == 3
     torch.testing.assert_close(auto, zero3, rtol=1e-6, atol=0)
     got, want = torch.load(tmp_path / "auto/student.pt"), torch.load(tmp_path / "3/student.pt")
-    initial = _workers_zero_choice.teacher_and_student(0)[1].state_dict()
+    initial = teacher_and_student(0)[1].state_dict()
     assert got.keys() == want.keys() == initial.keys()
     for name, value in want.items():
         step_auto, step_zero3 = got[name] - initial[name], value - initial[name]
