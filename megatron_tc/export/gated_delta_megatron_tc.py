@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import warnings
 
 import torch
@@ -37,11 +36,6 @@ def fla_kernels() -> dict[str, object] | None:
             try:  # imported by name so transformers' remote-code check does not require fla
                 ops = importlib.import_module("fla.ops.gated_delta_rule")
                 _FLA.update(chunk=ops.chunk_gated_delta_rule, recurrent=ops.fused_recurrent_gated_delta_rule)
-                # the chunked kernel takes unknown options silently: use its in-kernel gate only
-                # where this fla's forward has one
-                chunk_module = importlib.import_module("fla.ops.gated_delta_rule.chunk")
-                fwd = getattr(chunk_module, "chunk_gated_delta_rule_fwd", None)
-                _FLA["chunk_gate"] = fwd is not None and "use_gate_in_kernel" in inspect.signature(fwd).parameters
             except Exception:  # noqa: BLE001 - a broken fla install falls back to PyTorch
                 ok = False
         for name, modules, attr in _FLA_EXTRAS if ok else ():
@@ -74,38 +68,26 @@ def fla_op(name: str, *args, **kwargs):
 _BROKEN: set[str] = set()
 
 
-def fused_gdn(q, k, v, a, b, a_log, dt_bias, scale: float,
-              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A GDN layer's recurrence in one fla call (fused recurrent for up to 64 tokens, chunked
-    beyond) with the decay (-exp(A_log) softplus(a + dt_bias)), the write strength (sigmoid(b)) and
-    the q/k L2 norm computed inside. a, b [B, T, H] are the raw a_proj / b_proj outputs. Returns
-    (o [B, T, H, D], state) or None where fla lacks these options (the caller then computes the
-    gates itself)."""
+def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None, gate: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A few decoding tokens of a GDN layer in two fla kernels: the recurrence with the decay
+    (-exp(A_log) softplus(a + dt_bias)), the write strength (sigmoid(b)) and the q/k L2 norm computed
+    inside, then RMSNorm(o) * weight * SiLU(gate). a, b [B, T, H] are the raw a_proj / b_proj
+    outputs, gate [B, T, H, D]. Returns (normed output [B, T, H, D], state) or None where fla lacks
+    these kernels (the caller then runs the unfused path)."""
     kernels = fla_kernels()
-    if kernels is None or not _FUSED["ok"]:
+    if kernels is None or "gated_norm" not in kernels or not _FUSED["ok"]:
         return None
-    chunked = q.shape[1] > 64
-    if chunked and not kernels.get("chunk_gate"):
-        return None
-    fn = kernels["chunk"] if chunked else kernels["recurrent"]
     try:
-        return fn(q=q, k=k, v=v, g=a, beta=b, scale=scale, initial_state=state, output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
-                  use_beta_sigmoid_in_kernel=True)
+        o, final = kernels["recurrent"](q=q, k=k, v=v, g=a, beta=b, scale=scale, initial_state=state,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        return kernels["gated_norm"](o, gate, norm_weight, None, activation="swish", eps=eps), final
     except (TypeError, ValueError) as exc:  # an fla without these options: unfused from now on
         _FUSED["ok"] = False
-        warnings.warn(f"fla's GDN kernels with the gates inside are unavailable ({exc}); computing the gates "
-                      "with PyTorch", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"fla's fused GDN decoding step is unavailable ({exc}); using the unfused kernels",
+                      RuntimeWarning, stacklevel=2)
         return None
-
-
-def one_token(x: torch.Tensor) -> bool:
-    """Whether fla's small fused kernels (residual-add + RMSNorm, SwiGLU, gated RMSNorm) should run
-    for x [B, T, ...]: on CUDA, inference, one token per row. A decoding step is captured in a CUDA
-    graph, where fewer kernels is what counts; over a prompt PyTorch's ops are faster, since each
-    fla call costs 100-200 us of host time (more than its kernel saves) and a prefill of a few
-    thousand tokens is bound by that host time."""
-    return x.is_cuda and x.shape[1] == 1 and not torch.is_grad_enabled()
 
 
 _FUSED = {"ok": True}

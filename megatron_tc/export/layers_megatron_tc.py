@@ -14,7 +14,7 @@ from torch import nn
 from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .gated_delta_megatron_tc import causal_conv, fla_kernels, fla_op, fused_gdn, gated_delta_rule, one_token
+from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, gated_delta_rule
 
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
 class GatedDeltaNet(nn.Module):
@@ -49,10 +49,9 @@ class GatedDeltaNet(nn.Module):
                 cache: GDNLayerCache | None) -> torch.Tensor:
         b, t, _ = x.shape
         state = cache.state if cache is not None and batch.offset > 0 else None
-        plain = batch.valid is None and not torch.is_grad_enabled() and (cache is None or not cache.recording)
-        if plain and ((t == 1 and state is not None) or (x.is_cuda and fla_kernels() is not None)):
-            past = cache.conv.get("qkv") if state is not None and self.conv_size > 0 else None
-            return self.packed_forward(x, cache, state, past)
+        if (t == 1 and state is not None and batch.valid is None and not cache.recording
+                and not torch.is_grad_enabled()):
+            return self.decode_step(x, cache)
         keep = None if batch.valid is None else batch.valid[..., None].to(x.dtype)  # [B, T, 1]
         past = cache.conv.get("qkv") if cache is not None and batch.offset > 0 and self.conv_size > 0 else None
         pasts = past.split(self.qkv_channels, 1) if past is not None else (None,) * 3
@@ -81,14 +80,10 @@ class GatedDeltaNet(nn.Module):
             cache.store(final, {"qkv": torch.cat(tails, 1)} if tails else {})
         return self.o_proj(self.gated_norm(o, self.g_proj(x).view(b, t, self.heads, self.head_dim)))
 
-    def packed_forward(self, x: torch.Tensor, cache: GDNLayerCache | None, state: torch.Tensor | None,
-                       past: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, hidden] without padding or gradients: one matmul for q, k, v, a, b and the output
-        gate, one convolution over q/k/v, then (CUDA with fla) the recurrence with the gates computed
-        inside and the fused gated norm. Decoding steps (T = 1 after a prefill) and, on CUDA, prefills
-        take it: a few kernels per layer instead of some forty small ones, whose launches bound a
-        short prefill."""
-        b, t, h, d = x.shape[0], x.shape[1], self.heads, self.head_dim
+    def decode_step(self, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
+        """x [B, 1, hidden] after a prefill: one matmul for q, k, v, a, b and the output gate, one
+        convolution step, then (CUDA with fla) the fused recurrence and gated norm."""
+        b, h, d = x.shape[0], self.heads, self.head_dim
         layers = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
         biases = [lin.bias if lin.bias is not None else lin.out_features for lin in layers]
         bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
@@ -96,25 +91,22 @@ class GatedDeltaNet(nn.Module):
         y, a, bb, gate = y.split([sum(self.qkv_channels), h, h, h * d], -1)
         tail = {}
         if self.conv_size > 0:
-            y, inputs = causal_conv(y, self.conv_weight(), past)
-            tail["qkv"] = inputs[:, :, t:] if t == 1 else inputs[:, :, t:].contiguous()  # the last K-1 inputs
+            y, inputs = causal_conv(y, self.conv_weight(), cache.conv["qkv"])
+            tail["qkv"] = inputs[:, :, 1:]
         else:
             y = F.silu(y)
         q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
-        gate = gate.reshape(b, t, h, d)
-        fused = None
+        gate = gate.reshape(b, 1, h, d)
         if x.is_cuda and self.backend in ("auto", "fla"):
-            fused = fused_gdn(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, state)
-        if fused is None:
-            g, beta = self.gates(a, bb)
-            fused = gated_delta_rule(q, k, v, g, beta, d**-0.5, state, self.chunk, self.backend)
-        o, final = fused
-        if cache is not None:
-            cache.store(final, tail)
-        normed = None
-        if one_token(x):
-            normed = fla_op("gated_norm", o, gate, self.o_norm.weight, None, activation="swish", eps=self.o_norm.eps)
-        return self.o_proj(self.gated_norm(o, gate) if normed is None else normed.reshape(b, t, h * d))
+            fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, cache.state, gate,
+                                      self.o_norm.weight, self.o_norm.eps)
+            if fused is not None:
+                cache.store(fused[1], tail)
+                return self.o_proj(fused[0].reshape(b, 1, h * d))
+        g, beta = self.gates(a, bb)
+        o, final = gated_delta_rule(q, k, v, g, beta, d**-0.5, cache.state, self.chunk, self.backend)
+        cache.store(final, tail)
+        return self.o_proj(self.gated_norm(o, gate))
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k and v convolution weights as one [C, 1, K]."""
@@ -166,10 +158,11 @@ class DecoderLayer(nn.Module):
 
 
 def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel in a decoding step on CUDA."""
+    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel for inference on CUDA."""
     if h is None:
         return norm(x), x
-    if one_token(x) and not norm.unit_offset and x.dtype == h.dtype == norm.weight.dtype:
+    if (x.is_cuda and not norm.unit_offset and not torch.is_grad_enabled()
+            and x.dtype == h.dtype == norm.weight.dtype):
         fused = fla_op("rms_norm", h, norm.weight, None, residual=x, eps=norm.eps, prenorm=True)
         if fused is not None:
             return fused
@@ -189,7 +182,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation != "silu":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        act = fla_op("swiglu", gate, up) if one_token(x) else None
+        act = fla_op("swiglu", gate, up) if x.is_cuda and not torch.is_grad_enabled() else None
         return self.down_proj(act if act is not None else F.silu(gate) * up)
 
 

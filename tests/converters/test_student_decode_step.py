@@ -64,8 +64,8 @@ ARCHS = {"qk_norm_bias_conv": {}, "plain": dict(qk_norm=False, attention_bias=Fa
 def test_decoding_steps_equal_the_full_forward(arch, static, monkeypatch):
     model = student(**ARCHS[arch])
     steps = []
-    original = layers.GatedDeltaNet.packed_forward
-    monkeypatch.setattr(layers.GatedDeltaNet, "packed_forward", lambda self, *a: steps.append(1) or original(self, *a))
+    original = layers.GatedDeltaNet.decode_step
+    monkeypatch.setattr(layers.GatedDeltaNet, "decode_step", lambda self, x, c: steps.append(1) or original(self, x, c))
     ids = torch.randint(3, 300, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(input_ids=ids, use_cache=False).logits
