@@ -42,8 +42,8 @@ class AttentionLayerCache:
                 self.keys = torch.cat([self.keys[:, :, :offset], k], 2)
                 self.values = torch.cat([self.values[:, :, :offset], v], 2)
             return self.keys, self.values
-        if self.keys is None:
-            shape = (k.shape[0], k.shape[1], self.static_len, k.shape[3])
+        shape = (k.shape[0], k.shape[1], self.static_len, k.shape[3])
+        if self.keys is None or offset == 0 and (self.keys.shape, self.keys.dtype) != (shape, k.dtype):
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
         if offset + k.shape[2] > self.static_len:
             raise ValueError(f"the static cache holds {self.static_len} tokens; {offset + k.shape[2]} do not fit "
@@ -74,7 +74,9 @@ class GDNLayerCache:
 
     def store(self, state: torch.Tensor, conv: dict[str, torch.Tensor]) -> None:
         """Keep the state after a forward; static caches copy into their buffers (same addresses)."""
-        if self.static and self.state is not None and self.state.shape == state.shape:
+        same = all(n in self.conv and (self.conv[n].shape, self.conv[n].dtype) == (x.shape, x.dtype)
+                   for n, x in conv.items())
+        if self.static and self.state is not None and self.state.shape == state.shape and same:
             self.state.copy_(state)
             for name, x in conv.items():
                 self.conv[name].copy_(x)
@@ -186,7 +188,16 @@ class MegatronTCCache(Cache):
 
     # ---- editing ---------------------------------------------------------------------------
     def reset(self) -> None:
+        """Empty the cache. A static cache keeps its buffers (zeroed in place, same addresses), so
+        a captured decoding step over it stays valid for the next generation."""
         for i, kind in enumerate(self.pattern):
+            layer = self.layers[i]
+            if self.is_static and not getattr(layer, "recording", False):
+                for x in layer.tensors().values():
+                    x.zero_()
+                if isinstance(layer, GDNLayerCache):
+                    layer.record = None
+                continue
             self.layers[i] = AttentionLayerCache(self.static_len) if kind == "A" else GDNLayerCache(self.is_static)
         self.seen = 0
 

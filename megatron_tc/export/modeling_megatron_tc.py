@@ -29,6 +29,9 @@ from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# static caches on CUDA are sized in steps of this many tokens, so that generations of similar
+# lengths share one cache and its captured decoding step
+STATIC_ROUND = 256
 
 
 class MegatronTCPreTrainedModel(PreTrainedModel):
@@ -149,10 +152,26 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
             raise ValueError(f"cache_implementation={impl!r} is not supported by this model; use 'static' or 'dynamic'")
         max_len = args[2] if len(args) >= 3 else kwargs.get("max_cache_length")
         static = impl == "static" or (impl is None and self.device.type == "cuda")
-        cache = MegatronTCCache(self.config, static_len=int(max_len) + 1 if static and max_len else None)
-        if getattr(generation_config, "is_assistant", False):
+        assistant = getattr(generation_config, "is_assistant", False)
+        if static and max_len and not assistant and self.device.type == "cuda":
+            cache = self._static_cache_for(-(-(int(max_len) + 1) // STATIC_ROUND) * STATIC_ROUND)
+        else:
+            cache = MegatronTCCache(self.config, static_len=int(max_len) + 1 if static and max_len else None)
+        if assistant:
             cache.activate_past_recording()
         model_kwargs[CACHE_KEY] = cache
+
+    def _static_cache_for(self, length: int) -> MegatronTCCache:
+        """The static cache of the last generation when it has `length` slots, emptied in place (its
+        buffers keep their addresses, so the captured decoding step is replayed, not captured
+        again), else a new one. As with transformers' own static cache, a later generate() reuses
+        (and empties) the cache an earlier one returned."""
+        previous = self._graph.cache if self._graph is not None else None
+        if previous is not None and previous.static_len == length and not previous.is_recording_past():
+            previous.reset()
+            return previous
+        self._graph = None  # frees the graph and the buffers it was captured over
+        return MegatronTCCache(self.config, static_len=length)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                                       inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -197,9 +216,16 @@ class DecodeGraph:
             with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
                 model.model(self.ids, self.positions, step(), cache)
             torch.cuda.current_stream().wait_stream(stream)
+            # capture_begin/end rather than torch.cuda.graph(), which empties PyTorch's CUDA memory
+            # cache first: the next prefill would then allocate all of its memory from the driver
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = model.model(self.ids, self.positions, step(), cache)
+            with torch.cuda.stream(stream):
+                self.graph.capture_begin()
+                try:
+                    self.logits = model.model(self.ids, self.positions, step(), cache)
+                finally:
+                    self.graph.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
         finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
             torch.cuda.synchronize()
             for x, before in zip(states, saved):

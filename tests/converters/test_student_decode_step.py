@@ -92,3 +92,25 @@ def test_packed_projections_follow_in_place_weight_edits():
         step = model(input_ids=ids[:, 7:8], cache=cache).logits[:, 0]
         full = model(input_ids=ids, use_cache=False).logits[:, 7]
     assert (step - full).abs().max().item() <= 1e-4
+
+
+def test_reset_static_cache_keeps_its_buffers_and_decodes_as_a_new_one():
+    """generate() reuses a static cache (and its captured decoding step) by resetting it in place."""
+    model = student()
+    gen = torch.Generator().manual_seed(3)
+    first, second = torch.randint(3, 300, (2, 11), generator=gen), torch.randint(3, 300, (2, 11), generator=gen)
+    with torch.no_grad():
+        cache = MegatronTCCache(model.config, static_len=16)
+        model(input_ids=first[:, :8], cache=cache)
+        model(input_ids=first[:, 8:9], cache=cache)
+        addresses = [x.data_ptr() for layer in cache.layers for x in layer.tensors().values()]
+        cache.reset()
+        assert cache.seen == 0 and all(not x.any() for layer in cache.layers for x in layer.tensors().values())
+        fresh = MegatronTCCache(model.config, static_len=16)
+        for start, stop in ((0, 8), (8, 9), (9, 10)):
+            reused = model(input_ids=second[:, start:stop], cache=cache).logits
+            assert torch.equal(reused, model(input_ids=second[:, start:stop], cache=fresh).logits)
+        assert [x.data_ptr() for layer in cache.layers for x in layer.tensors().values()] == addresses
+        cache.reset()
+        model(input_ids=second[:1, :8], cache=cache)  # another batch size: new buffers, right values
+        assert cache.layers[1].keys.shape[0] == 1 and cache.layers[0].state.shape[0] == 1

@@ -54,3 +54,23 @@ def test_decoding_step_is_captured_in_bf16():
     assert model._graph is not None
     model.decode_graphs = False
     assert torch.equal(graph, model.generate(ids, **kw))
+
+
+def test_reused_capture_equals_eager_fp32():
+    """A second generate of the same size reuses the static cache and the captured step; both give
+    the tokens and logits of PyTorch's GDN ops without capture."""
+    model = student(torch.float32)
+    ids = torch.randint(3, 512, (2, 100), device="cuda")  # > 64 tokens: the chunked kernel
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    first = model.generate(ids, cache_implementation="static", **kw)
+    graph = model._graph
+    second = model.generate(ids, cache_implementation="static", **kw)
+    assert graph is not None and model._graph is graph, "the second generate captured its step again"
+    assert torch.equal(first.sequences, second.sequences)
+    model.set_gdn_backend("chunk")
+    model.decode_graphs = False
+    eager = model.generate(ids, cache_implementation="dynamic", **kw)
+    assert torch.equal(first.sequences, eager.sequences)
+    diff = (torch.stack(first.logits) - torch.stack(eager.logits)).abs().max().item()
+    assert diff <= 1e-3, f"captured decoding (fla) vs PyTorch logits differ by {diff}"
