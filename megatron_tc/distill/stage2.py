@@ -388,7 +388,6 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     (ZeRO over DP, TP inside; with PP > 1 the pipeline engine of stage2_pipeline, TP inside its
     stages) and return a trainer ready to `run()` (which resumes if it can)."""
     from megatron_tc.parallel.deepspeed_engine import build_student_engine, build_teacher
-    from megatron_tc.parallel.zero_step import streamline_zero_step
 
     if student.arch.vocab_size != teacher.arch.vocab_size:
         raise ValueError(f"the student's vocabulary ({student.arch.vocab_size} tokens) differs from the teacher's "
@@ -413,8 +412,6 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
         # parameters; ZeRO-1/2 packs them end to end in one flat buffer unless told to pad
         ds_config["zero_optimization"]["parameter_alignment"] = True
     engine = build_student_engine(student, ds_config, ctx)
-    if device.type == "cuda" and streamline_zero_step(engine):
-        log.info("stage2: ZeRO step without per-tensor overflow scan; global norm in one foreach kernel")
     if compiled:
         from megatron_tc.model.compile import compile_decoder_layers
 

@@ -4,11 +4,13 @@ Before each update DeepSpeed's ZeRO-1/2 optimizer walks every gradient tensor in
 - with bf16 (`bf16.check_grad_overflow`, on by default), an overflow scan: max, min and
   `isfinite` per tensor, about ten kernels each;
 - for clipping, the global norm: one fp32 copy and one norm per tensor.
-For a model of a few hundred tensors at a large batch these launches, not the arithmetic, are
-the step: one H200 spends ~90 ms in the step of the SmolLM2-135M student (426 tensors), where
-the arithmetic takes a few (docs/benchmarks.md).
+For a model of a few hundred tensors these launches, not the arithmetic, are the step: an H200
+spent 90 ms in the step of the SmolLM2-135M student (426 tensors), most of it in the scan
+and the norms, where the plain loop's clipping and fused AdamW took 7 ms
+(docs/benchmarks.md).
 
-`streamline_zero_step(engine)` keeps both decisions and replaces the walks on that engine:
+`streamline_zero_step(engine)` keeps both decisions and replaces the walks on that engine
+(`deepspeed_engine.build_student_engine` applies it on CUDA: stage 1, stage 2, pretraining):
 - the overflow scan goes: a NaN or inf in any gradient makes the global norm NaN or inf, which
   DeepSpeed's step already treats as an overflow (it is the only check it makes for fp32 runs),
   so the step is skipped exactly when it was before;
