@@ -23,9 +23,12 @@ step, where the scan alone would have passed it to the clipping.
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import torch
+
+TESTED_DEEPSPEED = "0.19."  # the release whose ZeRO-1/2 step this replaces parts of (requirements.txt)
 
 
 def _foreach_grad_norm(self, gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2):
@@ -64,10 +67,15 @@ def _no_overflow_scan(self, partition_gradients: bool = True) -> None:
 def streamline_zero_step(engine: Any) -> bool:
     """Replace the per-tensor walks of `engine`'s ZeRO-1/2 optimizer step (module doc); returns
     whether it did (not for ZeRO-0/3, CPU offload, or a step that computes no global norm)."""
+    import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or not opt.compute_grad_norm:
+        return False
+    if not deepspeed.__version__.startswith(TESTED_DEEPSPEED):  # the step's internals change between releases
+        warnings.warn(f"DeepSpeed {deepspeed.__version__}: the ZeRO-1/2 step keeps its per-tensor checks "
+                      f"(megatron_tc streamlines it for DeepSpeed {TESTED_DEEPSPEED}x only)")
         return False
     opt.get_grad_norm_direct = types.MethodType(_foreach_grad_norm, opt)
     if opt.check_grad_overflow:

@@ -36,6 +36,24 @@ def _step(engine, teacher, ids, poison: bool = False) -> tuple[float, bool]:
     return float(engine.get_global_grad_norm() or float("nan")), engine.was_step_applied()
 
 
+def _other_release_is_left_alone(engine) -> None:
+    """A DeepSpeed release other than the one the replacement was written against keeps its step."""
+    import warnings
+
+    import deepspeed
+
+    version = deepspeed.__version__
+    deepspeed.__version__ = "0.20.0"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not streamline_zero_step(engine)
+    finally:
+        deepspeed.__version__ = version
+    assert any("keeps its per-tensor checks" in str(w.message) for w in caught)
+    assert "get_grad_norm_direct" not in vars(engine.optimizer)
+
+
 def streamlined_step_equals_deepspeed(rank: int, world_size: int) -> None:
     """Per step: the same global gradient norm (each rank holds half of ZeRO-1's partitions, so
     the norm is all-reduced), the same weights after 3 clipped steps, and a NaN step skipped by
@@ -62,6 +80,7 @@ def streamlined_step_equals_deepspeed(rank: int, world_size: int) -> None:
         assert not _step(streamlined, teacher, ids, poison=True)[1], "a NaN gradient was applied"
         for name, value in state(streamlined).items():
             assert torch.equal(value, before[name]), f"{name} changed in a skipped step"
+        _other_release_is_left_alone(shipped)
         dse.release_engine(shipped)
         dse.release_engine(streamlined)
     finally:

@@ -1,5 +1,5 @@
 """`parallel.zero_step.streamline_zero_step` on 2 gloo ranks: the same norms, clipping, updates
-and NaN skips as DeepSpeed's own ZeRO-1 step."""
+and NaN skips as DeepSpeed's own ZeRO-1 step; another DeepSpeed release keeps its own step."""
 from megatron_tc.testing import run_distributed
 from tests.parallel import _workers_zero_step
 
