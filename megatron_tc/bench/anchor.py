@@ -69,6 +69,32 @@ def plain_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, vocab: 
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+REGIONS = ("data", "teacher", "student_forward", "loss", "backward", "optimizer", "rest")
+
+
+class RegionClock:
+    """Seconds per region of a step: `mark(name)` drains the device and books the time since the
+    previous mark to `name`. With the device drained at every mark, a region's time is its own
+    device time or its host time, whichever is longer (the overlap of host and device across
+    regions is lost: the regions add up to more than a free-running step)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, dict.fromkeys(REGIONS, 0.0)
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[name] += now - self._last
+        self._last = now
+
+
 class PlainLoop:
     """The plain PyTorch step (module doc). `student` is copied; `teacher` is shared (frozen)."""
 
@@ -88,22 +114,76 @@ class PlainLoop:
         self.loss = torch.compile(plain_kl) if cuda else plain_kl
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
-    def train_step(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; the mean loss (a tensor: no host sync)."""
+    def train_step(self, micro: list[dict[str, torch.Tensor]], clock: RegionClock | None = None) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; the mean loss (a tensor: no host sync).
+        clock: marks the end of each region (and drains the device there: diagnosis only)."""
+        mark = clock.mark if clock is not None else lambda name: None
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             ids = batch["input_ids"].to(self.device, non_blocking=True)
+            mark("data")  # the step's batches are read before it starts
             with torch.no_grad():
                 t_logits = self.teacher(ids)
+            mark("teacher")
             last = i == len(micro) - 1
             with self.amp, (self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()):
-                loss = self.loss(self.forward(ids), t_logits, self.vocab) / len(micro)
+                logits = self.forward(ids)
+                mark("student_forward")
+                loss = self.loss(logits, t_logits, self.vocab) / len(micro)
+                mark("loss")
                 loss.backward()
+                mark("backward")
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
         return total
+
+
+def clock_pipeline(trainer: Any, clock: RegionClock) -> Callable[[], None]:
+    """Mark the regions of `Stage2Trainer.train_step` on `clock` from outside: hooks on the teacher
+    and the student module, wrappers around the engine's backward and step. Returns the function
+    that removes them."""
+    engine = trainer.engine
+    teacher = getattr(trainer.teacher, "module", trainer.teacher)
+    handles = [teacher.register_forward_pre_hook(lambda *_: clock.mark("data")),
+               teacher.register_forward_hook(lambda *_: clock.mark("teacher")),
+               engine.module.register_forward_hook(lambda *_: clock.mark("student_forward"))]
+    backward, step = engine.backward, engine.step
+
+    def timed_backward(*args, **kwargs):
+        clock.mark("loss")
+        out = backward(*args, **kwargs)
+        clock.mark("backward")
+        return out
+
+    def timed_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        clock.mark("optimizer")
+        return out
+
+    engine.backward, engine.step = timed_backward, timed_step
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+        del engine.backward, engine.step
+
+    return remove
+
+
+def region_ms(step: Callable[[RegionClock], Any], device: torch.device, steps: int = 3) -> dict[str, float]:
+    """{region: median milliseconds} over `steps` calls of step(clock); "rest" is what follows the
+    last mark (the step's scalars to the host)."""
+    runs = []
+    for _ in range(steps):
+        clock = RegionClock(device)
+        clock.start()
+        step(clock)
+        clock.mark("rest")
+        runs.append(clock.seconds)
+    return {name: statistics.median(run[name] for run in runs) * 1e3 for name in REGIONS}
 
 
 def pipeline_config(overrides: list[str]) -> Any:

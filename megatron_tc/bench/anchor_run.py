@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from megatron_tc.bench.anchor import (PlainLoop, SyntheticBatches, interleaved_runs, pipeline_config,
-                                      pipeline_trainer, result_rows, step_flops)
+from megatron_tc.bench.anchor import (REGIONS, PlainLoop, SyntheticBatches, clock_pipeline, interleaved_runs,
+                                      pipeline_config, pipeline_trainer, region_ms, result_rows, step_flops)
 from megatron_tc.bench.common import Report, measure_peaks, model_names, profile_rows, rel_err
 from megatron_tc.bench.models import PRESETS, quarter_pattern
 from megatron_tc.model import HybridLM
@@ -91,6 +91,20 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
             for row in profile_rows(step, device):
                 if ctx.rank == 0:
                     report.add("profile", {"model": name, "path": path, **row})
+
+        def pipeline_clocked(clock):
+            remove = clock_pipeline(trainer, clock)
+            try:
+                pipeline_step()
+            finally:
+                remove()
+
+        for path, step in (("pipeline", pipeline_clocked),
+                           ("plain", lambda clock: plain.train_step(plain_batches.next_step(), clock))):
+            ms = region_ms(step, device)
+            if ctx.rank == 0:
+                report.add("regions", {"model": name, "path": path, **{f"{k}_ms": v for k, v in ms.items()},
+                                       "sum_ms": sum(ms.values())})
     flops = step_flops(trainer.engine.module.arch, arch, loader.tokens_per_step, args.seq)["flops"]
     base = {"model": name, "ranks": ctx.world_size, "B": args.batch, "T": args.seq, "micro_steps": args.micro_steps,
             "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops}
@@ -132,6 +146,8 @@ def run(args: Any) -> int:
             ("Distillation step", "rows", ["model", "path", "ranks", "B", "T", "micro_steps", "tokens_per_step",
                                            *spreads("step_ms"), *spreads("tok_per_s"), *spreads("mfu"),
                                            *spreads("vs_plain"), "peak_mem_GiB"]),
+            ("Regions of a step (device drained at each boundary; median of 3 steps)", "regions",
+             ["model", "path", *[f"{k}_ms" for k in REGIONS], "sum_ms"]),
             ("Profile of one step (self time; all operators, then the heaviest)", "profile",
              ["model", "path", "op", "calls", "host_ms", "device_ms"]),
         ])

@@ -220,30 +220,31 @@ class Stage2Trainer(EngineOwner):
         lr = apply_lr(self.engine.optimizer.param_groups, self.schedule, step)
         micro = self.loader.next_step()
         keys = ("loss", "kl", "ce", "hidden")
-        totals = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        finite = True
+        # the scalars, then the count of non-finite losses: read together at the end of the step
+        totals = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
         for batch in micro:
             loss, parts = self._forward_loss(batch, step)
-            # backward is queued before the host waits for the loss (the finiteness check): the
-            # device never idles while the host launches the backward
+            # backward is queued before anything waits for the loss: the device never idles while
+            # the host launches the backward
             self.engine.backward(loss)
-            if not all_finite(loss):
-                finite = False
-                if guard.policy == "abort":
-                    guard.record(step, "loss")  # raises before engine.step(): no update is applied
+            if guard.policy == "abort" and not all_finite(loss):
+                guard.record(step, "loss")  # raises before engine.step(): no update is applied
+            # under 'skip' the host does not wait here: a non-finite loss gives non-finite
+            # gradients, which make ZeRO's step skip the update, and the count below says why
             self.engine.step()
             zero = totals.new_zeros(())
-            totals += torch.stack([parts[k].double() if k in parts else zero for k in keys]) / len(micro)
-        totals = totals.cpu()  # the step's one transfer of its scalars
+            values = [parts[k].double() if k in parts else zero for k in keys]
+            totals += torch.stack([*(v / len(micro) for v in values), (~torch.isfinite(loss.detach())).double()])
+        totals = _dp_mean(totals.cpu(), self.ctx)  # the step's one transfer of its scalars
+        finite = bool(totals[-1] == 0)  # the same on every rank: a count > 0 anywhere stays > 0 in the mean
         applied = self.engine.was_step_applied()
         if not finite and applied:
             raise NonFiniteError(f"step {step}: DeepSpeed applied an update computed from a non-finite loss; "
                                  "nan_policy=skip needs ZeRO stage >= 1 (set parallel.zero_stage)")
         if not finite or not applied:
             guard.record(step, "loss" if not finite else "gradient")
-        totals = _dp_mean(totals, self.ctx)
         grad_norm = self.engine.get_global_grad_norm() if applied else float("nan")
-        out = {k: float(v) for k, v in zip(keys, totals)}
+        out = {k: float(v) for k, v in zip(keys, totals[:-1])}
         out.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                    applied=float(applied))
         return out

@@ -67,6 +67,13 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
         log.warning("ZeRO-3 over one data-parallel rank shards nothing, yet gathers and releases every layer's "
                     "parameters each step (host time: docs/benchmarks.md); parallel.zero_stage=1 "
                     "trains the same way without them")
+    optimizer = ds.get("optimizer", {})
+    params = optimizer.setdefault("params", {})
+    if (device.type == "cuda" and params.get("torch_adam") and optimizer.get("type", "").lower() in ("adam", "adamw")
+            and "fused" not in params and "foreach" not in params
+            and ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") == "none"):
+        # PyTorch's fused AdamW: one kernel over ZeRO's flat fp32 partition instead of a dozen passes
+        params["fused"] = True
     if tensorboard_dir is not None:
         ds["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": "deepspeed"}
     return ds

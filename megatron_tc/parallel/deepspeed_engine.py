@@ -153,7 +153,8 @@ def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext
     """`deepspeed.initialize` the student over the DP group with TP groups from `ctx`.
 
     params: the trainable parameters (default: those with requires_grad). Returns the engine;
-    its `.optimizer` and `.lr_scheduler` are DeepSpeed's.
+    its `.optimizer` and `.lr_scheduler` are DeepSpeed's. On CUDA a ZeRO-1/2 optimizer step runs
+    without its per-tensor host work (`parallel.zero_step.streamline_zero_step`).
     """
     import deepspeed
 
@@ -166,6 +167,10 @@ def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                       mpu=DeepSpeedMPU(ctx), lr_scheduler=lr_scheduler,
                                       dist_init_required=False)
+    if torch.device(engine.device).type == "cuda":
+        from .zero_step import streamline_zero_step
+
+        streamline_zero_step(engine)
     return engine
 
 

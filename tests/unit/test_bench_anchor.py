@@ -34,6 +34,9 @@ def test_quick_run_compares_the_same_first_step_and_reports_spreads(tmp_path):
     for path in ("pipeline", "plain"):  # --profile: one more step of each, all operators then the heaviest
         total, *ops = [r for r in data["profile"] if r["path"] == path]
         assert total["op"] == "(all)" and ops and all(0 < op["host_ms"] <= total["host_ms"] for op in ops)
+        (regions,) = [r for r in data["regions"] if r["path"] == path]  # and three steps timed by region
+        parts = [regions[f"{name}_ms"] for name in ("teacher", "student_forward", "loss", "backward", "optimizer")]
+        assert all(part > 0 for part in parts) and regions["sum_ms"] >= sum(parts), regions
 
 
 def test_plain_kl_is_the_pipeline_objective():

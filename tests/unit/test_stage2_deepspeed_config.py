@@ -64,3 +64,24 @@ def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
     zero = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None,
                                    torch.nn.Linear(1000, 1000))["zero_optimization"]
     assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == 1_001_000
+
+
+@pytest.mark.parametrize("device, user_params, offload, fused", [
+    ("cuda", {}, None, True), ("cpu", {}, None, None), ("cuda", {"foreach": True}, None, None),
+    ("cuda", {"fused": False}, None, False), ("cuda", {}, "cpu", None)])
+def test_pytorch_adamw_is_fused_on_cuda_unless_the_json_decides(device, user_params, offload, fused, tmp_path):
+    """One fused AdamW kernel over ZeRO's flat partition on CUDA; the CPU step, a JSON that names
+    foreach or fused, and an optimizer offloaded to the CPU stay as they are."""
+    import json
+
+    from megatron_tc.config import deepspeed_template_path
+
+    base = json.loads(deepspeed_template_path(1).read_text())
+    base["optimizer"]["params"].update(user_params)
+    if offload:
+        base["zero_optimization"]["offload_optimizer"] = {"device": offload}
+    (tmp_path / "ds.json").write_text(json.dumps(base))
+    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2",
+                             f"parallel.deepspeed_config={tmp_path / 'ds.json'}"])
+    ds = stage2_deepspeed_config(cfg, context(1), torch.device(device), None)
+    assert ds["optimizer"]["params"].get("fused") == fused

@@ -17,7 +17,9 @@ batch: they must agree), then `--runs` rounds alternating `--steps` timed steps 
 `--warmup` untimed ones; per path the minimum / median / maximum over the rounds of each round's
 median step, and the pipeline's tokens/s as a fraction of the plain loop's, round by round.
 --profile then runs one more step of each path under torch.profiler (host and device self time,
-heaviest operators: where the two steps differ).
+heaviest operators: where the two steps differ), and three steps of each with the device drained
+at each region's end (data, teacher, student forward, loss, backward, optimizer, rest): the
+region that differs between the two paths.
 MFU = model FLOPs per step (student 6 x matmul parameters x tokens + attention, teacher 2 x ... +
 attention; megatron_tc/bench/models.py) / step time / the matmul rate measured in this process
 (bf16 8192^3 on CUDA; fp32 on CPU, summed over the ranks).
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps of each path per round (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path first (compilation)")
     p.add_argument("--profile", action="store_true",
-                   help="after timing, profile one step of each path: host and device time, heaviest operators")
+                   help="after timing, profile one step of each path (host and device time, heaviest operators) "
+                        "and time its regions")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, runs=3, steps=2, warmup=1))
     return run(args)
 
