@@ -14,7 +14,8 @@ the same forward; it needs only each layer's input and output, though. `collect_
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
 the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
-on the next layer's closed form (CPU math, ~0.1 s a layer) overlaps the device's sums of this one.
+on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
+sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
 """
 from __future__ import annotations
 
@@ -52,8 +53,19 @@ def _rank0(group) -> bool:
 
 
 def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
-    """A whole teacher mixer's weights on the CPU: strategies are small CPU math (LayerContext)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in mixer.state_dict().items()}
+    """A whole teacher mixer's weights where they are (no copy: strategies clone what they keep).
+    Copying them to the CPU would wait for every kernel queued on the device."""
+    return {k: v.detach() for k, v in mixer.state_dict().items()}
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
+    the kernels queued there (a plain copy synchronizes the stream)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -165,7 +177,8 @@ def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
 def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
                   seed: int = 0, teacher_mixer: nn.Module | None = None) -> tuple[GatedDeltaNet, list]:
     """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
-    candidates, in fp32 on the teacher's device (the closed form itself is CPU math).
+    candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
+    their device and the statistics and default init on the CPU; nothing here waits for the device.
     teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer)."""
     device = model_device(model)
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
@@ -175,9 +188,9 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
         mixer = GatedDeltaNet(student_arch, index)
     mixer = mixer.to_empty(device=device)
-    mixer.load_state_dict(params)
+    mixer.load_state_dict({k: _to_device(v, device) for k, v in params.items()})
     mixer.eval()
-    candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
+    candidates = [None if c is None else _to_device(c, device) for c in strategy.gate_candidates(ctx, params)]
     return mixer, candidates
 
 
@@ -213,7 +226,7 @@ def collect_readout_stats(
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
-    (CPU math) while this one queues layer l's sums over every batch on the device. The sums are
+    (without waiting for the device) while this one queues layer l's sums over every batch. The sums are
     those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
     same order)."""
     closed_forms = readout_closed_forms(strategies)
