@@ -16,12 +16,13 @@ and sweep 2 reads them instead of running the teacher again: one teacher forward
 the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
 on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
 sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
+It all runs on the calling thread: with the closed forms on a second host thread the one-forward
+pass measured twice as slow on an H200 as the two-forward one.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import torch
@@ -225,8 +226,8 @@ def collect_readout_stats(
     one rank doing every layer (the other ranks add zeros).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
-    Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
-    (without waiting for the device) while this one queues layer l's sums over every batch. The sums are
+    Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
+    works out layer l+1's closed form (without waiting for the device) while the device sums. The sums are
     those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
     same order)."""
     closed_forms = readout_closed_forms(strategies)
@@ -265,23 +266,18 @@ def collect_readout_stats(
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:
-        # layer l+1's closed form (host math: the default init it starts from, the fit) is worked
-        # out on a second thread while this one queues layer l's sums on the device; under TP the
-        # build gathers attention (a collective), so it stays on this thread, in step with every rank
+        # the host builds layer l+1 (closed form, default init: host math that never waits for the
+        # device) after queueing layer l's sums, so the device works on those meanwhile; one thread,
+        # so the host's kernel launches never contend with a second thread for the interpreter
         layers = list(stats.layers)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            ahead = tp == 1
-            pending = pool.submit(build, layers[0]) if ahead and layers else None
-            for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
-                if ahead:
-                    pending.result()
-                    if position + 1 < len(layers):
-                        pending = pool.submit(build, layers[position + 1])
-                else:
-                    build(index)
-                for kept in layer_io:
-                    on_layer(index, kept[index])
-                teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
+        for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
+            if position == 0:
+                build(index)
+            for kept in layer_io:
+                on_layer(index, kept[index])
+            if position + 1 < len(layers):
+                build(layers[position + 1])  # under TP a collective: every rank in the same order
+            teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)

@@ -26,9 +26,9 @@ the teacher on the CPU; with --sweep1-reference also the kernel's sums against t
 on the device (same teacher and dtype).
 
 Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
---calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels (their first use
-compiles: fp32 forward, forward and backward in the alignment's dtype), timed wall clock; goal
-<= 60 s on one H200.
+--calib-tokens tokens in rows of --calib-seq, timed wall clock after a warm-up (first uses compile:
+the GDN kernels in fp32 and in the alignment's dtype, then the whole calibration with 2 alignment
+steps); goal <= 60 s on one H200.
 """
 import argparse
 import sys
