@@ -382,6 +382,22 @@ class LayerWork:
         return {k: v for part in gathered for k, v in part.items()}
 
 
+def lockstep_groups(mixers: dict[int, nn.Module], budget: int) -> list[list[int]]:
+    """The layers of `mixers` (sorted) in consecutive groups to align together, each group's
+    alignment state (gradients, AdamW's two moments and the best parameters: four copies of its
+    parameters) within `budget` bytes; a layer larger than the budget alone."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for layer in sorted(mixers):
+        need = 4 * sum(p.numel() * p.element_size() for p in mixers[layer].parameters())
+        if groups[-1] and size + need > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += need
+    return groups if groups[0] else []
+
+
 def align_layers(
     mixers: dict[int, nn.Module],
     data: dict[int, LayerData],
@@ -391,17 +407,24 @@ def align_layers(
     writer=None,
     progress: bool = True,
     seed: int = 0,
+    lockstep_budget: int | None = None,
 ) -> dict[int, dict]:
     """Align every layer of `mixers`; with a process group, rank r aligns layers r, r+W, ... (in
     sorted order) and the aligned parameters are broadcast from their owner, so every rank ends
     with all layers aligned. A rank aligns its layers in lockstep (`align_together`: the same
-    results as one after another). Returns per-layer reports (on every rank)."""
+    results as one after another), in groups whose alignment state fits `lockstep_budget` bytes
+    (default: a quarter of the GPU, a tenth of the RAM). Returns per-layer reports (on every rank)."""
+    from .stats import default_io_cache_budget
+
     work = LayerWork(group, writer, progress)
     layers = sorted(mixers)
-    mine = [l for i, l in enumerate(layers) if _owner(i, work.world) == work.rank]
+    mine = {l: mixers[l] for i, l in enumerate(layers) if _owner(i, work.world) == work.rank}
     if mine:
-        work.align_many({l: mixers[l] for l in mine}, {l: data[l] for l in mine}, settings,
-                        {l: heldout.get(l) for l in mine} if heldout else {}, seed, progress=True)
+        device = next(next(iter(mine.values())).parameters()).device
+        budget = default_io_cache_budget(device) if lockstep_budget is None else lockstep_budget
+        for part in lockstep_groups(mine, budget):
+            work.align_many({l: mine[l] for l in part}, {l: data[l] for l in part}, settings,
+                            {l: heldout.get(l) for l in part} if heldout else {}, seed, progress=True)
     if work.world > 1:
         for position, layer in enumerate(layers):
             work.broadcast(mixers[layer], position)

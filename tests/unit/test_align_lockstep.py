@@ -101,3 +101,24 @@ def test_the_step_loop_reads_nothing_back(layers, name, monkeypatch):
     with _HostReads() as reads:  # the watcher sees reads where there are some
         align.relative_mse(mixers[0], train[0])
     assert "__float__" in reads.calls
+
+
+def test_lockstep_groups_fit_the_budget_and_any_grouping_gives_the_same_layers(layers):
+    from megatron_tc.calibrate.align import align_layers, lockstep_groups
+
+    mixers, train, held = layers
+    state = 4 * sum(p.numel() * 4 for p in mixers[0].parameters())  # grads, 2 AdamW moments, best: fp32
+    assert lockstep_groups(mixers, 2 * state) == [[0, 2]]
+    assert lockstep_groups(mixers, 2 * state - 1) == lockstep_groups(mixers, 0) == [[0], [2]]
+    assert lockstep_groups({}, 0) == []
+    settings = SETTINGS["heldout, 2 rows a step"]
+    results = {}
+    for budget in (0, 2 * state):
+        copies = copy.deepcopy(mixers)
+        reports = align_layers(copies, train, settings, held, progress=False, seed=5, lockstep_budget=budget)
+        results[budget] = (reports, {l: copies[l].state_dict() for l in LAYERS})
+    (alone, alone_states), (together, together_states) = results.values()
+    assert alone == together
+    for l in LAYERS:
+        for key, value in alone_states[l].items():
+            assert torch.equal(together_states[l][key], value), (l, key)
