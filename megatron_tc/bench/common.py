@@ -178,6 +178,29 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12) -> 
     return rows
 
 
+def host_syncs(fn: Callable[[], Any], device: torch.device, top: int = 3) -> dict[str, Any]:
+    """One warm call of `fn` with CUDA's sync debug mode on: how many times the host waited for
+    the device (`item()`, a copy to the host, a plain copy from pageable memory, `nonzero`, ...) and
+    the Python lines that waited most. {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    import warnings
+    from collections import Counter
+
+    fn()
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"host_syncs": sum(sites.values()),
+            "where": "; ".join(f"{site} x{count}" for site, count in sites.most_common(top))}
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Versions and machine, recorded with every result file."""
     info: dict[str, Any] = {

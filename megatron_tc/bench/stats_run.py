@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_tc.bench.common import Report, pick_device, profile_rows, rel_err, sync, time_fn
+from megatron_tc.bench.common import Report, host_syncs, pick_device, profile_rows, rel_err, sync, time_fn
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern
 from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats, collect_stats
@@ -21,7 +21,7 @@ from megatron_tc.calibrate.student import calibrate_student, converted_layers
 from megatron_tc.model import HybridLM
 from megatron_tc.model.gdn import GatedDeltaNet
 
-STATS_GOAL, CALIBRATE_GOAL_S = 1.5, 180.0
+STATS_GOAL, CALIBRATE_GOAL_S = 1.5, 60.0
 
 
 def random_batches(vocab: int, rows: int, seq: int, num: int, device) -> list[dict[str, torch.Tensor]]:
@@ -69,14 +69,16 @@ def kernel_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk
             "median_rel_err": sorted(errors.values())[len(errors) // 2]}
 
 
-def warm_gdn_kernels(arch, layer: int, device, seq: int) -> float:
-    """First use of the fp32 GDN kernels (forward + backward) outside the timed calibration; seconds."""
+def warm_gdn_kernels(arch, layer: int, device, seq: int, align_dtype: torch.dtype = torch.float32) -> float:
+    """First use of the GDN kernels outside the timed calibration: the fp32 forward of the readout
+    sums, forward + backward in the alignment's dtype; seconds."""
     start = time.perf_counter()
     mixer = GatedDeltaNet(arch, layer).to(device)
     x = torch.randn(2, seq, arch.hidden_size, device=device)
-    mixer(x).square().mean().backward()
     with torch.no_grad():
         mixer(x)
+    mixer.to(align_dtype)
+    mixer(x.to(align_dtype)).float().square().mean().backward()
     sync(device)
     return time.perf_counter() - start
 
@@ -122,9 +124,19 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
             row["note"] = f"failed: {type(exc).__name__}"
             report.error(label, exc)
         report.add("rows", row)
-    if strategies and args.profile and "stats" in holder:
-        for row in profile_rows(sweep2, device):
-            report.add("profile", row)
+    if args.profile and "stats" in holder:
+        passes = [("sweep 1", sweep1)] + ([("sweep 2", sweep2)] if strategies else [])
+        for name, fn in passes:
+            for row in profile_rows(fn, device):
+                report.add("profile", {"pass": name, **row})
+        if strategies:
+            passes.append(("collect_stats", lambda: collect_stats(
+                teacher, batches, layers, meta, readout_strategies=strategies, student_arch=student_arch,
+                chunk_size=args.chunk_size, progress=False)))
+        for name, fn in passes:
+            syncs = host_syncs(fn, device)
+            if syncs:
+                report.add("syncs", {"what": name, **syncs})
     if all("ms" in r for r in report.data["rows"][-len(rows):]):
         report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
                             "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
@@ -164,17 +176,25 @@ def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
     align = strategy.align if args.align_steps is None else replace(strategy.align, steps=args.align_steps)
     row = {"init": strategy.name, "tokens": rows * args.calib_seq, "seq": args.calib_seq,
            "converted_layers": len(converted_layers(pattern)), "align_steps": align.steps}
+    align_dtype = torch.bfloat16 if align.dtype == "bfloat16" else torch.float32
+
+    def calibrate(steps: int):
+        return calibrate_student(teacher, keep, strategy, calib_batches=calib, teacher_sha256=None,
+                                 align=replace(align, steps=steps), progress=False, meta={"seq_len": args.calib_seq})
+
     try:
         row["warmup_s"] = warm_gdn_kernels(arch.with_pattern(pattern), converted_layers(pattern)[0], device,
-                                           args.calib_seq)
-        sync(device)
+                                           args.calib_seq, align_dtype)
         start = time.perf_counter()
-        _, result = calibrate_student(teacher, keep, strategy, calib_batches=calib, teacher_sha256=None, align=align,
-                                      progress=False, meta={"seq_len": args.calib_seq})
+        calibrate(min(align.steps, 2))  # every kernel at the timed run's shapes (compiled blocks included)
+        sync(device)
+        row["warmup_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        _, result = calibrate(align.steps)
         sync(device)
         row["wall_s"] = time.perf_counter() - start
         row.update(stats_s=result.get("stats_seconds"), align_s=result.get("align_seconds"),
-                   goal=f"< {CALIBRATE_GOAL_S:.0f} s", met=row["wall_s"] < CALIBRATE_GOAL_S)
+                   goal=f"<= {CALIBRATE_GOAL_S:.0f} s", met=row["wall_s"] <= CALIBRATE_GOAL_S)
         best = [v["best"] for v in result.get("align", {}).values()]
         if best:
             row["mean_best_rel_mse"] = sum(best) / len(best)
@@ -182,6 +202,11 @@ def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
         row["note"] = f"failed: {type(exc).__name__}"
         report.error("calibrate_student", exc)
     report.add("calibrate", row)
+    if args.profile and "wall_s" in row:  # the same run, 10 alignment steps, with the host's waits counted
+        steps = min(align.steps, 10)
+        syncs = host_syncs(lambda: calibrate(steps), device)
+        if syncs:
+            report.add("syncs", {"what": f"calibrate_student ({steps} alignment steps)", **syncs})
 
 
 
@@ -220,8 +245,9 @@ def run(args: Any) -> int:
         ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
         ("Statistics pass vs teacher forward (same tokens)", "rows",
          ["pass", "impl", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
-        ("Sweep 2 profile (self time; all operators, then the heaviest)", "profile",
-         ["op", "calls", "host_ms", "device_ms"]),
+        ("Sweep profiles (self time; all operators, then the heaviest)", "profile",
+         ["pass", "op", "calls", "host_ms", "device_ms"]),
+        ("Host waits for the device (one warm call, CUDA sync debug mode)", "syncs", ["what", "host_syncs", "where"]),
         ("Calibration wall time (taylor_calibrate)", "calibrate",
          ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
           "mean_best_rel_mse", "goal", "met", "note"]),

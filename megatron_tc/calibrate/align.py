@@ -11,10 +11,14 @@ o_norm, convolutions); 'paper' = q/k/v weights and everything else but o_proj an
 stay frozen. The best parameters by the chosen criterion (held-out calibration tokens, or the
 training loss as the authors) are kept; with 'before_update' step 0 (the closed-form init) is a
 candidate, so alignment never returns something worse by that criterion.
+
+A rank aligns its layers in lockstep (`align_together`): every step runs each layer's forward and
+backward, then one AdamW step over all of them. The layers are independent (own loss, clipping,
+row draws, best state), so the results are those of one layer after another, bit for bit; the
+losses and the best state stay on the device, so the host queues steps without waiting.
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -41,6 +45,11 @@ class LayerData:
 
     def rows(self, index: torch.Tensor) -> "LayerData":
         return LayerData(self.x[index], self.y[index], None if self.doc_ids is None else self.doc_ids[index])
+
+    def slice(self, start: int, stop: int) -> "LayerData":
+        """Rows start..stop-1 as views (no copy)."""
+        docs = None if self.doc_ids is None else self.doc_ids[start:stop]
+        return LayerData(self.x[start:stop], self.y[start:stop], docs)
 
 
 @torch.no_grad()
@@ -70,15 +79,20 @@ def collect_layer_io(model: nn.Module, batches, layers: list[int], keep_resid: b
 
 def relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> float:
     """mean|mixer(x) - y|^2 / mean|y|^2 over all rows of `data`, in row batches."""
-    err = ref = 0.0
+    return float(_relative_mse(mixer, data, rows))
+
+
+def _relative_mse(mixer: nn.Module, data: LayerData, rows: int = 4) -> torch.Tensor:
+    """`relative_mse` as an fp64 scalar on the data's device (summed in the same order)."""
     dtype = next(mixer.parameters()).dtype
+    err = ref = torch.zeros((), dtype=torch.float64, device=data.x.device)
     with torch.no_grad():
         for start in range(0, data.x.shape[0], rows):
-            part = data.rows(torch.arange(start, min(start + rows, data.x.shape[0]), device=data.x.device))
+            part = data.slice(start, start + rows)
             out = mixer(part.x.to(dtype), doc_ids=part.doc_ids).float()
-            err += float((out - part.y).double().pow(2).sum())
-            ref += float(part.y.double().pow(2).sum())
-    return err / max(ref, 1e-30)
+            err = err + (out - part.y).double().pow(2).sum()
+            ref = ref + part.y.double().pow(2).sum()
+    return err / ref.clamp_min(1e-30)
 
 
 PAPER_PROJ_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
@@ -109,11 +123,16 @@ def _loss(out: torch.Tensor, y: torch.Tensor, settings: AlignSettings) -> torch.
     return err if settings.loss == "absolute" else err / y.pow(2).mean().clamp_min(1e-30)
 
 
-def _train_rows(n: int, settings: AlignSettings, generator) -> torch.Tensor:
-    """This step's rows: all of them (batch_rows 0), else batch_rows drawn at random."""
+def _row_draws(n: int, settings: AlignSettings, seed: int, device: torch.device) -> torch.Tensor | None:
+    """[steps + 1, rows] the rows of every step (and of the last score with best_on 'train'), drawn
+    up front from a CPU generator seeded by `seed` (the same rows on every device) and sent to the
+    device at once; None when every step takes all rows (batch_rows 0)."""
     if settings.batch_rows <= 0:
-        return torch.arange(n)
-    return torch.randint(0, n, (min(settings.batch_rows, n),), generator=generator, device="cpu")
+        return None
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    size = (min(settings.batch_rows, n),)
+    draws = [torch.randint(0, n, size, generator=generator, device="cpu") for _ in range(settings.steps + 1)]
+    return torch.stack(draws).to(device)
 
 
 def _check(settings: AlignSettings, heldout) -> None:
@@ -126,14 +145,6 @@ def _check(settings: AlignSettings, heldout) -> None:
         raise ValueError("best_on='heldout' needs held-out calibration data")
 
 
-def _minibatch_loss(mixer: nn.Module, train: LayerData, settings: AlignSettings, generator) -> float:
-    """Training loss of the current parameters on one training minibatch (no update)."""
-    rows = _train_rows(train.x.shape[0], settings, generator)
-    with torch.no_grad():
-        part = train.rows(rows.to(train.x.device))
-        return float(_loss(mixer(part.x, doc_ids=part.doc_ids), part.y, settings))
-
-
 def _in_dtype(data: LayerData, dtype: torch.dtype) -> LayerData:
     """Inputs in `dtype`; targets rounded to it (as a bf16 teacher computes them), kept fp32."""
     if dtype == torch.float32:
@@ -141,87 +152,180 @@ def _in_dtype(data: LayerData, dtype: torch.dtype) -> LayerData:
     return LayerData(data.x.to(dtype), data.y.to(dtype).float(), data.doc_ids, data.resid)
 
 
+@dataclass
+class AlignJob:
+    """One layer to align: its mixer (changed in place), training rows, held-out rows (best_on
+    'heldout'), the seed of its row draws and its TensorBoard tag."""
+
+    mixer: nn.Module
+    train: LayerData
+    heldout: LayerData | None = None
+    seed: int = 0
+    tag: str = ""
+
+
 def align_layer(
     mixer: nn.Module, train: LayerData, settings: AlignSettings, heldout: LayerData | None = None,
     seed: int = 0, log=None, tag: str = "",
 ) -> dict:
-    """Align one GDN mixer in place; returns {initial, best, best_step, final, curve}. `log(tag,
-    value, step)` receives the training loss every step and the held-out loss every eval."""
-    _check(settings, heldout)
+    """Align one GDN mixer in place; returns {initial, best, best_step, steps, curve, loss}.
+    `log(tag, value, step)` receives the training loss of every step and the held-out loss of
+    every eval (after the last step)."""
+    return align_together([AlignJob(mixer, train, heldout, seed, tag)], settings, log)[0]
+
+
+def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, progress: bool = False) -> list[dict]:
+    """Align every job's mixer in place, in lockstep: each step runs every layer's forward and
+    backward, then one AdamW step over all layers' (disjoint) parameters. Each layer keeps its own
+    loss, gradient clipping, row draws (seeded by its job) and best state, so every result equals
+    that of aligning the layers one after another, to the bit. Losses, best-state choices and the
+    kept parameters stay on the device until the end: the host never waits inside the loop.
+    Returns one report per job (as `align_layer`)."""
+    for job in jobs:
+        _check(settings, job.heldout)
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
-    home = next(mixer.parameters()).dtype
-    mixer.to(dtype)
-    train = _in_dtype(train, dtype)
-    frozen = {name: p.requires_grad for name, p in mixer.named_parameters()}
+    homes = [(next(job.mixer.parameters()).dtype, {n: p.requires_grad for n, p in job.mixer.named_parameters()})
+             for job in jobs]
     try:
-        report = _align_steps(mixer, train, settings, heldout, seed, log, tag)
+        for job in jobs:
+            job.mixer.to(dtype)
+        runs = [_LayerRun(job, _in_dtype(job.train, dtype), settings) for job in jobs]
+        _lockstep(runs, settings, progress)
+        return [run.finish(log) for run in runs]
     finally:
-        for name, param in mixer.named_parameters():
-            param.requires_grad_(frozen[name])
-        mixer.to(home)
-    return report
+        for job, (home, grads) in zip(jobs, homes):
+            for name, param in job.mixer.named_parameters():
+                param.requires_grad_(grads[name])
+            job.mixer.to(home)
 
 
-def _align_steps(mixer, train: LayerData, settings: AlignSettings, heldout, seed: int, log, tag: str) -> dict:
-    generator = torch.Generator(device="cpu").manual_seed(seed)  # the same rows on every device
-    optimizer = torch.optim.AdamW(_param_groups(mixer, settings), betas=tuple(settings.betas))
-    trained = [p for group in optimizer.param_groups for p in group["params"]]
+def _lockstep(runs: list["_LayerRun"], settings: AlignSettings, progress: bool) -> None:
+    """The steps of every run together, one AdamW over all layers (the same two parameter groups
+    in each: per-element updates do not depend on which tensors share an optimizer)."""
+    groups = [_param_groups(run.mixer, settings) for run in runs]
+    merged = [dict(group, params=[p for layer in groups for p in layer[i]["params"]])
+              for i, group in enumerate(groups[0])]
+    optimizer = torch.optim.AdamW(merged, betas=tuple(settings.betas))
+    for run, layer in zip(runs, groups):
+        run.start([p for group in layer for p in group["params"]])
     scheduler = None
     if settings.schedule == "cosine":
         total = max(settings.steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
-    n, device = train.x.shape[0], train.x.device
-    score = (lambda: relative_mse(mixer, heldout)) if settings.best_on == "heldout" else None
-    after_update = score is None and settings.best_state == "after_update"
-    if score:
-        initial = score()
-    else:
-        first = train.rows(torch.arange(n if settings.batch_rows <= 0 else min(n, settings.batch_rows), device=device))
-        with torch.no_grad():
-            initial = float(_loss(mixer(first.x, doc_ids=first.doc_ids), first.y, settings))
-    best, best_step, best_state = initial, 0, copy.deepcopy(mixer.state_dict())
-    if after_update:  # the authors' loop never keeps the closed form itself
-        best, best_state = math.inf, None
-    curve = [(0, initial)]
-    mixer.train()
-    for step in range(1, settings.steps + 1):
-        part = train.rows(_train_rows(n, settings, generator).to(device))
-        loss = _loss(mixer(part.x, doc_ids=part.doc_ids), part.y, settings)
-        improved = score is None and float(loss.detach()) < best
-        if improved and not after_update:
-            # the loss was measured on the parameters *before* this step: those are kept (step - 1 updates)
-            best, best_step, best_state = float(loss.detach()), step - 1, copy.deepcopy(mixer.state_dict())
+    steps = range(1, settings.steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=f"align {len(runs)} layers", unit="step", dynamic_ncols=True)
+    for step in steps:
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        for run in runs:
+            run.forward_backward(step)
         # torch < 2.13 creates Adam's step counters on the default device (a caller's
         # `torch.device(...)` context included); newer torch puts them on the CPU: do so everywhere
         with torch.device("cpu"):
             optimizer.step()
-        if improved and after_update:
-            best, best_step, best_state = float(loss.detach()), step, copy.deepcopy(mixer.state_dict())
         if scheduler is not None:
             scheduler.step()
+        for run in runs:
+            run.after_update(step)
+
+
+class _LayerRun:
+    """One layer's alignment state: its rows, the loss of every step, the best score, its step
+    and the parameters it was scored on (flat, trained parameters only), all on the device.
+
+    Candidates, as the criterion says: best_on 'heldout' scores the parameters after every
+    eval_every-th update (and the last) on the held-out rows; 'train' with 'before_update' the
+    parameters each step's minibatch loss was measured on (step - 1 updates; the closed form is
+    step 0), and after the last update one more minibatch; 'after_update' (the authors' loop)
+    pairs each step's loss with the parameters after that step's update."""
+
+    def __init__(self, job: AlignJob, train: LayerData, settings: AlignSettings):
+        self.mixer, self.train, self.heldout, self.tag, self.settings = job.mixer, train, job.heldout, job.tag, settings
+        self.device = train.x.device
+        self.rows = _row_draws(train.x.shape[0], settings, job.seed, self.device)
+        self.on_heldout = settings.best_on == "heldout"
+        self.after = not self.on_heldout and settings.best_state == "after_update"
+        self.losses = torch.zeros(settings.steps, dtype=torch.float32, device=self.device)
+        self.curve: list[tuple[int, torch.Tensor]] = []
+
+    def _batch(self, draw: int) -> LayerData:
+        return self.train if self.rows is None else self.train.rows(self.rows[draw])
+
+    def _flat(self) -> torch.Tensor:
+        if not self.trained:
+            return torch.zeros(0, device=self.device)
+        return torch.cat([p.detach().reshape(-1) for p in self.trained])
+
+    def _offer(self, value: torch.Tensor, step: int) -> None:
+        """Keep the current parameters when `value` (fp64 scalar) is below the best so far."""
+        better = value < self.best
+        self.best = torch.where(better, value, self.best)
+        self.best_step = torch.where(better, step, self.best_step)
+        self.best_flat = torch.where(better, self._flat(), self.best_flat)
+
+    def start(self, trained: list[torch.Tensor]) -> None:
+        self.trained = trained
+        if self.on_heldout:
+            self.initial = _relative_mse(self.mixer, self.heldout)
+        else:
+            n = self.train.x.shape[0]
+            first = self.train.slice(0, n if self.settings.batch_rows <= 0 else min(n, self.settings.batch_rows))
+            with torch.no_grad():
+                self.initial = _loss(self.mixer(first.x, doc_ids=first.doc_ids), first.y, self.settings).double()
+        self.best = torch.full_like(self.initial, math.inf) if self.after else self.initial
+        self.best_step = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.best_flat = self._flat()
+        self.curve.append((0, self.initial))
+        self.mixer.train()
+
+    def forward_backward(self, step: int) -> None:
+        part = self._batch(step - 1)
+        loss = _loss(self.mixer(part.x, doc_ids=part.doc_ids), part.y, self.settings)
+        self.losses[step - 1] = loss.detach()
+        self.loss = loss.detach().double()
+        if not self.on_heldout and not self.after:
+            self._offer(self.loss, step - 1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
+
+    def after_update(self, step: int) -> None:
+        settings = self.settings
+        if self.after:
+            self._offer(self.loss, step)
+        elif self.on_heldout:
+            if step % settings.eval_every == 0 or step == settings.steps:
+                self.mixer.eval()
+                value = _relative_mse(self.mixer, self.heldout)
+                self.mixer.train()
+                self.curve.append((step, value))
+                self._offer(value, step)
+        elif step == settings.steps:  # the last update is scored on one more minibatch
+            part = self._batch(step)
+            with torch.no_grad():
+                self._offer(_loss(self.mixer(part.x, doc_ids=part.doc_ids), part.y, self.settings).double(), step)
+
+    def finish(self, log) -> dict:
+        """Load the best parameters (none when no step was finite with 'after_update'), log the
+        curve, and return the report."""
+        best = float(self.best)
+        if math.isfinite(best) or not self.after:
+            with torch.no_grad():
+                offset = 0
+                for param in self.trained:
+                    param.copy_(self.best_flat[offset:offset + param.numel()].view_as(param))
+                    offset += param.numel()
+        self.mixer.eval()
+        curve = [(step, float(value)) for step, value in self.curve]
         if log is not None:
-            log(f"align/{tag}/train", float(loss.detach()), step)
-        value = None
-        if score is None:
-            if step == settings.steps and not after_update:  # the last update is scored on one more minibatch
-                value = _minibatch_loss(mixer, train, settings, generator)
-        elif step % settings.eval_every == 0 or step == settings.steps:
-            mixer.eval()
-            value = score()
-            mixer.train()
-            curve.append((step, value))
-            if log is not None:
-                log(f"align/{tag}/heldout", value, step)
-        if value is not None and value < best:
-            best, best_step, best_state = value, step, copy.deepcopy(mixer.state_dict())
-    if best_state is not None:
-        mixer.load_state_dict(best_state)
-    mixer.eval()
-    return {"initial": initial, "best": best, "best_step": best_step, "steps": settings.steps, "curve": curve,
-            "loss": settings.loss}
+            scored = dict(curve[1:])
+            for step, loss in enumerate(self.losses.tolist(), start=1):
+                log(f"align/{self.tag}/train", loss, step)
+                if self.on_heldout and step in scored:
+                    log(f"align/{self.tag}/heldout", scored[step], step)
+        return {"initial": curve[0][1], "best": best, "best_step": int(self.best_step), "steps": self.settings.steps,
+                "curve": curve, "loss": self.settings.loss}
 
 
 def _owner(position: int, world: int) -> int:
@@ -250,10 +354,18 @@ class LayerWork:
 
     def align(self, layer: int, mixer: nn.Module, train: LayerData, settings: AlignSettings,
               heldout: LayerData | None, seed: int) -> None:
-        report = self.reports[layer] = align_layer(mixer, train, settings, heldout, seed + layer, self.log, f"L{layer:02d}")
-        if self.log is not None:
-            self.log("align/best_relative_mse", report["best"], layer)
-            self.log("align/initial_relative_mse", report["initial"], layer)
+        self.align_many({layer: mixer}, {layer: train}, settings, {layer: heldout}, seed)
+
+    def align_many(self, mixers: dict[int, nn.Module], data: dict[int, LayerData], settings: AlignSettings,
+                   heldout: dict[int, LayerData | None], seed: int, progress: bool = False) -> None:
+        """Align `mixers` in lockstep (`align_together`); layer l draws its rows with seed + l."""
+        layers = sorted(mixers)
+        jobs = [AlignJob(mixers[l], data[l], heldout.get(l), seed + l, f"L{l:02d}") for l in layers]
+        for layer, report in zip(layers, align_together(jobs, settings, self.log, progress and self.progress)):
+            self.reports[layer] = report
+            if self.log is not None:
+                self.log("align/best_relative_mse", report["best"], layer)
+                self.log("align/initial_relative_mse", report["initial"], layer)
 
     def broadcast(self, mixer: nn.Module, position: int) -> None:
         """The mixer's parameters from the rank owning `position`, to every rank."""
@@ -270,6 +382,22 @@ class LayerWork:
         return {k: v for part in gathered for k, v in part.items()}
 
 
+def lockstep_groups(mixers: dict[int, nn.Module], budget: int) -> list[list[int]]:
+    """The layers of `mixers` (sorted) in consecutive groups to align together, each group's
+    alignment state (gradients, AdamW's two moments and the best parameters: four copies of its
+    parameters) within `budget` bytes; a layer larger than the budget alone."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for layer in sorted(mixers):
+        need = 4 * sum(p.numel() * p.element_size() for p in mixers[layer].parameters())
+        if groups[-1] and size + need > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += need
+    return groups if groups[0] else []
+
+
 def align_layers(
     mixers: dict[int, nn.Module],
     data: dict[int, LayerData],
@@ -279,15 +407,24 @@ def align_layers(
     writer=None,
     progress: bool = True,
     seed: int = 0,
+    lockstep_budget: int | None = None,
 ) -> dict[int, dict]:
     """Align every layer of `mixers`; with a process group, rank r aligns layers r, r+W, ... (in
     sorted order) and the aligned parameters are broadcast from their owner, so every rank ends
-    with all layers aligned. Returns per-layer reports (on every rank)."""
+    with all layers aligned. A rank aligns its layers in lockstep (`align_together`: the same
+    results as one after another), in groups whose alignment state fits `lockstep_budget` bytes
+    (default: a quarter of the GPU, a tenth of the RAM). Returns per-layer reports (on every rank)."""
+    from .stats import default_io_cache_budget
+
     work = LayerWork(group, writer, progress)
     layers = sorted(mixers)
-    mine = [l for i, l in enumerate(layers) if _owner(i, work.world) == work.rank]
-    for layer in work.bar(mine, "align layers"):
-        work.align(layer, mixers[layer], data[layer], settings, heldout.get(layer) if heldout else None, seed)
+    mine = {l: mixers[l] for i, l in enumerate(layers) if _owner(i, work.world) == work.rank}
+    if mine:
+        device = next(next(iter(mine.values())).parameters()).device
+        budget = default_io_cache_budget(device) if lockstep_budget is None else lockstep_budget
+        for part in lockstep_groups(mine, budget):
+            work.align_many({l: mine[l] for l in part}, {l: data[l] for l in part}, settings,
+                            {l: heldout.get(l) for l in part} if heldout else {}, seed, progress=True)
     if work.world > 1:
         for position, layer in enumerate(layers):
             work.broadcast(mixers[layer], position)

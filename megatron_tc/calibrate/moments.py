@@ -326,7 +326,7 @@ def layer_input_sums(
     b, t, _ = x.shape
     n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, x.device)
     return {
-        "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
+        "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
         "count2": (n >= 2).sum().to(F64),
         "count3": ((n - sink_seen.long()) >= 2).sum().to(F64),
         "x_sum": x.to(F64).sum(dim=(0, 1)),

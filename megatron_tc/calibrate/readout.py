@@ -62,7 +62,7 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2
     v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
     b, t, _ = v.shape
     v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
-    scales = VALUE_SCALE_GRID.to(device=v.device, dtype=torch.float32)
+    scales = _value_scales_on(v.device)
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
@@ -70,6 +70,17 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2
         parts.append(_sum64(act * act, (1, 3)))
     out = torch.cat(parts).t()  # [Hkv, C]
     return out.repeat_interleave(mixer.num_heads // mixer.kv_heads, dim=0)
+
+
+_VALUE_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _value_scales_on(device: torch.device) -> torch.Tensor:
+    """VALUE_SCALE_GRID in fp32 on `device`, copied there once (a copy per call would wait for
+    the device's queue each time)."""
+    if device not in _VALUE_SCALES:
+        _VALUE_SCALES[device] = VALUE_SCALE_GRID.to(device=device, dtype=torch.float32)
+    return _VALUE_SCALES[device]
 
 
 def _sum64(x: torch.Tensor, dim) -> torch.Tensor:
@@ -135,7 +146,7 @@ def readout_sums(
         "YY": _sum64(out.float().pow(2), None),
         "beta": _sum64(beta.float(), (0, 1)),
         "g": _sum64(g.float(), (0, 1)),
-        "count": torch.tensor(float(b * t), dtype=F64, device=x.device),
+        "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
         # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
         "ry": _sum64(raw * yt, (0, 1, 3)),
         "rr": _sum64(raw * raw, (0, 1, 3)),

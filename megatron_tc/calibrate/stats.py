@@ -14,13 +14,15 @@ the same forward; it needs only each layer's input and output, though. `collect_
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
 the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
-on the next layer's closed form (CPU math, ~0.1 s a layer) overlaps the device's sums of this one.
+on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
+sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
+It all runs on the calling thread: with the closed forms on a second host thread the one-forward
+pass measured twice as slow on an H200 as the two-forward one.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import torch
@@ -52,8 +54,19 @@ def _rank0(group) -> bool:
 
 
 def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
-    """A whole teacher mixer's weights on the CPU: strategies are small CPU math (LayerContext)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in mixer.state_dict().items()}
+    """A whole teacher mixer's weights where they are (no copy: strategies clone what they keep).
+    Copying them to the CPU would wait for every kernel queued on the device."""
+    return {k: v.detach() for k, v in mixer.state_dict().items()}
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
+    the kernels queued there (a plain copy synchronizes the stream)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -165,7 +178,8 @@ def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
 def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
                   seed: int = 0, teacher_mixer: nn.Module | None = None) -> tuple[GatedDeltaNet, list]:
     """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
-    candidates, in fp32 on the teacher's device (the closed form itself is CPU math).
+    candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
+    their device and the statistics and default init on the CPU; nothing here waits for the device.
     teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer)."""
     device = model_device(model)
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
@@ -175,9 +189,9 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
         mixer = GatedDeltaNet(student_arch, index)
     mixer = mixer.to_empty(device=device)
-    mixer.load_state_dict(params)
+    mixer.load_state_dict({k: _to_device(v, device) for k, v in params.items()})
     mixer.eval()
-    candidates = [None if c is None else c.to(device) for c in strategy.gate_candidates(ctx, params)]
+    candidates = [None if c is None else _to_device(c, device) for c in strategy.gate_candidates(ctx, params)]
     return mixer, candidates
 
 
@@ -212,8 +226,8 @@ def collect_readout_stats(
     one rank doing every layer (the other ranks add zeros).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
-    Then the sweep goes layer by layer: a second host thread works out layer l+1's closed form
-    (CPU math) while this one queues layer l's sums over every batch on the device. The sums are
+    Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
+    works out layer l+1's closed form (without waiting for the device) while the device sums. The sums are
     those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
     same order)."""
     closed_forms = readout_closed_forms(strategies)
@@ -252,23 +266,18 @@ def collect_readout_stats(
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:
-        # layer l+1's closed form (host math: the default init it starts from, the fit) is worked
-        # out on a second thread while this one queues layer l's sums on the device; under TP the
-        # build gathers attention (a collective), so it stays on this thread, in step with every rank
+        # the host builds layer l+1 (closed form, default init: host math that never waits for the
+        # device) after queueing layer l's sums, so the device works on those meanwhile; one thread,
+        # so the host's kernel launches never contend with a second thread for the interpreter
         layers = list(stats.layers)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            ahead = tp == 1
-            pending = pool.submit(build, layers[0]) if ahead and layers else None
-            for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
-                if ahead:
-                    pending.result()
-                    if position + 1 < len(layers):
-                        pending = pool.submit(build, layers[position + 1])
-                else:
-                    build(index)
-                for kept in layer_io:
-                    on_layer(index, kept[index])
-                teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
+        for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
+            if position == 0:
+                build(index)
+            for kept in layer_io:
+                on_layer(index, kept[index])
+            if position + 1 < len(layers):
+                build(layers[position + 1])  # under TP a collective: every rank in the same order
+            teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)

@@ -33,7 +33,10 @@ class StrategyError(ValueError):
 @dataclass
 class LayerContext:
     """Everything a strategy may read for converted layer `index`. teacher: the teacher mixer's
-    unsharded state dict (q_proj.weight, ...); default: a default-initialized GDN mixer state."""
+    unsharded state dict (q_proj.weight, ...), on the teacher's device while the statistics pass
+    builds its readout mixers, else on the CPU; default: a default-initialized GDN mixer state and
+    stats, always on the CPU. A strategy's output may mix the two devices (it is loaded into a
+    module), but one operation must not: bring a CPU tensor to the teacher's with `.to(w.device)`."""
 
     index: int
     arch: ArchConfig

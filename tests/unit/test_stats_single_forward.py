@@ -37,3 +37,31 @@ def test_the_budget_decides_exactly_at_the_cache_size():
     needed = 2 * 4 * 24 * len(LAYERS) * 32 * 4
     assert stats_and_forwards(needed)[1] == 4
     assert stats_and_forwards(needed - 1)[1] == 8
+
+
+def test_readout_closed_forms_read_the_teacher_where_it_is():
+    """Sweep 2 builds each layer's readout mixer from the teacher's weights on their device (a
+    copy to the CPU would wait for the device's queue) and the statistics on the CPU: with the
+    teacher on `meta`, any operation mixing the two fails. The mixers equal those of a CPU teacher."""
+    from megatron_tc.calibrate.stats import collect_attention_stats, readout_mixer
+    from megatron_tc.calibrate.strategies import REGISTRY
+
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    stats = collect_attention_stats(model, row_batches(ids, doc_ids, range(2)), LAYERS,
+                                    {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
+    arch = model.arch.with_pattern("GAG")
+    on_meta = model.to("meta")
+    cpu_model = tiny_teacher_and_rows()[0]
+    closed_forms = [name for name in REGISTRY if get_strategy(name).needs_readout
+                    and get_strategy(name).readout_name == name]
+    assert {"taylor", "taylor_fit", "taylor_fit-closed", "taylor_fit-bias"} <= set(closed_forms)
+    for name in closed_forms:
+        for index in LAYERS:
+            mixer, candidates = readout_mixer(get_strategy(name), stats, on_meta, arch, index)
+            want, want_candidates = readout_mixer(get_strategy(name), stats, cpu_model, arch, index)
+            assert all(p.device.type == "meta" for p in mixer.parameters()), name
+            assert [c is None or c.device.type == "meta" for c in candidates] == [True] * len(candidates)
+            assert len(candidates) == len(want_candidates)
+            got = mixer.state_dict()
+            for key, value in want.state_dict().items():
+                assert got[key].shape == value.shape and got[key].dtype == value.dtype == torch.float32, (name, key)

@@ -17,15 +17,18 @@ to the forward (goal: the statistics pass <= 1.5x); and the pass as the pipeline
 `collect_stats` with both sweeps from one teacher forward per batch. Sweep 1 takes the fused Triton kernel on CUDA
 (`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
-measures the kernel's gain. --profile runs sweep 2 once more under torch.profiler and reports its
-host and device self time, in total and for the heaviest operators (is it bound by the host?).
+measures the kernel's gain. --profile runs each sweep once more under torch.profiler and reports
+its host and device self time, in total and for the heaviest operators (is it bound by the host?),
+and counts the host's waits for the device (CUDA sync debug mode) in each sweep, in collect_stats
+and in a calibration with 10 alignment steps.
 Checks: sweep-1 sums of one [1, 256] batch on the device against the same pass of an fp32 copy of
 the teacher on the CPU; with --sweep1-reference also the kernel's sums against the PyTorch chunks'
 on the device (same teacher and dtype).
 
 Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibrate", ...)` over
---calib-tokens tokens in rows of --calib-seq, after a warm-up of the GDN kernels in fp32 (their
-first use compiles), timed wall clock; goal < 3 min on one H200.
+--calib-tokens tokens in rows of --calib-seq, timed wall clock after a warm-up (first uses compile:
+the GDN kernels in fp32 and in the alignment's dtype, then the whole calibration with 2 alignment
+steps); goal <= 60 s on one H200.
 """
 import argparse
 import sys
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time sweep 1 with the PyTorch chunks (and check the kernel against them)")
     p.add_argument("--budget-ms", type=float, default=2000.0)
     p.add_argument("--profile", action="store_true",
-                   help="profile one warm sweep 2: host and device time, and its heaviest operators")
+                   help="profile one warm call of each sweep (host and device time, heaviest operators) "
+                        "and count the host's waits for the device")
     args = parse_args(p, argv, dict(batch=2, seq=64, num_batches=2, chunk_size=16, calib_tokens=256, calib_seq=32,
                                     align_steps=3, budget_ms=50.0))
     return run(args)
