@@ -57,10 +57,11 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
 
 
 @torch.no_grad()
-def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**25) -> torch.Tensor:
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**26) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
-    Several scales per kernel (at most `max_elements` fp32 values at a time), summed in fp64."""
+    Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
+    square in place), summed in fp64."""
     v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
     b, t, _ = v.shape
     v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
@@ -68,8 +69,8 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
-        act = F.silu(scales[start:start + step] * v)  # [c, BT, Hkv, D]
-        parts.append(_sum64(act.square(), (1, 3)))
+        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, Hkv, D]
+        parts.append(_sum64(act, (1, 3)))
     out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [Hkv, C]
     group = mixer.num_heads // mixer.kv_heads
     return out[:, None].expand(-1, group, -1).reshape(mixer.num_heads, -1)  # k/v heads to query heads
