@@ -194,23 +194,20 @@ def close_rows(
     zero_err = (y - vbar[:, :, None]).pow(2).sum(-1).view(b, h, c)
     ent = z_ns * ent_ns - torch.special.xlogy(z_ns, z_ns) - torch.special.xlogy(p_sink, p_sink)
     n_ns = n - (s_sink > NEG / 2).float()
-
-    def total(x: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.to(F64)
-        if where is not None:
-            x = torch.where(where, x, 0.0)
-        return x.sum(dim=(0, 2))
-
     has2 = n >= 2
-    sums = {
-        "dist": total(z_ns * dist_ns + p_sink * d_sink), "entropy": total(ent), "sink": total(p_sink),
-        "logit_var": total(rows["var"].clamp_min(0)), "zero_order_err": total(zero_err),
-        "dist_nosink": total(dist_ns, has2 & ok), "conc": total(1 - ent / torch.log(n.clamp_min(2)), has2),
-        "conc_nosink": total(1 - ent_ns / torch.log(n_ns.clamp_min(2)), (n_ns >= 2) & ok),
+    per_row = {  # [B, H, c] fp32 each; masked rows are zeroed before the sum
+        "dist": z_ns * dist_ns + p_sink * d_sink, "entropy": ent, "sink": p_sink,
+        "logit_var": rows["var"].clamp_min(0), "zero_order_err": zero_err,
+        "dist_nosink": torch.where(has2 & ok, dist_ns, 0.0),
+        "conc": torch.where(has2, 1 - ent / torch.log(n.clamp_min(2)), 0.0),
+        "conc_nosink": torch.where((n_ns >= 2) & ok, 1 - ent_ns / torch.log(n_ns.clamp_min(2)), 0.0),
     }
     if s_self is not None:  # p_self = exp(s_self - m - log_z): the own key is always visible
-        sums["self"] = total((s_self - m - log_z).exp())
-    return sums, y.view(b, h, c, d)
+        per_row["self"] = (s_self - m - log_z).exp()
+    # one fp64-accumulated reduction for every statistic (each is one kernel otherwise)
+    stacked = torch.stack([x.expand(b, h, c) for x in per_row.values()])  # [K, B, H, c]
+    totals = torch.sum(stacked, dim=(1, 3), dtype=F64)  # [K, H]
+    return dict(zip(per_row, totals.unbind(0))), y.view(b, h, c, d)
 
 
 def running_mean_values(v: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -252,9 +249,10 @@ def attention_sums(
     vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
     v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
     d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
-    sums = {key: torch.zeros(hq, dtype=F64, device=q.device) for key in DENOMINATOR}
+    sums: dict[str, torch.Tensor] = {}  # the first slice's sums, then added into
     # each query's logit on its own key: [B, Hq, T]
-    s_self = (q.float() * scale * k.float().repeat_interleave(hq // hkv, dim=1)).sum(-1)
+    qf = q.float().view(b, hkv, hq // hkv, t, d)
+    s_self = (qf * scale * k.float()[:, :, None]).sum(-1).view(b, hq, t)
     ys = []
     kernel = use_stats_kernel(q)
     if kernel and doc_ids is not None and not documents_are_contiguous(doc_ids):
@@ -275,23 +273,36 @@ def attention_sums(
             at = slice(span.start + start, min(span.start + start + CLOSE_ROWS, span.stop))
             chunk, y = close_rows({key: r[:, :, part] for key, r in rows.items()}, y_ns[:, :, part],
                                   v_sink[:, :, at], d_sink[..., at], vbar[:, :, at], s_self[:, :, at])
-            add_into(sums, chunk)
+            if sums:
+                add_into(sums, chunk)
+            else:
+                sums = chunk
             ys.append(y)
-    y = torch.cat(ys, dim=2)
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
     y64 = y.to(F64)
-    sums["out_energy"] = y64.pow(2).sum(dim=(0, 2, 3))
-    sums["y_rms"] = y64.pow(2).mean(dim=-1).sqrt().sum(dim=(0, 2))
-    sums["y_sum"] = y64.sum(dim=(0, 2))
-    sums["y_sq"] = torch.einsum("bhtd,bhte->hde", y64, y64)
+    energy = y64.pow(2).sum(dim=-1)  # [B, H, T] |y_t|^2
+    sums["out_energy"] = energy.sum(dim=(0, 2))
+    sums["y_rms"] = energy.div(d).sqrt().sum(dim=(0, 2))
+    sums["y_sum"], sums["y_sq"] = _first_moments(y64)
     # sum_t |O_h y_t|^2 = <O_h^T O_h, sum_t y_t y_t^T>: from y_sq, exact in fp64, no [B, H, T, hidden]
-    o_heads = o_weight.to(F64).view(o_weight.shape[0], hq, d)  # [hidden, H, D]
-    gram = torch.einsum("nhd,nhe->hde", o_heads, o_heads)  # O_h^T O_h [H, D, D]
+    o_heads = o_weight.to(F64).view(o_weight.shape[0], hq * d).t().view(hq, d, -1)  # [H, D, hidden]
+    gram = o_heads @ o_heads.transpose(1, 2)  # O_h^T O_h [H, D, D]
     sums["out_energy_o"] = (gram * sums["y_sq"]).sum(dim=(1, 2))
-    for name, x in (("k", k), ("v", v)):
-        x64 = x.to(F64)
-        sums[f"{name}_sum"] = x64.sum(dim=(0, 2))
-        sums[f"{name}_sq"] = torch.einsum("bhtd,bhte->hde", x64, x64)
+    kv_sum, kv_sq = _first_moments(torch.stack([k, v]).to(F64).view(2 * b, hkv, t, d), groups=2)
+    sums["k_sum"], sums["v_sum"] = kv_sum.unbind(0)
+    sums["k_sq"], sums["v_sq"] = kv_sq.unbind(0)
     return sums, y
+
+
+def _first_moments(x64: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_t x_t [H, D], sum_t x_t x_t^T [H, D, D]) over the batch and tokens of fp64 x [B, H, T, D];
+    with `groups` > 1 the batch is `groups` stacked tensors and each gets its own sums (a leading
+    [groups] dimension): two reductions for all of them."""
+    bg, h, t, d = x64.shape
+    x64 = x64.view(groups, bg // groups, h, t, d)
+    sq = (x64.transpose(-1, -2) @ x64).sum(dim=1)  # [groups, H, D, D]
+    total = x64.sum(dim=(1, 3))  # [groups, H, D]
+    return (total[0], sq[0]) if groups == 1 else (total, sq)
 
 
 def _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index):
@@ -325,14 +336,15 @@ def layer_input_sums(
     stream `resid` entering the layer, mixer output `out` (attention after o_proj)."""
     b, t, _ = x.shape
     n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, x.device)
+    counts = torch.stack([n >= 2, (n - sink_seen.long()) >= 2]).sum(dim=(1, 2), dtype=F64)
+    # the three energies as one batched fp64 dot product (no squared copy); x's sum from the same copy
+    both = torch.stack([x, resid, out]).to(F64).view(3, -1)  # x, resid, out (stack promotes mixed dtypes)
+    energies = torch.bmm(both[:, None], both[:, :, None]).view(3)
     return {
         "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
-        "count2": (n >= 2).sum().to(F64),
-        "count3": ((n - sink_seen.long()) >= 2).sum().to(F64),
-        "x_sum": x.to(F64).sum(dim=(0, 1)),
-        "x_energy": x.to(F64).pow(2).sum(),
-        "resid_energy": resid.to(F64).pow(2).sum(),
-        "Y_energy": out.to(F64).pow(2).sum(),
+        "count2": counts[0], "count3": counts[1],
+        "x_sum": both[0].view(b * t, -1).sum(dim=0),
+        "x_energy": energies[0], "resid_energy": energies[1], "Y_energy": energies[2],
     }
 
 
@@ -347,5 +359,6 @@ def _visible_keys(b: int, t: int, doc_ids: torch.Tensor | None, window: int | No
 
 
 def add_into(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:
-    for key, value in part.items():
-        total[key] += value
+    """total[key] += part[key] for every key of `part`, as one multi-tensor add (same devices and dtypes)."""
+    keys = list(part)
+    torch._foreach_add_([total[key] for key in keys], [part[key] for key in keys])

@@ -7,6 +7,8 @@ all candidates are scored from one recurrence. Everything returned is an fp64 su
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,31 +57,33 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
 
 
 @torch.no_grad()
-def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**25) -> torch.Tensor:
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**26) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
-    Several scales per kernel (at most `max_elements` fp32 values at a time), summed in fp64."""
+    Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
+    square in place), summed in fp64."""
     v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
     b, t, _ = v.shape
     v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
-    scales = _value_scales_on(v.device)
+    scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
-        act = F.silu(scales[start:start + step, None, None, None] * v)  # [c, BT, Hkv, D]
-        parts.append(_sum64(act * act, (1, 3)))
-    out = torch.cat(parts).t()  # [Hkv, C]
-    return out.repeat_interleave(mixer.num_heads // mixer.kv_heads, dim=0)
+        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, Hkv, D]
+        parts.append(_sum64(act, (1, 3)))
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [Hkv, C]
+    group = mixer.num_heads // mixer.kv_heads
+    return out[:, None].expand(-1, group, -1).reshape(mixer.num_heads, -1)  # k/v heads to query heads
 
 
 _VALUE_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
 def _value_scales_on(device: torch.device) -> torch.Tensor:
-    """VALUE_SCALE_GRID in fp32 on `device`, copied there once (a copy per call would wait for
-    the device's queue each time)."""
+    """VALUE_SCALE_GRID [C, 1, 1, 1] in fp32 on `device`, copied there once (a copy per call would
+    wait for the device's queue each time)."""
     if device not in _VALUE_SCALES:
-        _VALUE_SCALES[device] = VALUE_SCALE_GRID.to(device=device, dtype=torch.float32)
+        _VALUE_SCALES[device] = VALUE_SCALE_GRID.to(device=device, dtype=torch.float32).view(-1, 1, 1, 1)
     return _VALUE_SCALES[device]
 
 
@@ -118,40 +122,64 @@ def readout_sums(
     None for "no gate" (gate = 1). x [B, T, hidden] teacher mixer input; y [B, H, T, D] teacher
     head outputs before o_proj; out [B, T, hidden] teacher attention output after o_proj;
     o_weight [hidden, H*D] the o_proj the candidates are mapped through.
+
+    Every candidate is handled at once (one gate matmul, one o_proj matmul) and the fp64 sums
+    come from three reductions: the kernel count per layer and batch does not grow with the
+    candidates.
     """
     b, t, _ = x.shape
-    h, d = mixer.num_heads, mixer.head_dim
+    h, d, n = mixer.num_heads, mixer.head_dim, len(candidates)
+    x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
     raw, g, beta = student_read(mixer, x, doc_ids)
-    normed = mixer.o_norm(raw)
     yt = y.float().transpose(1, 2)  # [B, T, H, D]
+    # [C + 2, B, T, H, D]: the gated read of every candidate, the raw read, the teacher's heads
+    reads = torch.cat(gated_reads(mixer.o_norm(raw), x, candidates) + [raw[None], yt[None]])
+    # U_{c,t,h} = O_h u_{c,t,h} as one batched matmul over heads, [H, C*BT, D] @ [H, D, hidden];
+    # its rows are head-major (h*C + c), the sums' order is candidate-major (c*H + h)
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
-    us, mapped = [], []
-    for weight in candidates:
-        gate = 1.0 if weight is None else F.silu(x.float() @ weight.float().t()).view(b, t, h, d)
-        u = normed * gate
-        us.append(u)
-        # U_t,h = O_h u_t,h as one batched matmul over heads: [H, BT, D] @ [H, D, hidden]
-        mapped.append(torch.bmm(u.reshape(b * t, h, d).transpose(0, 1), o_heads))
-    U = torch.cat(mapped, dim=0).reshape(len(candidates) * h, -1)  # [C*H, BT*hidden]
-    Y = out.float().reshape(1, -1)  # [1, BT*hidden]
-    u_all = torch.stack(us)  # [C, B, T, H, D]
+    U = torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads).view(h * n, -1)  # [H*C, BT*hidden]
+    Y = out.float().reshape(-1)  # [BT*hidden]
+    gram, r = U @ U.t(), U @ Y
+    if n > 1:
+        gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
+        r = r.view(h, n).t().reshape(-1)
     # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
     # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
+    with_y = _sum64(reads * yt, (1, 2, 4))  # [C + 2, H]: u.y per candidate, raw.y, y.y
+    squares = _sum64(reads[:n + 1].square(), (1, 2, 4))  # [C + 1, H]: u.u per candidate, raw.raw
     return {
-        "G": (U @ U.t()).to(F64),
-        "r": (U @ Y.t()).squeeze(1).to(F64),
-        "uy": _sum64(u_all * yt, (1, 2, 4)),
-        "uu": _sum64(u_all * u_all, (1, 2, 4)),
-        "yy": _sum64(yt * yt, (0, 1, 3)),
-        "YY": _sum64(out.float().pow(2), None),
+        "G": gram.to(F64),
+        "r": r.to(F64),
+        "uy": with_y[:n], "uu": squares[:n], "yy": with_y[n + 1],
+        "YY": _sum64(Y.square(), None),
         "beta": _sum64(beta.float(), (0, 1)),
         "g": _sum64(g.float(), (0, 1)),
         "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
         # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
-        "ry": _sum64(raw * yt, (0, 1, 3)),
-        "rr": _sum64(raw * raw, (0, 1, 3)),
+        "ry": with_y[n], "rr": squares[n],
         "vgrid": value_silu_grid(mixer, x),
     }
+
+
+def gated_reads(normed: torch.Tensor, x: torch.Tensor, candidates: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The layer output before o_proj through each candidate's output gate, u_c = normed *
+    SiLU(x W_c^T) (None: u_c = normed), in the candidates' order: pieces [c_i, B, T, H, D] whose
+    concatenation is [C, B, T, H, D]. normed [B, T, H, D] fp32, x [B, T, hidden]. All gates come
+    from one matmul over the concatenated weights."""
+    b, t, h, d = normed.shape
+    weights = [w.float() for w in candidates if w is not None]
+    if weights:
+        gates = F.silu(x.float() @ torch.cat(weights).t())  # [B, T, C'*H*D]
+        gated = normed[None] * gates.view(b, t, len(weights), h, d).permute(2, 0, 1, 3, 4)  # [C', B, T, H, D]
+    pieces, used = [], 0
+    for is_gate, run in itertools.groupby(candidates, key=lambda w: w is not None):
+        count = len(list(run))
+        if is_gate:
+            pieces.append(gated[used:used + count])
+            used += count
+        else:
+            pieces.append(normed[None].expand(count, b, t, h, d))
+    return pieces
 
 
 def solve_joint_scales(G: torch.Tensor, r: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:

@@ -261,8 +261,7 @@ def collect_readout_stats(
         for name, per_layer in mixers.items():
             student, candidates = per_layer[index]
             got = readout_sums(student, candidates, io.x, y, io.out, mixer.o_proj.weight, io.doc_ids)
-            for key, value in got.items():
-                part[f"readout.{name}.layers.{index}.{key}"] += value
+            add_into({key: part[f"readout.{name}.layers.{index}.{key}"] for key in got}, got)
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:

@@ -84,6 +84,24 @@ def test_kv_and_output_moments():
     assert counts["count"] == 7 and counts["count2"] == 6 and counts["count3"] == 5
 
 
+def test_moments_over_a_batch_and_layer_sums_equal_fp64_formulas():
+    """k/v/y first and second moments summed over several rows, and the layer sums of a bf16 input
+    with an fp32 residual stream, against the fp64 formulas."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 4, 9, 4), torch.randn(3, 2, 9, 4), torch.randn(3, 2, 9, 4)
+    got, y = attention_sums(q, k, v, 0.5, torch.randn(5, 16), None, None, chunk_size=4)
+    for name, x in (("k", k), ("v", v), ("y", y)):
+        x64 = x.double()
+        torch.testing.assert_close(got[f"{name}_sum"], x64.sum(dim=(0, 2)), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[f"{name}_sq"], torch.einsum("bhtd,bhte->hde", x64, x64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["out_energy"], y.double().pow(2).sum(dim=(0, 2, 3)), rtol=1e-12, atol=0)
+    x, resid, out = torch.randn(2, 7, 5).bfloat16(), torch.randn(2, 7, 5) * 10, torch.randn(2, 7, 5).bfloat16()
+    sums = layer_input_sums(x, resid, out, None, None)
+    torch.testing.assert_close(sums["x_sum"], x.double().sum(dim=(0, 1)), rtol=1e-12, atol=1e-12)
+    for key, value in (("x_energy", x), ("resid_energy", resid), ("Y_energy", out)):
+        torch.testing.assert_close(sums[key], value.double().pow(2).sum(), rtol=1e-12, atol=0, msg=key)
+
+
 def _stats(sha="a" * 64, layers=(1, 2)):
     sums = {f"layers.{l}.count": torch.tensor(4.0, dtype=torch.float64) for l in layers}
     return TaylorStats({"teacher_sha256": sha, "layers": list(layers), "layer_pattern": "AAA", "readout": {}}, sums)

@@ -64,3 +64,37 @@ def test_value_grid_is_the_same_whatever_the_scales_per_kernel():
     assert one.shape == (2, len(VALUE_SCALE_GRID))
     torch.testing.assert_close(one, many, rtol=1e-12, atol=0)
     torch.testing.assert_close(many, reference_value_grid(mixer, x), rtol=1e-6, atol=0)
+
+
+@torch.no_grad()
+def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
+    """The gates of every candidate from one matmul, mapped through o_proj in one batched matmul:
+    u, G and r (candidate-major, None anywhere in the list) equal each candidate on its own in fp64."""
+    from megatron_tc.calibrate.readout import gated_reads
+
+    torch.manual_seed(2)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=20, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=6, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8)
+    mixer = GatedDeltaNet(arch, 0).eval()
+    b, t, h, d = 2, 7, 2, 6
+    x, o_weight = torch.randn(b, t, 20), torch.randn(20, h * d)
+    y, out = torch.randn(b, h, t, d), torch.randn(b, t, 20)
+    candidates = [torch.randn(h * d, 20) * 0.3, None, torch.randn(h * d, 20), torch.randn(h * d, 20) * 2, None]
+    raw, _, _ = student_read(mixer, x, None)
+    normed = mixer.o_norm(raw).double()
+    want_u = [normed * (1.0 if w is None else F.silu(x.double() @ w.double().t()).view(b, t, h, d))
+              for w in candidates]
+    got_u = torch.cat(gated_reads(mixer.o_norm(raw), x, candidates))
+    assert got_u.shape == (len(candidates), b, t, h, d)
+    torch.testing.assert_close(got_u.double(), torch.stack(want_u), rtol=1e-5, atol=1e-6)
+    o_heads = o_weight.double().view(20, h, d)  # [hidden, H, D]
+    rows = torch.stack([torch.einsum("bthd,nhd->hbtn", u, o_heads) for u in want_u]).reshape(len(candidates) * h, -1)
+    got = readout_sums(mixer, candidates, x, y, out, o_weight)
+    gram, r = rows @ rows.t(), rows @ out.double().reshape(-1)  # fp32 matmuls: errors relative to the largest
+    torch.testing.assert_close(got["G"], gram, rtol=0, atol=1e-6 * float(gram.abs().max()))
+    torch.testing.assert_close(got["r"], r, rtol=0, atol=1e-6 * float(r.abs().max()))
+    yt = y.double().transpose(1, 2)
+    uy = torch.stack([(u * yt).sum(dim=(0, 1, 3)) for u in want_u])
+    uu = torch.stack([u.pow(2).sum(dim=(0, 1, 3)) for u in want_u])
+    torch.testing.assert_close(got["uy"], uy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["uu"], uu, rtol=1e-5, atol=1e-6)
