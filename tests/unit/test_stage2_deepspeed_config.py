@@ -68,3 +68,23 @@ def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
         zero = stage2_deepspeed_config(cfg, context(2), torch.device(device), None,
                                        torch.nn.Linear(1000, 1000))["zero_optimization"]
         assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == auto
+
+
+def test_cpu_runs_get_torch_adamw_with_foreach_kernels():
+    """On CPU torch's AdamW would go tensor by tensor; foreach gives the same values with fewer temporaries."""
+    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2"])
+    cpu = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None)["optimizer"]["params"]
+    gpu = stage2_deepspeed_config(cfg, context(2), torch.device("cuda"), None)["optimizer"]["params"]
+    assert cpu["torch_adam"] and cpu["foreach"] is True
+    assert "foreach" not in gpu  # torch's own choice on GPUs
+    param = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+    finals = []
+    for foreach in (False, True):
+        p = torch.nn.Parameter(param.detach().clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            p.grad = torch.randn(1000, generator=gen)
+            opt.step()
+        finals.append(p.detach())
+    assert torch.equal(*finals)
