@@ -128,8 +128,8 @@ ZERO_BUCKET_MAX, ZERO_BUCKET_MIN, ZERO_BUCKET_UNKNOWN = 500_000_000, 1_000_000, 
 # On CPU, ZeRO-1/2 flattens every reduce bucket into a new tensor before the all-reduce. A buffer
 # over glibc's largest mmap threshold (32 MiB) is new memory each time, every page faulted in and
 # zeroed again; buckets of 4e6 fp32 elements (16 MiB) are reused from the heap. The quickstart's
-# stage-2 step on 2 cores (SmolLM2-135M, ZeRO-1, gloo): the gradient reduction 4.7-7.0 s -> 1.5-2.4 s per
-# step with the same gradients bit for bit (docs/benchmarks.md, CPU).
+# stage-2 step on 2 cores (SmolLM2-135M, ZeRO-1, gloo): the gradient reduction 4.7-7.0 s -> 1.5-2.4 s
+# per step with the same gradients bit for bit (docs/benchmarks.md, CPU).
 ZERO_BUCKET_CPU = 4_000_000
 
 
