@@ -21,6 +21,7 @@ import torch
 
 from megatron_tc.convert.errors import ConversionError
 from megatron_tc.convert.fsutil import sha256_file, sha256_files
+from megatron_tc.convert.gguf_memo import gguf_reading
 from megatron_tc.convert.hf_mapping import MODEL_TYPES
 from megatron_tc.convert.hf_student import MODEL_TYPE as STUDENT_MODEL_TYPE
 from megatron_tc.convert.lazy import LazyTensor, SafetensorsFile, lazy_state
@@ -135,12 +136,12 @@ def _read_gguf(loc: HFLocation, config: Any) -> tuple[StateDict, dict[str, bytes
     """Dequantize through transformers (fp32) and save the GGUF's tokenizer as HF files."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(loc.directory), gguf_file=loc.gguf_file, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained drops it
-    del model
-    with tempfile.TemporaryDirectory() as tmp:
+    with gguf_reading(), tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(str(loc.directory), gguf_file=loc.gguf_file, dtype=torch.float32)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained drops it
+        del model
         try:
             AutoTokenizer.from_pretrained(str(loc.directory), gguf_file=loc.gguf_file).save_pretrained(tmp)
         except Exception as err:  # noqa: BLE001 - the weights are still worth converting

@@ -16,6 +16,7 @@ import torch
 from megatron_tc.convert import layout
 from megatron_tc.convert.checkpoint import lazy_checkpoint, resolve_dtype, save_checkpoint
 from megatron_tc.convert.fsutil import check_output_dir
+from megatron_tc.convert.gguf_memo import gguf_reading
 from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
 from megatron_tc.convert.hf_mapping import HFMappingError, arch_from_hf_config, hf_to_tc_names
 from megatron_tc.convert.lazy_layout import Lazies
@@ -58,12 +59,13 @@ def convert_hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: in
     The output directory, the architecture and TP/PP are checked before any weight is read."""
     check_output_dir(out, overwrite)
     resolve_dtype(dtype)
-    config, location = read_hf_config(hf)
-    arch = arch_of_hf_config(config)
-    layout.check_tp(arch, tp)
-    layout.stage_ranges(arch, pp)
-    start = time.perf_counter()
-    model = read_hf(hf, (config, location))
+    with gguf_reading():  # a GGUF's header is parsed once for the config, weights and tokenizer
+        config, location = read_hf_config(hf)
+        arch = arch_of_hf_config(config)
+        layout.check_tp(arch, tp)
+        layout.stage_ranges(arch, pp)
+        start = time.perf_counter()
+        model = read_hf(hf, (config, location))
     arch, state = hybrid_state_from_hf(model)
     log.info("read %s (%s, %d tensors) in %.1f s", hf, model.source["format"], len(state), time.perf_counter() - start)
     start = time.perf_counter()

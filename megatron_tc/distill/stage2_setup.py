@@ -58,7 +58,8 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
         bf16=device.type == "cuda" and cfg.run.precision == "bf16", lr=s2.lr, weight_decay=s2.weight_decay,
         grad_clip=s2.grad_clip, pipeline=ctx.pp_size > 1,
         base=deepspeed_template_path(ctx.pp_size, cfg.parallel.deepspeed_config),
-        trainable_numel=None if trainable is None else sum(p.numel() for p in trainable.parameters() if p.requires_grad))
+        trainable_numel=None if trainable is None else sum(p.numel() for p in trainable.parameters() if p.requires_grad),
+        device_type=device.type)
     # DeepSpeed's default ZeRO-3 leaf classes are Hugging Face MoE blocks, which our models never
     # contain; an empty list skips the walk over the model that looks for them.
     ds.setdefault("zero_optimization", {}).setdefault("leaf_module", {"classes": []})

@@ -67,7 +67,7 @@ def build_deepspeed_config(
     *, zero_stage: int, micro_batch_size: int, global_batch_size: int, dp_size: int,
     bf16: bool = False, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
     weight_decay: float = 0.0, grad_clip: float = 1.0, pipeline: bool = False,
-    base: dict | str | Path | None = None, trainable_numel: int | None = None,
+    base: dict | str | Path | None = None, trainable_numel: int | None = None, device_type: str = "cuda",
 ) -> dict:
     """A DeepSpeed config dict for the student.
 
@@ -75,7 +75,8 @@ def build_deepspeed_config(
     number. bf16 on GPUs; fp32 (bf16=False) on CPU. The optimizer is AdamW from torch
     (`torch_adam`: DeepSpeed's fused CPU Adam would compile a C++ op first). `base` is the user's
     JSON (dict or path): its concrete values win, its "auto" values are filled from the run config.
-    trainable_numel: elements this rank trains; sizes ZeRO's buckets (`zero_bucket_elements`).
+    trainable_numel: elements this rank trains; sizes ZeRO's buckets (`zero_bucket_elements`, which
+    also depend on `device_type`, the kind of device the ranks train on).
     """
     if pipeline and zero_stage > 1:
         raise ValueError(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, not {zero_stage}; "
@@ -98,7 +99,7 @@ def build_deepspeed_config(
     _fill(zero, "stage", zero_stage)
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):
         if key in zero:  # only where the JSON names it: DeepSpeed's own default otherwise
-            _fill(zero, key, zero_bucket_elements(trainable_numel))
+            _fill(zero, key, zero_bucket_elements(trainable_numel, device_type))
     bf16_cfg = cfg.setdefault("bf16", {})
     _fill(bf16_cfg, "enabled", bf16)
     if "optimizer" not in cfg:
@@ -107,6 +108,10 @@ def build_deepspeed_config(
     for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps), ("weight_decay", weight_decay),
                        ("torch_adam", True)):
         _fill(params, key, value)
+    if device_type == "cpu":
+        # torch's AdamW runs tensor by tensor on CPU unless told otherwise; its foreach kernels give
+        # the same values bit for bit with fewer full-size temporaries (ZeRO hands it one flat tensor)
+        _fill(params, "foreach", True)
     _check_batch_sizes(cfg, dp_size)
     if pipeline and zero["stage"] > 1:
         raise ValueError(f"the DeepSpeed JSON asks for ZeRO stage {zero['stage']}, but DeepSpeed's pipeline engine "
@@ -120,10 +125,19 @@ def build_deepspeed_config(
 # 495.8 vs 580.6 ms on two) for 0.8 GiB more memory. DeepSpeed allocates a full reduce bucket up
 # front, so a model smaller than the bucket gets one of its own size instead.
 ZERO_BUCKET_MAX, ZERO_BUCKET_MIN, ZERO_BUCKET_UNKNOWN = 500_000_000, 1_000_000, 50_000_000
+# On CPU, ZeRO-1/2 flattens every reduce bucket into a new tensor before the all-reduce. A buffer
+# over glibc's largest mmap threshold (32 MiB) is new memory each time, every page faulted in and
+# zeroed again; buckets of 4e6 fp32 elements (16 MiB) are reused from the heap. The quickstart's
+# stage-2 step on 2 cores (SmolLM2-135M, ZeRO-1, gloo): the gradient reduction 4.7-7.0 s -> 1.5-2.4 s
+# per step with the same gradients bit for bit (docs/benchmarks.md, CPU).
+ZERO_BUCKET_CPU = 4_000_000
 
 
-def zero_bucket_elements(trainable_numel: int | None) -> int:
-    """ZeRO bucket size for a rank training `trainable_numel` elements (None: not known)."""
+def zero_bucket_elements(trainable_numel: int | None, device_type: str = "cuda") -> int:
+    """ZeRO bucket size for a rank training `trainable_numel` elements (None: not known) on a
+    `device_type` device."""
+    if device_type == "cpu":
+        return ZERO_BUCKET_CPU
     if trainable_numel is None:
         return ZERO_BUCKET_UNKNOWN
     return int(min(ZERO_BUCKET_MAX, max(ZERO_BUCKET_MIN, trainable_numel)))

@@ -45,15 +45,18 @@ def test_zero3_on_one_data_parallel_rank_is_warned_about(zero, dp, rank, warned,
 @pytest.mark.parametrize("trainable_numel, want", [(None, 50_000_000), (10, 1_000_000),
                                                    (135_000_000, 135_000_000), (1_100_000_000, 500_000_000)])
 def test_zero_buckets_follow_the_trainable_size(trainable_numel, want):
-    """'auto' buckets: the trainable size, between 1e6 and the 5e8 measured best for the 1.1B model."""
+    """'auto' buckets on GPUs: the trainable size, between 1e6 and the 5e8 measured best for the
+    1.1B model; on CPU 4e6 elements at any size (a flattened bucket stays under glibc's mmap
+    threshold, so its memory is reused from step to step)."""
     cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2"])
     model = None
     if trainable_numel is not None:
         model = torch.nn.Linear(1, 1)
         model.weight = torch.nn.Parameter(torch.empty(trainable_numel, device="meta"), requires_grad=True)
         model.bias.requires_grad_(False)
-    zero = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None, model)["zero_optimization"]
-    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == want
+    for device, expected in (("cuda", want), ("cpu", 4_000_000)):
+        zero = stage2_deepspeed_config(cfg, context(2), torch.device(device), None, model)["zero_optimization"]
+        assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == expected, device
 
 
 def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
@@ -61,9 +64,30 @@ def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
     user.write_text('{"zero_optimization": {"reduce_bucket_size": 123456, "stage3_prefetch_bucket_size": "auto"}}')
     cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2",
                              f"parallel.deepspeed_config={user}"])
-    zero = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None,
-                                   torch.nn.Linear(1000, 1000))["zero_optimization"]
-    assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == 1_001_000
+    for device, auto in (("cuda", 1_001_000), ("cpu", 4_000_000)):
+        zero = stage2_deepspeed_config(cfg, context(2), torch.device(device), None,
+                                       torch.nn.Linear(1000, 1000))["zero_optimization"]
+        assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == auto
+
+
+def test_cpu_runs_get_torch_adamw_with_foreach_kernels():
+    """On CPU torch's AdamW would go tensor by tensor; foreach gives the same values with fewer temporaries."""
+    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2"])
+    cpu = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None)["optimizer"]["params"]
+    gpu = stage2_deepspeed_config(cfg, context(2), torch.device("cuda"), None)["optimizer"]["params"]
+    assert cpu["torch_adam"] and cpu["foreach"] is True
+    assert "foreach" not in gpu  # torch's own choice on GPUs
+    param = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+    finals = []
+    for foreach in (False, True):
+        p = torch.nn.Parameter(param.detach().clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            p.grad = torch.randn(1000, generator=gen)
+            opt.step()
+        finals.append(p.detach())
+    assert torch.equal(*finals)
 
 
 @pytest.mark.parametrize("device, user_params, offload, fused", [
