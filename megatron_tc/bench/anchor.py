@@ -4,10 +4,11 @@
 engine at the ZeRO stage `parallel.zero_stage=auto` picks, the frozen teacher, our losses); one
 timed step is `Stage2Trainer.train_step`, everything a pipeline step does. `PlainLoop` is what
 a user would write without us: the same student (a copy of the same weights) and teacher,
-torch.compile on CUDA, fused AdamW, bf16 autocast, a full-vocabulary KL, and torch DDP when there
-are several ranks; no DeepSpeed. Both see the same micro-batches (`SyntheticBatches`), so their
-first losses agree (the tests check it), and `interleaved_runs` alternates them run by run so
-that the drift of a shared machine hits both alike.
+torch.compile of the student and of the teacher's forward on CUDA, fused AdamW, bf16 autocast, a
+full-vocabulary KL, and torch DDP when there are several ranks; no DeepSpeed. Each path has its own
+copy of the teacher (stage 2 compiles its teacher's layers in place). Both see the same
+micro-batches (`SyntheticBatches`), so their first losses agree (the tests check it), and
+`interleaved_runs` alternates them run by run so that the drift of a shared machine hits both alike.
 """
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ class RegionClock:
 
 
 class PlainLoop:
-    """The plain PyTorch step (module doc). `student` is copied; `teacher` is shared (frozen)."""
+    """The plain PyTorch step (module doc). `student` is copied; `teacher` (frozen) is compiled whole
+    on CUDA, as `torch.compile(teacher)`, not in place."""
 
     def __init__(self, student: nn.Module, teacher: nn.Module, device: torch.device, lr: float, ctx: Any = None):
-        self.device, self.teacher = device, teacher
+        self.device = device
         self.vocab = student.arch.vocab_size
         self.model = copy.deepcopy(student).to(device).train()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -111,6 +113,7 @@ class PlainLoop:
             self.ddp = nn.parallel.DistributedDataParallel(self.model, process_group=ctx.dp_group)
         forward = self.ddp or self.model
         self.forward = torch.compile(forward) if cuda else forward
+        self.teacher = torch.compile(teacher) if cuda else teacher
         self.loss = torch.compile(plain_kl) if cuda else plain_kl
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
@@ -204,13 +207,13 @@ class _NoBoard:
 
 def pipeline_trainer(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loader: SyntheticBatches,
                      device: torch.device, out_dir: Path):
-    """(trainer, its state, its non-finite guard): stage 2 exactly as the pipeline builds it, on a
-    copy of `student`, with its run files (none while only `train_step` runs) under `out_dir`."""
+    """(trainer, its state, its non-finite guard): stage 2 exactly as the pipeline builds it, on
+    copies of `student` and `teacher`, with its run files (none while only `train_step` runs) under `out_dir`."""
     from megatron_tc.distill.checkpointing import TrainState
     from megatron_tc.distill.numerics import NonFiniteGuard
     from megatron_tc.distill.stage2 import build_stage2
 
-    trainer = build_stage2(cfg, ctx, copy.deepcopy(student), teacher, loader, [], out_dir, _NoBoard(), device)
+    trainer = build_stage2(cfg, ctx, copy.deepcopy(student), copy.deepcopy(teacher), loader, [], out_dir, _NoBoard(), device)
     return trainer, TrainState(), NonFiniteGuard("skip", 10**9)
 
 

@@ -110,7 +110,8 @@ def bench_model(name: str, args, device: torch.device, peak_tflops: float, ctx, 
             "runs": args.runs, "steps_per_run": args.steps, "flops_per_step": flops}
     if cuda:
         base["peak_mem_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    compiled = ", compiled layers" if trainer.compiled else ""
+    compiled = {(True, True): ", compiled student and teacher layers", (True, False): ", compiled layers",
+                (False, True): ", compiled teacher layers", (False, False): ""}[trainer.compiled, trainer.teacher_compiled]
     labels = {"pipeline": f"pipeline (ZeRO-{trainer.engine.zero_optimization_stage()}{compiled})",
               "plain": "plain torch"}
     for row in result_rows(seconds, labels, loader.tokens_per_step, flops, peak_tflops):

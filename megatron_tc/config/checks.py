@@ -172,6 +172,17 @@ def compile_blocker(zero_stage: int | str, pp: int, tp: int, activation_checkpoi
     return None
 
 
+def teacher_compile_blocker(teacher_mode: str, pp: int, tp: int) -> str | None:
+    """Why stage 2 cannot compile the teacher's layers (None: it can): a teacher engine runs ZeRO-3's
+    per-layer gathers, pipeline stages and tensor-parallel layers collectives inside the layer."""
+    for blocked, why in ((teacher_mode == "engine", "parallel.teacher_mode=engine (ZeRO-3 parameter gathers)"),
+                         (pp > 1, f"parallel.pp={pp} (DeepSpeed's pipeline engine)"),
+                         (tp > 1, f"parallel.tp={tp} (tensor-parallel layers)")):
+        if blocked:
+            return why
+    return None
+
+
 def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
     p, d = cfg.parallel, cfg.data
     errors = []
@@ -184,6 +195,9 @@ def _parallel_errors(cfg: Config, world_size: int | None) -> list[str]:
     if p.compile is True and (blocker := compile_blocker(p.zero_stage, p.pp, p.tp, p.activation_checkpointing)):
         errors.append(f"parallel.compile=true cannot be combined with {blocker}; set parallel.compile=auto "
                       "(compiles where it can) or false")
+    if p.compile_teacher is True and (blocker := teacher_compile_blocker(p.teacher_mode, p.pp, p.tp)):
+        errors.append(f"parallel.compile_teacher=true cannot be combined with {blocker}; set "
+                      "parallel.compile_teacher=auto (compiles where it can) or false")
     dp = p.dp
     if world_size is not None:
         ws_errors = _world_size_errors(p, world_size)

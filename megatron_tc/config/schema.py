@@ -94,6 +94,13 @@ class ParallelConfig:
         "checkpointing, off otherwise and on CPU. true: also on CPU; with ZeRO-0/3, pp > 1, tp > 1 or "
         "activation checkpointing an error. A compiled run resumes with compilation on (ZeRO pads its parameters).",
     )
+    compile_teacher: Literal["auto", True, False] = opt(
+        "auto",
+        "torch.compile the frozen teacher's decoder layers one by one for stage 2 (its forward under no_grad). "
+        "'auto': whenever stage 2 compiles the student's layers (parallel.compile) and the teacher is one plain "
+        "module per rank (teacher_mode=replicated, tp = 1). true: also on CPU and under any ZeRO stage; with "
+        "teacher_mode=engine, pp > 1 or tp > 1 an error. false: an eager teacher.",
+    )
     pipeline_partition: Literal["parameters", "pattern"] = opt(
         "parameters", "How layers are split over pipeline stages: balance 'parameters', or at the '|' marks of model.layer_pattern."
     )

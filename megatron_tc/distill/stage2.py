@@ -44,8 +44,8 @@ from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
 from megatron_tc.distill.signals import signal_name, stop_requested
-from megatron_tc.distill.stage2_setup import (resolve_compile, restore_vocab_padding, shard_over_tp,
-                                              stage2_deepspeed_config)
+from megatron_tc.distill.stage2_setup import (resolve_compile, resolve_teacher_compile, restore_vocab_padding,
+                                              shard_over_tp, stage2_deepspeed_config)
 from megatron_tc.monitor import get_logger, progress
 from megatron_tc.parallel.comm import all_reduce_
 from megatron_tc.parallel.deepspeed_engine import EngineOwner
@@ -175,6 +175,7 @@ class Stage2Trainer(EngineOwner):
             if s2.hidden_weight else None
         remember_peak_lr(engine.optimizer.param_groups)
         self.compiled = False  # the student's decoder layers compiled (build_stage2 sets it)
+        self.teacher_compiled = False  # and the teacher's
 
     # -- resume
     def resume(self) -> TrainState:
@@ -419,7 +420,12 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     if cfg.run.precision == "bf16" and device.type == "cuda":
         teacher = teacher.to(torch.bfloat16)
     teacher = build_teacher(teacher.to(device), ds_config, ctx, cfg.parallel.teacher_mode)
+    teacher_compiled = resolve_teacher_compile(cfg, ctx, device, compiled)
+    if teacher_compiled:
+        from megatron_tc.model.compile import compile_decoder_layers
+
+        compile_decoder_layers(teacher)  # in place: the caller's teacher module runs compiled from here on
     trainer = Stage2Trainer(cfg, ctx, engine, teacher, loader, eval_rows, out_dir, tb, device, vocab_size, eval_log)
-    trainer.compiled = compiled
+    trainer.compiled, trainer.teacher_compiled = compiled, teacher_compiled
     trainer.layout["param_aligned"] = int(compiled)  # a resume must pad parameters the same way
     return trainer

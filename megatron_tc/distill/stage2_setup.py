@@ -162,3 +162,26 @@ def resolve_compile(cfg: Any, ctx: Any, device: torch.device, zero_stage: int) -
         log.info("parallel.compile=%s: student decoder layers %s%s", str(setting).lower(),
                  "compiled one by one" if chosen else "eager", reason)
     return chosen
+
+
+def resolve_teacher_compile(cfg: Any, ctx: Any, device: torch.device, student_compiled: bool) -> bool:
+    """Whether stage 2 compiles the frozen teacher's decoder layers (`parallel.compile_teacher`):
+    'auto' when the student's layers are compiled (`resolve_compile`) and the teacher is a plain module
+    per rank; true wherever `config.checks.teacher_compile_blocker` finds nothing in the way; logged.
+    The teacher runs under no_grad: its graphs are forward-only, its norms, rotary embedding and MLP
+    gate fused between the matmuls as the student's are."""
+    from megatron_tc.config.checks import teacher_compile_blocker
+
+    setting = cfg.parallel.compile_teacher
+    blocker = teacher_compile_blocker(cfg.parallel.teacher_mode, ctx.pp_size, ctx.tp_size)
+    if setting is True and blocker is not None:
+        raise ValueError(f"parallel.compile_teacher=true cannot be combined with {blocker}; set "
+                         "parallel.compile_teacher=auto (compiles where it can) or false")
+    chosen = setting is True or (setting == "auto" and student_compiled and blocker is None)
+    if ctx.rank == 0:
+        reason = ""
+        if not chosen and setting == "auto":
+            reason = f" ({blocker or 'the student layers are eager'})"
+        log.info("parallel.compile_teacher=%s: teacher decoder layers %s%s", str(setting).lower(),
+                 "compiled one by one" if chosen else "eager", reason)
+    return chosen

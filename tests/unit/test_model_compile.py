@@ -12,7 +12,7 @@ import torch
 
 from megatron_tc.bench.models import tiny
 from megatron_tc.config import ConfigError, apply_overrides, config_from_dict, validate_config
-from megatron_tc.distill.stage2_setup import resolve_compile
+from megatron_tc.distill.stage2_setup import resolve_compile, resolve_teacher_compile
 from megatron_tc.model import HybridLM
 from megatron_tc.model.compile import compile_decoder_layers, is_compiled
 
@@ -34,6 +34,19 @@ def test_compiled_layers_match_the_eager_model_in_values_gradients_and_names():
         assert name == other
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints keep their names
+
+
+def test_compiled_teacher_layers_give_the_eager_logits_without_grad():
+    """The frozen teacher as stage 2 runs it: under no_grad, all attention, packed documents or not."""
+    torch.manual_seed(0)
+    eager = HybridLM(tiny().with_pattern("AAAA")).eval().requires_grad_(False)
+    compiled = copy.deepcopy(eager)
+    compile_decoder_layers(compiled, backend="aot_eager")
+    ids = torch.randint(0, 256, (2, 32))
+    doc_ids = torch.tensor([[0] * 20 + [1] * 12, [0] * 32])
+    with torch.no_grad():
+        for kwargs in ({}, {"doc_ids": doc_ids}):
+            torch.testing.assert_close(compiled(ids, **kwargs), eager(ids, **kwargs), rtol=1e-6, atol=1e-6)
 
 
 def test_compile_needs_decoder_layers():
@@ -106,3 +119,24 @@ def test_compile_work_does_not_grow_with_depth():
         captured[pattern] = dict(counters["stats"])
     shallow, deep = captured.values()
     assert shallow["unique_graphs"] > 0 and deep == shallow, captured
+
+
+def test_teacher_compiles_with_the_student_where_it_is_one_plain_module():
+    auto = _cfg()
+    assert resolve_teacher_compile(auto, CTX, CUDA, student_compiled=True)
+    assert not resolve_teacher_compile(auto, CTX, CUDA, student_compiled=False)
+    assert not resolve_teacher_compile(_cfg("parallel.teacher_mode=engine"), CTX, CUDA, student_compiled=True)
+    assert not resolve_teacher_compile(auto, SimpleNamespace(rank=0, pp_size=1, tp_size=2), CUDA, student_compiled=True)
+    assert resolve_teacher_compile(_cfg("parallel.compile_teacher=true"), CTX, CPU, student_compiled=False)
+    assert not resolve_teacher_compile(_cfg("parallel.compile_teacher=false"), CTX, CUDA, student_compiled=True)
+
+
+def test_compile_teacher_true_where_it_cannot_run_is_an_error():
+    engine = _cfg("parallel.compile_teacher=true", "parallel.teacher_mode=engine")
+    with pytest.raises(ValueError, match="parallel.compile_teacher=true cannot be combined with parallel.teacher_mode"):
+        resolve_teacher_compile(engine, CTX, CUDA, student_compiled=True)
+    with pytest.raises(ConfigError, match="compile_teacher=true cannot be combined with parallel.teacher_mode=engine"):
+        validate_config(engine)
+    with pytest.raises(ConfigError, match="compile_teacher=true cannot be combined with parallel.tp=2"):
+        validate_config(_cfg("parallel.compile_teacher=true", "parallel.tp=2"))
+    validate_config(_cfg("parallel.compile_teacher=true", "parallel.zero_stage=3"))

@@ -6,10 +6,12 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 tools/bench/train_anchor.py ...   (several ranks)
 
 pipeline  `Stage2Trainer.train_step` as `build_stage2` builds it from the quickstart config
-          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA, decoder layers
-          compiled as parallel.compile=auto decides)
-plain     the same student weights and teacher, torch.compile (CUDA), fused AdamW, bf16 autocast,
-          a full-vocabulary KL, torch DDP over several ranks; no DeepSpeed
+          (DeepSpeed at the ZeRO stage parallel.zero_stage=auto picks, bf16 on CUDA, the student's
+          and the teacher's decoder layers compiled as parallel.compile=auto and
+          parallel.compile_teacher=auto decide)
+plain     the same student weights and teacher, torch.compile (CUDA) of the whole student and of the
+          whole teacher forward (what a user would write), fused AdamW, bf16 autocast, a
+          full-vocabulary KL, torch DDP over several ranks; no DeepSpeed
 
 Random weights of the preset shapes (student: a quarter of the layers kept as attention), random
 tokens, the same micro-batches for both. First the losses of both first steps (same weights, same
