@@ -49,10 +49,10 @@ def case():
     mixers, data, held = {}, {}, {}
     for l in layers:
         mixers[l] = GatedDeltaNet(arch, l).cuda()
-        teacher = GatedDeltaNet(arch, l).cuda()
+        teacher = GatedDeltaNet(arch, l).cuda().to(torch.bfloat16)  # bf16: the kernels alignment compiles
         x = torch.randn(32, 512, arch.hidden_size, device="cuda")
         with torch.no_grad():
-            y = teacher(x).float()
+            y = teacher(x.to(torch.bfloat16)).float()
         data[l], held[l] = LayerData(x[:16], y[:16], None), LayerData(x[16:20], y[16:20], None)
     return layers, mixers, data, held
 
