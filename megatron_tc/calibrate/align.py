@@ -15,7 +15,9 @@ candidate, so alignment never returns something worse by that criterion.
 A rank aligns its layers in lockstep (`align_together`): every step runs each layer's forward and
 backward, then one AdamW step over all of them. The layers are independent (own loss, clipping,
 row draws, best state), so the results are those of one layer after another, bit for bit; the
-losses and the best state stay on the device, so the host queues steps without waiting.
+losses and the best state stay on the device, so the host queues steps without waiting. On CUDA
+the steps after the first three replay one captured step of all the layers (align_graph.py): the
+step then costs its GPU time, not the host's thousands of launches.
 """
 from __future__ import annotations
 
