@@ -227,6 +227,9 @@ def run(args: Any) -> int:
     keep = [i for i, kind in enumerate(pattern) if kind == "A"]
     layers = converted_layers(pattern)
     report.data["pattern"] = pattern
+    if getattr(args, "calibrate_only", False):
+        bench_calibrate(teacher, keep, pattern, args, device, report)
+        return _finish(report)
     try:
         report.add("checks", stats_check(teacher, layers, device, {"teacher_sha256": "bench", "seq_len": 256},
                                          args.chunk_size))
@@ -241,6 +244,10 @@ def run(args: Any) -> int:
     bench_stats(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
     if not args.no_calibrate:
         bench_calibrate(teacher, keep, pattern, args, device, report)
+    return _finish(report)
+
+
+def _finish(report: Report) -> int:
     report.finish([
         ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
         ("Statistics pass vs teacher forward (same tokens)", "rows",

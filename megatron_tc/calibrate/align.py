@@ -15,10 +15,14 @@ candidate, so alignment never returns something worse by that criterion.
 A rank aligns its layers in lockstep (`align_together`): every step runs each layer's forward and
 backward, then one AdamW step over all of them. The layers are independent (own loss, clipping,
 row draws, best state), so the results are those of one layer after another, bit for bit; the
-losses and the best state stay on the device, so the host queues steps without waiting.
+losses and the best state stay on the device, so the host queues steps without waiting. On CUDA
+the steps after the first three replay one captured step of all the layers (align_graph.py): the
+step then costs its GPU time, not the host's thousands of launches.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,8 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .align_graph import WARMUP_STEPS, graph_plan, replay_stream, try_capture
 from .capture import LayerIO, capture_layers
 from .strategies import AlignSettings
+
+logger = logging.getLogger(__name__)
 
 GATE_PARAMS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj")
 
@@ -174,13 +181,15 @@ def align_layer(
     return align_together([AlignJob(mixer, train, heldout, seed, tag)], settings, log)[0]
 
 
-def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, progress: bool = False) -> list[dict]:
+def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, progress: bool = False,
+                   graphs: bool | None = None) -> list[dict]:
     """Align every job's mixer in place, in lockstep: each step runs every layer's forward and
     backward, then one AdamW step over all layers' (disjoint) parameters. Each layer keeps its own
     loss, gradient clipping, row draws (seeded by its job) and best state, so every result equals
     that of aligning the layers one after another, to the bit. Losses, best-state choices and the
     kept parameters stay on the device until the end: the host never waits inside the loop.
-    Returns one report per job (as `align_layer`)."""
+    On CUDA the steps after the first few replay one captured step (align_graph.py; `graphs` False,
+    or $MEGATRON_TC_ALIGN_GRAPHS=0, keeps them eager). Returns one report per job (as `align_layer`)."""
     for job in jobs:
         _check(settings, job.heldout)
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
@@ -190,7 +199,7 @@ def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, prog
         for job in jobs:
             job.mixer.to(dtype)
         runs = [_LayerRun(job, _in_dtype(job.train, dtype), settings) for job in jobs]
-        _lockstep(runs, settings, progress)
+        _lockstep(runs, settings, progress, graphs)
         return [run.finish(log) for run in runs]
     finally:
         for job, (home, grads) in zip(jobs, homes):
@@ -199,41 +208,71 @@ def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, prog
             job.mixer.to(home)
 
 
-def _lockstep(runs: list["_LayerRun"], settings: AlignSettings, progress: bool) -> None:
-    """The steps of every run together, one AdamW over all layers (the same two parameter groups
-    in each: per-element updates do not depend on which tensors share an optimizer)."""
+def _optimizer(runs: list["_LayerRun"], settings: AlignSettings, capturable: bool):
+    """One AdamW over all layers (the same two parameter groups in each: per-element updates do not
+    depend on which tensors share an optimizer) and the cosine schedule's scheduler, or None.
+    capturable: AdamW's step counters live on the device and its update reads no host value."""
     groups = [_param_groups(run.mixer, settings) for run in runs]
     merged = [dict(group, params=[p for layer in groups for p in layer[i]["params"]])
               for i, group in enumerate(groups[0])]
-    optimizer = torch.optim.AdamW(merged, betas=tuple(settings.betas))
+    extra = {"capturable": True, "foreach": True} if capturable else {}
+    optimizer = torch.optim.AdamW(merged, betas=tuple(settings.betas), **extra)
     for run, layer in zip(runs, groups):
         run.start([p for group in layer for p in group["params"]])
-    scheduler = None
-    if settings.schedule == "cosine":
-        total = max(settings.steps, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    if settings.schedule != "cosine":
+        return optimizer, None
+    total = max(settings.steps, 1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+
+
+def _lockstep(runs: list["_LayerRun"], settings: AlignSettings, progress: bool, graphs: bool | None = None) -> None:
+    """The steps of every run together, one AdamW step over all layers. On CUDA the steps after the
+    first few replay one captured step (align_graph.py); elsewhere they run eagerly."""
+    device = runs[0].device
+    use_graph, why = graph_plan(device, settings, any(run.train.doc_ids is not None for run in runs), graphs)
+    if not use_graph and device.type == "cuda":
+        logger.info("alignment of %d layers: eager steps (%s)", len(runs), why)
+    optimizer, scheduler = _optimizer(runs, settings, capturable=use_graph)
+    clock = torch.ones((), dtype=torch.int64, device=device)  # the step under way (1-based), on the device
+
+    def step_body() -> None:
+        for run in runs:
+            run.forward_backward(clock)
+        # torch < 2.13 creates Adam's step counters on the default device (a caller's `torch.device(...)`
+        # context included); newer torch puts them on the CPU: do so everywhere (capturable: on theirs)
+        with contextlib.nullcontext() if use_graph else torch.device("cpu"):
+            optimizer.step()
+        for run in runs:
+            run.after_update(clock)
+        clock.add_(1)
+
     steps = range(1, settings.steps + 1)
     if progress:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=f"align {len(runs)} layers", unit="step", dynamic_ncols=True)
-    for step in steps:
-        optimizer.zero_grad(set_to_none=True)
-        for run in runs:
-            run.forward_backward(step)
-        # torch < 2.13 creates Adam's step counters on the default device (a caller's
-        # `torch.device(...)` context included); newer torch puts them on the CPU: do so everywhere
-        with torch.device("cpu"):
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        for run in runs:
-            run.after_update(step)
+    graph = None
+    with replay_stream(device, use_graph) as stream:
+        for step in steps:
+            if graph is not None:
+                graph.replay()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                step_body()
+                if scheduler is not None:
+                    scheduler.step()
+            for run in runs:
+                run.between_steps(step)
+            if use_graph and graph is None and step == WARMUP_STEPS:
+                optimizer.zero_grad(set_to_none=True)
+                graph = try_capture(step_body, stream, len(runs), step + 1, settings.steps)
+    optimizer.zero_grad(set_to_none=True)  # the gradients are not part of the result
 
 
 class _LayerRun:
     """One layer's alignment state: its rows, the loss of every step, the best score, its step
-    and the parameters it was scored on (flat, trained parameters only), all on the device.
+    and the parameters it was scored on (flat, trained parameters only), all on the device and
+    updated in place (a captured step writes the same tensors on every replay).
 
     Candidates, as the criterion says: best_on 'heldout' scores the parameters after every
     eval_every-th update (and the last) on the held-out rows; 'train' with 'before_update' the
@@ -250,20 +289,25 @@ class _LayerRun:
         self.losses = torch.zeros(settings.steps, dtype=torch.float32, device=self.device)
         self.curve: list[tuple[int, torch.Tensor]] = []
 
-    def _batch(self, draw: int) -> LayerData:
-        return self.train if self.rows is None else self.train.rows(self.rows[draw])
+    def _batch(self, draw: int | torch.Tensor) -> LayerData:
+        """The rows of draw `draw` (an int, or a 0-d device tensor: gathered there, no host read)."""
+        if self.rows is None:
+            return self.train
+        if isinstance(draw, torch.Tensor):
+            return self.train.rows(self.rows.index_select(0, draw.view(1))[0])
+        return self.train.rows(self.rows[draw])
 
     def _flat(self) -> torch.Tensor:
         if not self.trained:
             return torch.zeros(0, device=self.device)
         return torch.cat([p.detach().reshape(-1) for p in self.trained])
 
-    def _offer(self, value: torch.Tensor, step: int) -> None:
+    def _offer(self, value: torch.Tensor, step: int | torch.Tensor) -> None:
         """Keep the current parameters when `value` (fp64 scalar) is below the best so far."""
         better = value < self.best
-        self.best = torch.where(better, value, self.best)
-        self.best_step = torch.where(better, step, self.best_step)
-        self.best_flat = torch.where(better, self._flat(), self.best_flat)
+        self.best.copy_(torch.where(better, value, self.best))
+        self.best_step.copy_(torch.where(better, step, self.best_step))
+        self.best_flat.copy_(torch.where(better, self._flat(), self.best_flat))
 
     def start(self, trained: list[torch.Tensor]) -> None:
         self.trained = trained
@@ -274,34 +318,40 @@ class _LayerRun:
             first = self.train.slice(0, n if self.settings.batch_rows <= 0 else min(n, self.settings.batch_rows))
             with torch.no_grad():
                 self.initial = _loss(self.mixer(first.x, doc_ids=first.doc_ids), first.y, self.settings).double()
-        self.best = torch.full_like(self.initial, math.inf) if self.after else self.initial
+        self.best = torch.full_like(self.initial, math.inf) if self.after else self.initial.clone()
         self.best_step = torch.zeros((), dtype=torch.int64, device=self.device)
         self.best_flat = self._flat()
         self.curve.append((0, self.initial))
         self.mixer.train()
 
-    def forward_backward(self, step: int) -> None:
-        part = self._batch(step - 1)
+    def forward_backward(self, clock: torch.Tensor) -> None:
+        """Step `clock` (0-d device tensor): loss on its rows, gradients, clipping."""
+        draw = clock - 1
+        part = self._batch(draw)
         loss = _loss(self.mixer(part.x, doc_ids=part.doc_ids), part.y, self.settings)
-        self.losses[step - 1] = loss.detach()
+        self.losses.index_copy_(0, draw.view(1), loss.detach().view(1))
         self.loss = loss.detach().double()
         if not self.on_heldout and not self.after:
-            self._offer(self.loss, step - 1)
+            self._offer(self.loss, draw)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
 
-    def after_update(self, step: int) -> None:
-        settings = self.settings
+    def after_update(self, clock: torch.Tensor) -> None:
+        """Inside the step, after AdamW's update: the 'after_update' candidate."""
         if self.after:
-            self._offer(self.loss, step)
-        elif self.on_heldout:
+            self._offer(self.loss, clock)
+
+    def between_steps(self, step: int) -> None:
+        """After step `step`, never captured: held-out evals and the last extra minibatch."""
+        settings = self.settings
+        if self.on_heldout:
             if step % settings.eval_every == 0 or step == settings.steps:
                 self.mixer.eval()
                 value = _relative_mse(self.mixer, self.heldout)
                 self.mixer.train()
                 self.curve.append((step, value))
                 self._offer(value, step)
-        elif step == settings.steps:  # the last update is scored on one more minibatch
+        elif not self.after and step == settings.steps:  # the last update is scored on one more minibatch
             part = self._batch(step)
             with torch.no_grad():
                 self._offer(_loss(self.mixer(part.x, doc_ids=part.doc_ids), part.y, self.settings).double(), step)

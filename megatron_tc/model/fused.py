@@ -14,6 +14,7 @@ warns once and runs eagerly from then on.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Callable
@@ -22,10 +23,23 @@ import torch
 import torch.nn.functional as F
 
 _COMPILED: dict[str, Callable] = {}
+_EAGER_DEPTH = 0  # > 0 inside `eager_formulas()`
 
 
 def _mode() -> str:
-    return os.environ.get("MEGATRON_TC_COMPILE", "1")
+    return "0" if _EAGER_DEPTH else os.environ.get("MEGATRON_TC_COMPILE", "1")
+
+
+@contextlib.contextmanager
+def eager_formulas():
+    """Within: every block runs its eager formula, as MEGATRON_TC_COMPILE=0 would (a CUDA graph
+    captured from warm-up steps must find the kernels those steps ran)."""
+    global _EAGER_DEPTH
+    _EAGER_DEPTH += 1
+    try:
+        yield
+    finally:
+        _EAGER_DEPTH -= 1
 
 
 def fused(name: str, fn: Callable, x: torch.Tensor) -> Callable:

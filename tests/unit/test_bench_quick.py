@@ -119,6 +119,12 @@ def test_bench_stats_quick(tmp_path):
     assert "bench_stats" in summarize(tmp_path)
 
 
+def test_bench_stats_calibrate_only(tmp_path):
+    data = run("bench_stats", tmp_path, "--calibrate-only")
+    (calib,) = data["calibrate"]
+    assert calib["wall_s"] > 0 and calib["align_steps"] == 3 and not data.get("rows") and not data.get("checks")
+
+
 def test_unknown_preset_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown model preset 'gpt9'"):
         load_tool("bench_inference").main(["--quick", "--models", "gpt9", "--out", str(tmp_path / "x.json")])
