@@ -82,9 +82,19 @@ class _Captured:
         self.record(fn, spec, pool)
 
     def record(self, fn: LayerFn, spec: Hashable, pool) -> None:
+        """Capture on a side stream (the default stream cannot be captured). Not through
+        `torch.cuda.graph`: it synchronizes and empties the device and pinned-memory caches before
+        each capture, which the sweeps then refill (pinned copies of every closed form)."""
         self.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(self.modules, self.inputs, spec)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            self.graph.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                self.out = fn(self.modules, self.inputs, spec)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
 
     def replay(self) -> Sums:
         self.graph.replay()
@@ -110,11 +120,17 @@ class LayerGraphs:
         self.seen: dict[tuple, int] = {}
         self.graphs: dict[tuple, _Captured | None] = {}  # None: capturing failed, eager
         self.pool = None
+        self.modules: dict[int, tuple[nn.Module, tuple]] = {}
 
     def key(self, modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor | None], spec: Hashable) -> tuple:
-        return (spec, tuple(_config(m) for m in modules),
-                tuple(tuple(_tensor_key(t) for t in _state(m)) for m in modules),
-                tuple(_tensor_key(t) for t in tensors))
+        return (spec, tuple(self.module_key(m) for m in modules), tuple(_tensor_key(t) for t in tensors))
+
+    def module_key(self, module: nn.Module) -> tuple:
+        """A module's configuration and tensor layout, worked out once per module of the pass
+        (kept with the module, so an id is never reused while its entry lives)."""
+        if id(module) not in self.modules:
+            self.modules[id(module)] = (module, (_config(module), tuple(_tensor_key(t) for t in _state(module))))
+        return self.modules[id(module)][1]
 
     def __call__(self, modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor | None],
                  spec: Hashable = ()) -> Sums:
@@ -148,4 +164,5 @@ class LayerGraphs:
         """Drop the graphs and their memory."""
         self.graphs.clear()
         self.seen.clear()
+        self.modules.clear()
         self.pool = None
