@@ -30,6 +30,7 @@ class Replayed(graphs._Captured):
 @pytest.fixture
 def fake_graphs(monkeypatch):
     CAPTURES.clear()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
     monkeypatch.setattr(graphs, "_capturable", lambda tensors: True)
     monkeypatch.setattr(graphs, "_Captured", Replayed)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
@@ -100,8 +101,10 @@ def test_a_signature_is_captured_on_its_second_call_and_layers_share_it(fake_gra
 
 
 def test_the_switch(monkeypatch):
+    monkeypatch.delenv(graphs.GRAPHS_ENV, raising=False)
+    assert not graphs.LayerGraphs(lambda m, t, s: {}).enabled  # eager unless asked
     monkeypatch.setenv(graphs.GRAPHS_ENV, "2")
     with pytest.raises(ValueError, match="MEGATRON_TC_STATS_GRAPHS"):
         graphs.LayerGraphs(lambda m, t, s: {})
-    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
-    assert not graphs.LayerGraphs(lambda m, t, s: {}).enabled
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
+    assert graphs.LayerGraphs(lambda m, t, s: {}).enabled
