@@ -11,11 +11,9 @@ its sums. The same kernels run on the same values, so the sums equal the eager o
 A signature is captured the second time it is seen (the first call runs eagerly: it compiles and
 autotunes the Triton kernels, which capturing cannot do, and a shape seen once costs no capture).
 Only CUDA tensors are captured, and only with $MEGATRON_TC_STATS_GRAPHS=1: the default is eager,
-because the one measurement of the replays (SmolLM2 on an H200, `tools/bench/stats.py`) found the
-pass slower with them, 2.39 s against 1.34 s, with cuBLAS taking single-block GEMVs for the readout's
-token-long products under capture; those products are now batched GEMMs over token blocks
-(`readout.long_products`), not yet measured with the replays. A computation that cannot be
-captured (a host sync inside) runs eagerly from then on, with one warning.
+because the pass measured slower with the replays on an H200 (docs/benchmarks.md, "Statistics pass
+and calibration"). A computation that cannot be captured (a host sync inside) runs eagerly from
+then on, with one warning.
 """
 from __future__ import annotations
 

@@ -167,9 +167,9 @@ PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`
 def long_products(U: torch.Tensor, Y: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = tokens * `width`:
     fp32 partial products over blocks of PRODUCT_TOKENS tokens (one batched GEMM per product)
-    summed in fp64. One GEMM over the whole N has an inner size of millions: cuBLAS splits it
-    over the device only when it may use its workspace, which it did not while a CUDA graph was
-    captured (a single-block GEMV of about 5 ms per layer and batch for SmolLM2 on an H200)."""
+    summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
+    as a GEMV on a few blocks (the replayed pass's profile on an H200 showed such GEMVs), and an
+    fp32 accumulation over all of N."""
     m, k = U.shape[0], PRODUCT_TOKENS * width
     blocks = U.shape[1] // k
     gram = torch.zeros(m, m, dtype=F64, device=U.device)
