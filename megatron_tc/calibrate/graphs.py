@@ -6,7 +6,9 @@ the device runs them). `LayerGraphs` captures such a computation once per signat
 and dtypes of its tensors, the configuration of its modules) and replays it for every other layer
 and batch of that signature: the layer's weights and inputs are copied into the graph's static
 copies (one multi-tensor copy), the graph replays, and the caller adds its static outputs into
-its sums. The same kernels run on the same values, so the sums equal the eager ones.
+its sums. Element-wise kernels and reductions run as they do eagerly; cuBLAS may pick other GEMM
+algorithms under capture, so sums made by GEMMs can differ from the eager ones in rounding
+(tests/gpu/test_stats_graphs_cuda.py: within 1e-4).
 
 A signature is captured the second time it is seen (the first call runs eagerly: it compiles and
 autotunes the Triton kernels, which capturing cannot do, and a shape seen once costs no capture).

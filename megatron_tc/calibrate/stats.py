@@ -17,7 +17,8 @@ the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so 
 on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
 sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
 It all runs on the calling thread: with the closed forms on a second host thread the one-forward
-pass measured twice as slow on an H200 as the two-forward one.
+pass measured twice as slow on an H200 as the two-forward one. Each sweep's work for one layer
+and batch goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 """
 from __future__ import annotations
 
