@@ -14,6 +14,7 @@ import torch
 
 from megatron_tc.bench.common import Report, host_syncs, pick_device, profile_rows, rel_err, sync, time_fn
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern
+from megatron_tc.calibrate.graphs import GRAPHS_ENV
 from megatron_tc.calibrate.moments import STATS_KERNEL_ENV, use_stats_kernel
 from megatron_tc.calibrate.stats import collect_attention_stats, collect_readout_stats, collect_stats
 from megatron_tc.calibrate.strategies import get_strategy
@@ -42,17 +43,22 @@ def stats_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk:
 
 
 @contextlib.contextmanager
-def stats_kernel(mode: str):
-    """$MEGATRON_TC_STATS_KERNEL=mode inside (auto, triton, reference)."""
-    old = os.environ.get(STATS_KERNEL_ENV)
-    os.environ[STATS_KERNEL_ENV] = mode
+def env(name: str, value: str):
+    """$name=value inside."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(STATS_KERNEL_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[STATS_KERNEL_ENV] = old
+            os.environ[name] = old
+
+
+def stats_kernel(mode: str):
+    """$MEGATRON_TC_STATS_KERNEL=mode inside (auto, triton, reference)."""
+    return env(STATS_KERNEL_ENV, mode)
 
 
 def kernel_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
@@ -67,6 +73,15 @@ def kernel_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk
     worst = max(errors, key=errors.get)
     return {"check": "sweep-1 sums: kernel vs PyTorch chunks (device)", "max_rel_err": errors[worst], "worst": worst,
             "median_rel_err": sorted(errors.values())[len(errors) // 2]}
+
+
+def graphs_check(replayed, eager) -> dict:
+    """The statistics pass with per-layer CUDA graphs against the eager pass (same batches)."""
+    errors = {k: rel_err(replayed.sums[k], v) for k, v in eager.sums.items() if v.abs().sum() > 0}
+    worst = max(errors, key=errors.get)
+    same = sum(torch.equal(replayed.sums[k], v) for k, v in eager.sums.items())
+    return {"check": f"collect_stats: CUDA graphs vs eager ({same} of {len(eager.sums)} sums bit-identical)",
+            "max_rel_err": errors[worst], "worst": worst, "median_rel_err": sorted(errors.values())[len(errors) // 2]}
 
 
 def warm_gdn_kernels(arch, layer: int, device, seq: int, align_dtype: torch.dtype = torch.float32) -> float:
@@ -142,18 +157,28 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
                             "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
                             "goal": f"<= {STATS_GOAL}", "met": total / fwd.ms <= STATS_GOAL})
     if strategies:  # what the pipeline runs: both sweeps, the teacher forward once per batch
-        label = "statistics pass, one forward (collect_stats)"
-        row = {**base, "pass": label}
-        try:
-            timing = time_fn(lambda: collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
-                                                   student_arch=student_arch, chunk_size=args.chunk_size,
-                                                   progress=False), device, budget_ms=args.budget_ms, max_reps=5)
-            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms,
-                       goal=f"<= {STATS_GOAL}", met=timing.ms / fwd.ms <= STATS_GOAL)
-        except Exception as exc:
-            row["note"] = f"failed: {type(exc).__name__}"
-            report.error(label, exc)
-        report.add("rows", row)
+        def one_forward():
+            return collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
+                                 student_arch=student_arch, chunk_size=args.chunk_size, progress=False)
+
+        passes = [("statistics pass, one forward (collect_stats)", "0")]
+        if device.type == "cuda":  # the per-layer CUDA graphs' gain, and their sums against the eager ones
+            passes.append(("statistics pass, one forward, CUDA graphs (MEGATRON_TC_STATS_GRAPHS=1)", "1"))
+        results = {}
+        for label, graphs in passes:
+            row = {**base, "pass": label}
+            try:
+                with env(GRAPHS_ENV, graphs):
+                    results[graphs] = one_forward()
+                    timing = time_fn(one_forward, device, budget_ms=args.budget_ms, max_reps=5)
+                row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms,
+                           goal=f"<= {STATS_GOAL}", met=timing.ms / fwd.ms <= STATS_GOAL)
+            except Exception as exc:
+                row["note"] = f"failed: {type(exc).__name__}"
+                report.error(label, exc)
+            report.add("rows", row)
+        if len(results) == 2:
+            report.add("checks", graphs_check(results["1"], results["0"]))
     if args.sweep1_reference:  # the PyTorch chunks, for the kernel's gain (not in the total)
         label = "stats sweep 1 (attention moments), PyTorch reference"
         row = {**base, "pass": label, "impl": "pytorch"}

@@ -337,9 +337,11 @@ def layer_input_sums(
     b, t, _ = x.shape
     n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, x.device)
     counts = torch.stack([n >= 2, (n - sink_seen.long()) >= 2]).sum(dim=(1, 2), dtype=F64)
-    # the three energies as one batched fp64 dot product (no squared copy); x's sum from the same copy
+    # the three energies as one fp64 reduction of the squares; x's sum from the same copy (a
+    # batched dot product here ran as a cuBLAS GEMV: 4.7 ms per layer for 8k tokens of SmolLM2 on
+    # an H200, replayed from a CUDA graph)
     both = torch.stack([x, resid, out]).to(F64).view(3, -1)  # x, resid, out (stack promotes mixed dtypes)
-    energies = torch.bmm(both[:, None], both[:, :, None]).view(3)
+    energies = both.square().sum(dim=1)
     return {
         "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
         "count2": counts[0], "count3": counts[1],

@@ -139,7 +139,7 @@ def readout_sums(
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
     U = torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads).view(h * n, -1)  # [H*C, BT*hidden]
     Y = out.float().reshape(-1)  # [BT*hidden]
-    gram, r = U @ U.t(), U @ Y
+    gram, r = long_products(U, Y, x.shape[-1])
     if n > 1:
         gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
         r = r.view(h, n).t().reshape(-1)
@@ -148,8 +148,8 @@ def readout_sums(
     with_y = _sum64(reads * yt, (1, 2, 4))  # [C + 2, H]: u.y per candidate, raw.y, y.y
     squares = _sum64(reads[:n + 1].square(), (1, 2, 4))  # [C + 1, H]: u.u per candidate, raw.raw
     return {
-        "G": gram.to(F64),
-        "r": r.to(F64),
+        "G": gram,
+        "r": r,
         "uy": with_y[:n], "uu": squares[:n], "yy": with_y[n + 1],
         "YY": _sum64(Y.square(), None),
         "beta": _sum64(beta.float(), (0, 1)),
@@ -159,6 +159,30 @@ def readout_sums(
         "ry": with_y[n], "rr": squares[n],
         "vgrid": value_silu_grid(mixer, x),
     }
+
+
+PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`
+
+
+def long_products(U: torch.Tensor, Y: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = tokens * `width`:
+    fp32 partial products over blocks of PRODUCT_TOKENS tokens (one batched GEMM per product)
+    summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
+    as a GEMV on a few blocks (the replayed pass's profile on an H200 showed such GEMVs), and an
+    fp32 accumulation over all of N."""
+    m, k = U.shape[0], PRODUCT_TOKENS * width
+    blocks = U.shape[1] // k
+    gram = torch.zeros(m, m, dtype=F64, device=U.device)
+    r = torch.zeros(m, dtype=F64, device=U.device)
+    if blocks:
+        a = U[:, :blocks * k].reshape(m, blocks, k).transpose(0, 1)  # [S, M, K]
+        gram += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
+        r += torch.bmm(a, Y[:blocks * k].view(blocks, k, 1)).sum(0, dtype=F64).view(m)
+    if U.shape[1] > blocks * k:  # the tokens after the last whole block
+        rest, y_rest = U[:, blocks * k:], Y[blocks * k:]
+        gram += (rest @ rest.t()).to(F64)
+        r += (rest @ y_rest).to(F64)
+    return gram, r
 
 
 def gated_reads(normed: torch.Tensor, x: torch.Tensor, candidates: list[torch.Tensor | None]) -> list[torch.Tensor]:

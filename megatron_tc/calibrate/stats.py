@@ -17,7 +17,8 @@ the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so 
 on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
 sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
 It all runs on the calling thread: with the closed forms on a second host thread the one-forward
-pass measured twice as slow on an H200 as the two-forward one.
+pass measured twice as slow on an H200 as the two-forward one. Each sweep's work for one layer
+and batch goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.parallel.comm import all_gather
 
 from .capture import LayerIO, capture_layers
+from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
 from .statsfile import TaylorStats
@@ -84,6 +86,12 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _graphs_allowed(tp_group: dist.ProcessGroup | None) -> bool | None:
+    """CUDA graphs per layer (graphs.LayerGraphs; None: as $MEGATRON_TC_STATS_GRAPHS says) except
+    with a tensor-parallel teacher, whose sharded layers reduce over the group inside."""
+    return None if tp_group is None or dist.get_world_size(tp_group) == 1 else False
+
+
 def _to_cpu(stats: TaylorStats) -> TaylorStats:
     """A finished pass hands out CPU tensors (as `TaylorStats.load` does)."""
     stats.sums = {k: v.cpu() for k, v in stats.sums.items()}
@@ -121,14 +129,18 @@ def collect_attention_stats(
     device = model_device(model)
     sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
 
+    def layer_sums(modules, tensors, spec) -> dict[str, torch.Tensor]:
+        (mixer,), (x, resid, out, position_ids, doc_ids) = modules, tensors
+        q, k, v = mixer.project_qkv(x, position_ids)
+        head_sums, _ = attention_sums(q, k, v, mixer.scale, mixer.o_proj.weight, doc_ids, mixer.sliding_window,
+                                      chunk_size)
+        return head_sums | layer_input_sums(x, resid, out, doc_ids, mixer.sliding_window)
+
+    graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
+
     def on_layer(index: int, io: LayerIO) -> None:
-        mixer = io.mixer
-        q, k, v = mixer.project_qkv(io.x, io.position_ids)
-        head_sums, _ = attention_sums(
-            q, k, v, mixer.scale, mixer.o_proj.weight, io.doc_ids, mixer.sliding_window, chunk_size
-        )
-        add_into(sums[index], head_sums)
-        add_into(sums[index], layer_input_sums(io.x, io.resid, io.out, io.doc_ids, mixer.sliding_window))
+        run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
+        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids]))
         if keep_io is not None:
             keep_io[-1][index] = dataclasses.replace(io, resid=None)
 
@@ -138,6 +150,7 @@ def collect_attention_stats(
         if keep_io is not None:
             keep_io.append({})
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
+    graphs.close()
     flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
     full_meta = dict(meta)
     full_meta.update(
@@ -250,18 +263,35 @@ def collect_readout_stats(
         if index not in mine:
             del teacher_mixers[index]
 
+    names = list(closed_forms)
+
+    def layer_sums(modules, tensors, counts) -> dict[tuple[str, str], torch.Tensor]:
+        """modules: the teacher attention, then a readout mixer per closed form; tensors: x,
+        position_ids, out, doc_ids, then each closed form's candidates (`counts` of them)."""
+        mixer, students = modules[0], modules[1:]
+        x, position_ids, out, doc_ids = tensors[:4]
+        q, k, v = mixer.project_qkv(x, position_ids)
+        idx = torch.arange(x.shape[1], device=x.device)
+        y = mixer.attend(q, k, v, idx, idx, doc_ids)  # [B, H, T, D]
+        result, start = {}, 4
+        for name, student, count in zip(names, students, counts):
+            got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids)
+            result.update({(name, key): value for key, value in got.items()})
+            start += count
+        return result
+
+    graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
+
     def on_layer(index: int, io: LayerIO) -> None:
         if index not in mine:
             return
-        mixer = teacher_mixers[index]
-        q, k, v = mixer.project_qkv(io.x, io.position_ids)
-        t = io.x.shape[1]
-        idx = torch.arange(t, device=io.x.device)
-        y = mixer.attend(q, k, v, idx, idx, io.doc_ids)  # [B, H, T, D]
-        for name, per_layer in mixers.items():
-            student, candidates = per_layer[index]
-            got = readout_sums(student, candidates, io.x, y, io.out, mixer.o_proj.weight, io.doc_ids)
-            add_into({key: part[f"readout.{name}.layers.{index}.{key}"] for key in got}, got)
+        students = [mixers[name][index][0] for name in names]
+        candidates = [c for name in names for c in mixers[name][index][1]]
+        counts = tuple(len(mixers[name][index][1]) for name in names)
+        run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
+        got = run([teacher_mixers[index], *students], [io.x, io.position_ids, io.out, io.doc_ids, *candidates],
+                  counts)
+        add_into({key: part[f"readout.{key[0]}.layers.{index}.{key[1]}"] for key in got}, got)
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:
@@ -282,6 +312,7 @@ def collect_readout_stats(
             build(index)
         for batch in _progress(batches, num_batches, "readout sums", show):
             capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+    graphs.close()
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
     reduced = TaylorStats({"layers": stats.layers}, part)

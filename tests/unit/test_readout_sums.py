@@ -98,3 +98,21 @@ def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
     uu = torch.stack([u.pow(2).sum(dim=(0, 1, 3)) for u in want_u])
     torch.testing.assert_close(got["uy"], uy, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["uu"], uu, rtol=1e-5, atol=1e-6)
+
+
+def test_long_products_equal_fp64_products_over_blocks_and_the_rest():
+    """U U^T and U Y from fp32 products over blocks of PRODUCT_TOKENS tokens, summed in fp64: equal
+    to the fp64 products within fp32 rounding, whether the tokens fill whole blocks, leave a rest,
+    or are fewer than one block (then it is the single fp32 product the pass used before)."""
+    from megatron_tc.calibrate.readout import PRODUCT_TOKENS, long_products
+
+    torch.manual_seed(0)
+    width = 6
+    for tokens in (3 * PRODUCT_TOKENS, 3 * PRODUCT_TOKENS + 5, PRODUCT_TOKENS - 1):
+        U, Y = torch.randn(7, tokens * width), torch.randn(tokens * width)
+        gram, r = long_products(U, Y, width)
+        assert gram.dtype == r.dtype == F64
+        torch.testing.assert_close(gram, U.double() @ U.double().t(), rtol=1e-6, atol=1e-4)
+        torch.testing.assert_close(r, U.double() @ Y.double(), rtol=1e-6, atol=1e-4)
+        if tokens < PRODUCT_TOKENS:
+            assert torch.equal(gram, (U @ U.t()).double()) and torch.equal(r, (U @ Y).double())

@@ -14,7 +14,8 @@ Rows (median ms over the same batches): plain forward `teacher(ids)` (full logit
 sweep 1 `calibrate.stats.collect_attention_stats` (attention moments, probabilities chunk by
 chunk of queries); sweep 2 `collect_readout_stats` (readout sums of --readout); their ratios
 to the forward (goal: the statistics pass <= 1.5x); and the pass as the pipeline runs it,
-`collect_stats` with both sweeps from one teacher forward per batch. Sweep 1 takes the fused Triton kernel on CUDA
+`collect_stats` with both sweeps from one teacher forward per batch, on CUDA also with the per-layer
+CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1) and their sums checked against the eager ones. Sweep 1 takes the fused Triton kernel on CUDA
 (`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
 measures the kernel's gain. --profile runs each sweep once more under torch.profiler and reports
