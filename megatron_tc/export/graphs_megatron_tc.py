@@ -127,7 +127,7 @@ class PrefillGraphs:
 
     A shape is captured the second time it comes, over a cache that already holds buffers of its
     batch size (a static cache generate reuses): a one-off prompt length runs eagerly and never pays
-    for a capture (a warm-up forward plus the capture, about twice an eager prefill)."""
+    for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
