@@ -74,7 +74,8 @@ class DecodeGraph:
                 x.copy_(before)
 
     def fits(self, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
-        return cache is self.cache and input_ids.shape[0] == self.ids.shape[0] and cache_pointers(cache) == self.pointers
+        return (cache is self.cache and input_ids.shape[0] == self.ids.shape[0]
+                and cache_pointers(cache) == self.pointers)
 
     def stage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, seen: int) -> None:
         self.ids.copy_(input_ids)
@@ -108,8 +109,9 @@ class PrefillGraph:
         def forward() -> torch.Tensor:
             return model.model(self.ids, self.positions, Batch(0, self.slots, None, None, t), cache, logits_to_keep)
 
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # shared with later captures
         self.graph = torch.cuda.CUDAGraph()
-        self.logits = capture(self.graph, forward, pool)
+        self.logits = capture(self.graph, forward, self.pool)
         self.pointers = cache_pointers(cache)
 
     def fits(self, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
@@ -153,8 +155,8 @@ class PrefillGraphs:
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)
         try:
-            self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
             graph = self.graphs[key] = PrefillGraph(model, cache, input_ids, logits_to_keep, self.pool)
+            self.pool = graph.pool
         except Exception as exc:  # noqa: BLE001 - the prefill stays correct, only slower
             warnings.warn(f"capturing the prefill failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "prefilling eagerly", RuntimeWarning, stacklevel=3)

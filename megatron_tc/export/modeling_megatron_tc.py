@@ -101,7 +101,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         logits = None
         if self._can_replay(cache, input_ids, position_ids, labels):
             logits = self._graph_step(input_ids, attention_mask, cache)
-        elif self._can_capture_prefill(cache, input_ids, attention_mask, position_ids, labels):
+        elif self._can_capture_prefill(cache, input_ids, attention_mask, position_ids, labels, logits_to_keep):
             logits = self._prefills.run(self, cache, input_ids, logits_to_keep)
         if logits is None:
             logits = self._eager(input_ids, attention_mask, position_ids, cache, offset, logits_to_keep)
@@ -132,11 +132,13 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
                 and not torch.is_grad_enabled() and not cache.is_recording_past()
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _can_capture_prefill(self, cache, input_ids, attention_mask, position_ids, labels) -> bool:
-        """A prefill (empty static cache, unpadded prompts) small enough to be host-bound."""
-        return (0 < input_ids.numel() <= self.prefill_graph_tokens and input_ids.shape[1] > 1 and cache is not None
-                and cache.is_static and cache.seen == 0 and input_ids.is_cuda and position_ids is None
-                and labels is None and not torch.is_grad_enabled() and not cache.is_recording_past()
+    def _can_capture_prefill(self, cache, input_ids, attention_mask, position_ids, labels, logits_to_keep) -> bool:
+        """A prefill (empty static cache, unpadded prompts) small enough to be host-bound, keeping the
+        last token's logits (generate's; all of them would make the graph hold [B, T, vocab])."""
+        return (0 < input_ids.numel() <= self.prefill_graph_tokens and input_ids.shape[1] > 1
+                and isinstance(logits_to_keep, int) and logits_to_keep == 1 and cache is not None and cache.is_static
+                and cache.seen == 0 and input_ids.is_cuda and position_ids is None and labels is None
+                and not torch.is_grad_enabled() and not cache.is_recording_past()
                 and not torch.cuda.is_current_stream_capturing()
                 and (attention_mask is None or bool(attention_mask.all())))
 
