@@ -8,6 +8,7 @@ valid while the cache keeps its addresses (generate reuses a static cache of the
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import OrderedDict
 
@@ -19,6 +20,12 @@ from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 
 def cache_pointers(cache: MegatronTCCache) -> list[int]:
     return [x.data_ptr() for layer in cache.layers for x in layer.tensors().values()]
+
+
+def weight_pointers(model) -> tuple[int, ...]:
+    """Addresses of the model's parameters and buffers: a graph reads them where they were when it
+    was captured, so one replaced (moved, cast, loaded with assign=True) makes it stale."""
+    return tuple(x.data_ptr() for x in itertools.chain(model.parameters(), model.buffers()))
 
 
 def capture(graph: torch.cuda.CUDAGraph, run, pool=None):
@@ -52,7 +59,7 @@ class DecodeGraph:
     def __init__(self, model, cache: MegatronTCCache, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None) -> None:
         device, b = input_ids.device, input_ids.shape[0]
-        self.cache, self.pointers = cache, cache_pointers(cache)
+        self.cache, self.pointers, self.weights = cache, cache_pointers(cache), weight_pointers(model)
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.slots = torch.zeros(1, dtype=torch.long, device=device)
@@ -112,10 +119,11 @@ class PrefillGraph:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # shared with later captures
         self.graph = torch.cuda.CUDAGraph()
         self.logits = capture(self.graph, forward, self.pool)
-        self.pointers = cache_pointers(cache)
+        self.pointers, self.weights = cache_pointers(cache), weight_pointers(model)
 
-    def fits(self, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
-        return cache is self.cache and input_ids.shape == self.ids.shape and cache_pointers(cache) == self.pointers
+    def fits(self, model, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
+        return (cache is self.cache and input_ids.shape == self.ids.shape and cache_pointers(cache) == self.pointers
+                and weight_pointers(model) == self.weights)
 
     def replay(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(input_ids)
@@ -143,7 +151,7 @@ class PrefillGraphs:
         """Logits of the prefill from a captured graph, or None: the caller runs it eagerly."""
         key = (*input_ids.shape, cache.static_len, logits_to_keep)
         graph = self.graphs.get(key)
-        if graph is not None and graph.fits(cache, input_ids):
+        if graph is not None and graph.fits(model, cache, input_ids):
             self.graphs.move_to_end(key)
             return graph.replay(input_ids)
         if len(self.counts) > 256:  # shapes seen once each, many of them: forget them

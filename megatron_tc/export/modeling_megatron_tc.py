@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
 from .attention_megatron_tc import Batch, Rotary
-from .graphs_megatron_tc import DecodeGraph, PrefillGraphs
+from .graphs_megatron_tc import DecodeGraph, PrefillGraphs, weight_pointers
 from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
@@ -189,7 +189,8 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         again), else a new one. As with transformers' own static cache, a later generate() reuses
         (and empties) the cache an earlier one returned."""
         previous = self._graph.cache if self._graph is not None else None
-        if previous is not None and previous.static_len == length and not previous.is_recording_past():
+        if (previous is not None and previous.static_len == length and not previous.is_recording_past()
+                and self._graph.weights == weight_pointers(self)):
             previous.reset()
             return previous
         self._graph = None  # frees the graph and the buffers it was captured over

@@ -1,7 +1,8 @@
 """When the exported student captures a prefill (the policy of graphs_megatron_tc.PrefillGraphs), on
 CPU with the CUDA capture replaced by a stand-in that runs the eager forward: the second prefill
 of a shape over a reused cache is captured, later ones replay it, one-off shapes and fresh caches
-never are, and at most `keep` shapes are held. Replayed graphs on CUDA: tests/gpu."""
+never are, at most `keep` shapes are held, and replaced weights make a graph stale. Replayed
+graphs on CUDA: tests/gpu/test_student_generate_cuda.py."""
 from __future__ import annotations
 
 import torch
@@ -20,10 +21,11 @@ class EagerStandIn:
     def __init__(self, model, cache, input_ids, logits_to_keep, pool) -> None:
         type(self).built += 1
         self.model, self.cache, self.shape, self.keep = model, cache, input_ids.shape, logits_to_keep
-        self.pointers, self.pool = graphs.cache_pointers(cache), None
+        self.pointers, self.weights, self.pool = graphs.cache_pointers(cache), graphs.weight_pointers(model), None
 
-    def fits(self, cache, input_ids) -> bool:
-        return cache is self.cache and input_ids.shape == self.shape and graphs.cache_pointers(cache) == self.pointers
+    def fits(self, model, cache, input_ids) -> bool:
+        return (cache is self.cache and input_ids.shape == self.shape and graphs.cache_pointers(cache) == self.pointers
+                and graphs.weight_pointers(model) == self.weights)
 
     def replay(self, input_ids):
         t = input_ids.shape[1]
@@ -66,3 +68,8 @@ def test_second_prefill_of_a_shape_over_a_reused_cache_is_captured(monkeypatch):
             prefill(model, graph_set, cache, ids[0][:, :t])
         assert EagerStandIn.built == 3
         assert [key[1] for key in graph_set.graphs] == [10, 9]
+        prefill(model, graph_set, cache, ids[0][:, :9])
+        assert EagerStandIn.built == 3  # replayed
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        assert torch.equal(prefill(model, graph_set, cache, ids[0]), reference[0])
+        assert EagerStandIn.built == 4, "a graph over replaced weights was replayed"
