@@ -10,7 +10,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REMOTE_FILES = ("configuration_megatron_tc.py", "modeling_megatron_tc.py", "layers_megatron_tc.py",
-                "attention_megatron_tc.py", "cache_megatron_tc.py", "gated_delta_megatron_tc.py")
+                "attention_megatron_tc.py", "cache_megatron_tc.py", "gated_delta_megatron_tc.py",
+                "graphs_megatron_tc.py")
 
 
 def remote_code() -> dict[str, str]:

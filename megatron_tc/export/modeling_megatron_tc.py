@@ -9,7 +9,9 @@ Padding is exact: a pad position is hidden from attention and leaves the GDN sta
 convolution inputs unchanged.
 
 Decoding on CUDA with a static cache (`generate(..., cache_implementation="static")`, the
-default there) captures one decoding step in a CUDA graph and replays it for every later token.
+default there) captures one decoding step in a CUDA graph and replays it for every later token,
+and captures a short prefill (up to PREFILL_GRAPH_TOKENS tokens) the second time its shape comes
+over the reused cache (graphs_megatron_tc.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
 from .attention_megatron_tc import Batch, Rotary
+from .graphs_megatron_tc import DecodeGraph, PrefillGraphs, weight_pointers
 from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
@@ -32,6 +35,10 @@ CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ el
 # static caches on CUDA are sized in steps of this many tokens, so that generations of similar
 # lengths share one cache and its captured decoding step
 STATIC_ROUND = 256
+# prefills of at most this many tokens (batch x prompt) into a reused static cache are captured
+# when their shape repeats: below it a forward is host-bound (launching kernels takes longer than
+# the GPU's work), above it the graph's memory would buy little
+PREFILL_GRAPH_TOKENS = 8192
 
 
 class MegatronTCPreTrainedModel(PreTrainedModel):
@@ -55,7 +62,9 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = HybridModel(config)
         self.decode_graphs = True  # capture the decoding step on CUDA with a static cache
+        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS  # 0: never capture a prefill
         self._graph: DecodeGraph | None = None
+        self._prefills = PrefillGraphs()
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -89,9 +98,12 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         if attention_mask is not None and tuple(attention_mask.shape) != (b, offset + t):
             raise ValueError(f"attention_mask must be [B, cached + new tokens] = {[b, offset + t]}, got "
                              f"{list(attention_mask.shape)} (a 2D mask of ones and zeros; zeros mark padding)")
+        logits = None
         if self._can_replay(cache, input_ids, position_ids, labels):
             logits = self._graph_step(input_ids, attention_mask, cache)
-        else:
+        elif self._can_capture_prefill(cache, input_ids, attention_mask, position_ids, labels, logits_to_keep):
+            logits = self._prefills.run(self, cache, input_ids, logits_to_keep)
+        if logits is None:
             logits = self._eager(input_ids, attention_mask, position_ids, cache, offset, logits_to_keep)
         if cache is not None:
             cache.seen += t
@@ -119,6 +131,16 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
                 and input_ids.shape[1] == 1 and cache.seen > 0 and position_ids is None and labels is None
                 and not torch.is_grad_enabled() and not cache.is_recording_past()
                 and not torch.cuda.is_current_stream_capturing())
+
+    def _can_capture_prefill(self, cache, input_ids, attention_mask, position_ids, labels, logits_to_keep) -> bool:
+        """A prefill (empty static cache, unpadded prompts) small enough to be host-bound, keeping the
+        last token's logits (generate's; all of them would make the graph hold [B, T, vocab])."""
+        return (0 < input_ids.numel() <= self.prefill_graph_tokens and input_ids.shape[1] > 1
+                and isinstance(logits_to_keep, int) and logits_to_keep == 1 and cache is not None and cache.is_static
+                and cache.seen == 0 and input_ids.is_cuda and position_ids is None and labels is None
+                and not torch.is_grad_enabled() and not cache.is_recording_past()
+                and not torch.cuda.is_current_stream_capturing()
+                and (attention_mask is None or bool(attention_mask.all())))
 
     def _graph_step(self, input_ids, attention_mask, cache) -> torch.Tensor:
         if cache.seen + 1 > cache.static_len:
@@ -167,10 +189,12 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         again), else a new one. As with transformers' own static cache, a later generate() reuses
         (and empties) the cache an earlier one returned."""
         previous = self._graph.cache if self._graph is not None else None
-        if previous is not None and previous.static_len == length and not previous.is_recording_past():
+        if (previous is not None and previous.static_len == length and not previous.is_recording_past()
+                and self._graph.weights == weight_pointers(self)):
             previous.reset()
             return previous
         self._graph = None  # frees the graph and the buffers it was captured over
+        self._prefills.clear()
         return MegatronTCCache(self.config, static_len=length)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
@@ -185,71 +209,3 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         if kwargs.get("logits_to_keep") is not None:
             inputs["logits_to_keep"] = kwargs["logits_to_keep"]
         return inputs
-
-
-class DecodeGraph:
-    """One decoding step (B rows, one token each) over a static cache, captured in a CUDA graph.
-
-    Inputs are copied into fixed buffers (token, position, cache slot, key mask) before each
-    replay; the attention layers attend over every slot of the static buffers, hidden by the mask
-    where a slot is in the future or padding. What the layers share within a step (RoPE tables, the
-    attention bias) is computed inside the graph, from those buffers, once per replay."""
-
-    def __init__(self, model: MegatronTCForCausalLM, cache: MegatronTCCache, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None) -> None:
-        device, b = input_ids.device, input_ids.shape[0]
-        self.cache, self.pointers = cache, self._pointers(cache)
-        self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)
-        self.slots = torch.zeros(1, dtype=torch.long, device=device)
-        self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
-        self.stage(input_ids, attention_mask, cache.seen)
-
-        def step() -> Batch:  # a fresh Batch (its memo empty) for the warm-up and for the capture
-            return Batch(cache.seen, self.slots, None, self.key_valid, None)
-
-        states = [x for layer in cache.layers if isinstance(layer, GDNLayerCache) for x in layer.tensors().values()]
-        saved = [x.clone() for x in states]
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: kernels compiled and autotuned outside the capture
-                model.model(self.ids, self.positions, step(), cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            # capture_begin/end rather than torch.cuda.graph(), which empties PyTorch's CUDA memory
-            # cache first: the next prefill would then allocate all of its memory from the driver
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                self.graph.capture_begin()
-                try:
-                    self.logits = model.model(self.ids, self.positions, step(), cache)
-                finally:
-                    self.graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
-        finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
-            torch.cuda.synchronize()
-            for x, before in zip(states, saved):
-                x.copy_(before)
-
-    @staticmethod
-    def _pointers(cache: MegatronTCCache) -> list[int]:
-        return [x.data_ptr() for layer in cache.layers for x in layer.tensors().values()]
-
-    def fits(self, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
-        return cache is self.cache and input_ids.shape[0] == self.ids.shape[0] and self._pointers(cache) == self.pointers
-
-    def stage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, seen: int) -> None:
-        self.ids.copy_(input_ids)
-        self.slots.fill_(seen)
-        self.key_valid[:, seen + 1:] = False
-        if attention_mask is None:
-            self.key_valid[:, : seen + 1] = True
-            self.positions.fill_(seen)
-        else:
-            self.key_valid[:, : seen + 1] = attention_mask.bool()
-            self.positions.copy_(attention_mask.long().sum(-1, keepdim=True) - 1)
-
-    def replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, seen: int) -> torch.Tensor:
-        self.stage(input_ids, attention_mask, seen)
-        self.graph.replay()
-        return self.logits.clone()

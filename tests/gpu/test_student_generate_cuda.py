@@ -75,3 +75,22 @@ def _assert_equals_eager(model, ids, kw, captured) -> None:
     assert torch.equal(captured.sequences, eager.sequences)
     diff = (torch.stack(captured.logits) - torch.stack(eager.logits)).abs().max().item()
     assert diff <= 1e-3, f"captured decoding (fla) vs eager (PyTorch) logits differ by {diff}"
+
+
+def test_repeated_prefill_shape_replays_a_captured_graph_fp32():
+    """The second generate of a prompt shape captures its prefill and later ones replay it (new
+    prompts copied in); tokens and logits equal an eager prefill's, and a one-off shape is never captured."""
+    model = student(torch.float32)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True, cache_implementation="static")
+    prompts = [torch.randint(3, 512, (2, 100), device="cuda") for _ in range(3)]
+    outs = [model.generate(p, **kw) for p in prompts]
+    assert len(model._prefills.graphs) == 1, "the repeated prefill shape was not captured"
+    model.generate(prompts[0][:, :99], **kw)  # a new length: eager, no capture
+    assert len(model._prefills.graphs) == 1
+    model.prefill_graph_tokens = 0
+    for prompt, captured in zip(prompts, outs):
+        eager = model.generate(prompt, **kw)
+        assert torch.equal(captured.sequences, eager.sequences)
+        diff = (torch.stack(captured.logits) - torch.stack(eager.logits)).abs().max().item()
+        assert diff <= 1e-4, f"replayed vs eager prefill logits differ by {diff}"

@@ -1,0 +1,174 @@
+"""CUDA graphs of an exported student over a static cache (torch only): the decoding step, and the
+prefill of a prompt shape that repeats.
+
+A forward of a small model over a few thousand tokens is host-bound: launching its kernels (fla's
+Triton kernels above all) takes several times the GPU's work. A captured graph replays every
+kernel with one launch. Both graphs read and write the cache's buffers in place, so they are
+valid while the cache keeps its addresses (generate reuses a static cache of the same size).
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from .attention_megatron_tc import Batch
+from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
+
+
+def cache_pointers(cache: MegatronTCCache) -> list[int]:
+    return [x.data_ptr() for layer in cache.layers for x in layer.tensors().values()]
+
+
+def weight_pointers(model) -> tuple[int, ...]:
+    """Addresses of the model's parameters and buffers: a graph reads them where they were when it
+    was captured, so one replaced (moved, cast, loaded with assign=True) makes it stale."""
+    return tuple(x.data_ptr() for x in itertools.chain(model.parameters(), model.buffers()))
+
+
+def capture(graph: torch.cuda.CUDAGraph, run, pool=None):
+    """`run()` once on a side stream (kernels compiled and autotuned, buffers allocated outside the
+    capture), then captured into `graph`; returns what the captured call returned (its buffers).
+    capture_begin/end rather than torch.cuda.graph(), which empties PyTorch's CUDA memory cache
+    first: the next prefill would then allocate all of its memory from the driver."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+class DecodeGraph:
+    """One decoding step (B rows, one token each) over a static cache, captured in a CUDA graph.
+
+    Inputs are copied into fixed buffers (token, position, cache slot, key mask) before each
+    replay; the attention layers attend over every slot of the static buffers, hidden by the mask
+    where a slot is in the future or padding. What the layers share within a step (RoPE tables, the
+    attention bias) is computed inside the graph, from those buffers, once per replay."""
+
+    def __init__(self, model, cache: MegatronTCCache, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None) -> None:
+        device, b = input_ids.device, input_ids.shape[0]
+        self.cache, self.pointers, self.weights = cache, cache_pointers(cache), weight_pointers(model)
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_valid = torch.zeros(b, cache.static_len, dtype=torch.bool, device=device)
+        self.stage(input_ids, attention_mask, cache.seen)
+
+        def step() -> torch.Tensor:  # a fresh Batch (its memo empty) for the warm-up and for the capture
+            return model.model(self.ids, self.positions, Batch(cache.seen, self.slots, None, self.key_valid, None),
+                               cache)
+
+        states = [x for layer in cache.layers if isinstance(layer, GDNLayerCache) for x in layer.tensors().values()]
+        saved = [x.clone() for x in states]
+        try:
+            self.graph = torch.cuda.CUDAGraph()
+            self.logits = capture(self.graph, step)
+        finally:  # the warm-up advanced the GDN states (a failed one maybe some): put them back
+            torch.cuda.synchronize()
+            for x, before in zip(states, saved):
+                x.copy_(before)
+
+    def fits(self, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
+        return (cache is self.cache and input_ids.shape[0] == self.ids.shape[0]
+                and cache_pointers(cache) == self.pointers)
+
+    def stage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, seen: int) -> None:
+        self.ids.copy_(input_ids)
+        self.slots.fill_(seen)
+        self.key_valid[:, seen + 1:] = False
+        if attention_mask is None:
+            self.key_valid[:, : seen + 1] = True
+            self.positions.fill_(seen)
+        else:
+            self.key_valid[:, : seen + 1] = attention_mask.bool()
+            self.positions.copy_(attention_mask.long().sum(-1, keepdim=True) - 1)
+
+    def replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, seen: int) -> torch.Tensor:
+        self.stage(input_ids, attention_mask, seen)
+        self.graph.replay()
+        return self.logits.clone()
+
+
+class PrefillGraph:
+    """The prefill of B unpadded prompts of T tokens into an empty static cache, captured: the
+    prompt is copied into a fixed buffer, the graph writes the cache (keys and values of slots
+    0..T-1, the GDN states and convolution tails) and the last `logits_to_keep` logits. A prefill
+    starts from an empty cache and overwrites what it stores, so the warm-up changes nothing."""
+
+    def __init__(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int, pool) -> None:
+        b, t = input_ids.shape
+        self.cache, self.ids = cache, input_ids.clone()
+        self.slots = torch.arange(t, device=input_ids.device)
+        self.positions = self.slots.expand(b, t)
+
+        def forward() -> torch.Tensor:
+            return model.model(self.ids, self.positions, Batch(0, self.slots, None, None, t), cache, logits_to_keep)
+
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # shared with later captures
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits = capture(self.graph, forward, self.pool)
+        self.pointers, self.weights = cache_pointers(cache), weight_pointers(model)
+
+    def fits(self, model, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
+        return (cache is self.cache and input_ids.shape == self.ids.shape and cache_pointers(cache) == self.pointers
+                and weight_pointers(model) == self.weights)
+
+    def replay(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(input_ids)
+        self.graph.replay()
+        return self.logits.clone()
+
+
+class PrefillGraphs:
+    """Captured prefills per (batch, prompt length, cache length, logits kept), at most `keep` of
+    them (least recently used dropped), sharing one memory pool (one prefill runs at a time).
+
+    A shape is captured the second time it comes, over a cache that already holds buffers of its
+    batch size (a static cache generate reuses): a one-off prompt length runs eagerly and never pays
+    for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
+
+    def clear(self) -> None:
+        """Drop every graph (and with the last of them, their memory pool)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
+        """Logits of the prefill from a captured graph, or None: the caller runs it eagerly."""
+        key = (*input_ids.shape, cache.static_len, logits_to_keep)
+        graph = self.graphs.get(key)
+        if graph is not None and graph.fits(model, cache, input_ids):
+            self.graphs.move_to_end(key)
+            return graph.replay(input_ids)
+        if len(self.counts) > 256:  # shapes seen once each, many of them: forget them
+            self.counts.clear()
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.counts[key] < 2 or cache.batch_size != input_ids.shape[0]:
+            return None
+        self.graphs.pop(key, None)
+        while len(self.graphs) >= self.keep:
+            self.graphs.popitem(last=False)
+        try:
+            graph = self.graphs[key] = PrefillGraph(model, cache, input_ids, logits_to_keep, self.pool)
+            self.pool = graph.pool
+        except Exception as exc:  # noqa: BLE001 - the prefill stays correct, only slower
+            warnings.warn(f"capturing the prefill failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                          "prefilling eagerly", RuntimeWarning, stacklevel=3)
+            model.prefill_graph_tokens = 0
+            self.clear()
+            return None
+        return graph.replay(input_ids)
