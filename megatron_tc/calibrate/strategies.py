@@ -103,7 +103,8 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
             mixer.to_empty(device="cpu")  # uninitialized: every value is written below or on reading
             for child in mixer.children():  # the constructor's draws, in its order
                 if isinstance(child, torch.nn.Linear):
-                    _skip_draws(sum(p.numel() for p in child.parameters()))  # kaiming_uniform_, uniform_ bias
+                    for param in child.parameters():  # kaiming_uniform_ of the weight, uniform_ of the bias
+                        _skip_uniform(param)
                 else:
                     child.reset_parameters()
             mixer.reset_gdn_parameters()  # A_log, dt_bias (their zeros are overwritten here)
@@ -128,6 +129,15 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._state)
+
+
+def _skip_uniform(param: torch.Tensor) -> None:
+    """Move the default CPU generator on as `uniform_` on `param` does: one 32-bit draw per fp32
+    element (checked in the tests); another dtype is drawn."""
+    if param.dtype == torch.float32:
+        _skip_draws(param.numel())
+    else:
+        torch.empty_like(param).uniform_()
 
 
 def _skip_normal(weight: torch.Tensor) -> None:

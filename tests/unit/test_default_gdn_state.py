@@ -50,6 +50,26 @@ def test_every_value_equals_the_plain_sequence_in_any_reading_order(name, index,
         assert torch.equal(forward[key], value), key  # a second read is the same tensor
 
 
+def test_a_float64_default_dtype_draws_the_same_sequence():
+    torch.set_default_dtype(torch.float64)
+    try:
+        want, got = reference_state(ARCHS["short_conv"], 1, 2), default_gdn_state(ARCHS["short_conv"], 1, 2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for key, value in want.items():
+        assert value.dtype == torch.float64 and torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_skipping_a_uniform_draw_moves_the_generator_as_the_draw(dtype):
+    torch.manual_seed(4)
+    torch.empty(10, 3, dtype=dtype).uniform_()
+    want = torch.random.get_rng_state()
+    torch.manual_seed(4)
+    strategies._skip_uniform(torch.empty(10, 3, dtype=dtype))
+    assert torch.equal(torch.random.get_rng_state(), want)
+
+
 def test_the_caller_generators_are_untouched():
     torch.manual_seed(123)
     expected = torch.rand(5)
