@@ -141,8 +141,9 @@ def _skip_uniform(param: torch.Tensor) -> None:
 
 
 def _skip_normal(weight: torch.Tensor) -> None:
-    """Move the default CPU generator on as `normal_` on `weight` does. A contiguous fp32 tensor of
-    16k elements takes one 32-bit draw per element (checked in the tests); any other is drawn."""
+    """Move the default CPU generator on as `normal_` on `weight` does. A contiguous fp32 tensor
+    whose size is a multiple of 16 takes one 32-bit draw per element (checked in the tests); any
+    other is drawn."""
     if weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() % 16 == 0:
         _skip_draws(weight.numel())
     else:

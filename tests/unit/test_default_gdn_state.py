@@ -112,3 +112,14 @@ def test_copying_the_teacher_never_draws_the_projections_it_replaces():
     assert {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"} <= set(default._pending)
     for key in ("a_proj.weight", "g_proj.weight", "A_log"):
         assert torch.equal(params[key], reference_state(arch, 0, 0)[key])
+
+
+def test_a_smollm2_shaped_layer_equals_the_plain_sequence():
+    """Weights of 331,776 elements (several skips per draw with a small chunk), a short conv."""
+    from megatron_tc.bench.models import smollm2_135m
+
+    arch = replace(smollm2_135m(), gdn_conv_size=4)
+    arch = arch.with_pattern("G" * arch.num_layers)
+    want, got = reference_state(arch, 5, 1), default_gdn_state(arch, 5, 1)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
