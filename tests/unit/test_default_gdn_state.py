@@ -115,7 +115,7 @@ def test_copying_the_teacher_never_draws_the_projections_it_replaces():
 
 
 def test_a_smollm2_shaped_layer_equals_the_plain_sequence():
-    """Weights of 331,776 elements (several skips per draw with a small chunk), a short conv."""
+    """Weights of 331,776 elements and a short convolution."""
     from megatron_tc.bench.models import smollm2_135m
 
     arch = replace(smollm2_135m(), gdn_conv_size=4)
