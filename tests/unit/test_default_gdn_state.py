@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_tc.calibrate import strategies
-from megatron_tc.calibrate.strategies import LayerContext, copy_teacher, default_gdn_state
+from megatron_tc.calibrate import default_init
+from megatron_tc.calibrate.default_init import default_gdn_state
+from megatron_tc.calibrate.strategies import LayerContext, copy_teacher
 from megatron_tc.model import ArchConfig
 from megatron_tc.model.gdn import GatedDeltaNet
 
@@ -66,7 +67,7 @@ def test_skipping_a_uniform_draw_moves_the_generator_as_the_draw(dtype):
     torch.empty(10, 3, dtype=dtype).uniform_()
     want = torch.random.get_rng_state()
     torch.manual_seed(4)
-    strategies._skip_uniform(torch.empty(10, 3, dtype=dtype))
+    default_init._skip_uniform(torch.empty(10, 3, dtype=dtype))
     assert torch.equal(torch.random.get_rng_state(), want)
 
 
@@ -81,12 +82,12 @@ def test_the_caller_generators_are_untouched():
 
 @pytest.mark.parametrize("words", [0, 1, 2, 7, 64, 1001])
 def test_skipping_draws_moves_the_generator_as_uniform_draws(words, monkeypatch):
-    monkeypatch.setattr(strategies, "SKIP_CHUNK", 3)  # several chunks
+    monkeypatch.setattr(default_init, "SKIP_CHUNK", 3)  # several chunks
     torch.manual_seed(5)
     torch.empty(words).uniform_()
     want = torch.random.get_rng_state()
     torch.manual_seed(5)
-    strategies._skip_draws(words)
+    default_init._skip_draws(words)
     assert torch.equal(torch.random.get_rng_state(), want)
 
 
@@ -96,7 +97,7 @@ def test_skipping_a_normal_draw_moves_the_generator_as_the_draw(shape):
     torch.empty(shape).normal_()
     want = torch.random.get_rng_state()
     torch.manual_seed(9)
-    strategies._skip_normal(torch.empty(shape))
+    default_init._skip_normal(torch.empty(shape))
     assert torch.equal(torch.random.get_rng_state(), want)
 
 
