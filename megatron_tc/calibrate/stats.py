@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -189,20 +189,23 @@ def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
 
 
 def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
-                  seed: int = 0, teacher_mixer: nn.Module | None = None) -> tuple[GatedDeltaNet, list]:
+                  seed: int = 0, teacher_mixer: nn.Module | None = None,
+                  default: Mapping[str, torch.Tensor] | None = None) -> tuple[GatedDeltaNet, list]:
     """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
     candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
     their device and the statistics and default init on the CPU; nothing here waits for the device.
-    teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer)."""
+    teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer). default: the
+    layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it."""
     device = model_device(model)
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
-    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default_gdn_state(student_arch, index, seed),
-                       stats)
+    default = default_gdn_state(student_arch, index, seed) if default is None else default
+    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
     params = strategy.closed_form(ctx)
     with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
-        mixer = GatedDeltaNet(student_arch, index)
-    mixer = mixer.to_empty(device=device)
-    mixer.load_state_dict({k: _to_device(v, device) for k, v in params.items()})
+        mixer = GatedDeltaNet(student_arch, index, init=False)
+    # the parameters become `params`' tensors in the mixer's dtype (no second copy on the device)
+    dtypes = {k: v.dtype for k, v in mixer.state_dict(keep_vars=True).items()}
+    mixer.load_state_dict({k: _to_device(v, device).to(dtypes[k]) for k, v in params.items()}, assign=True)
     mixer.eval()
     candidates = [None if c is None else _to_device(c, device) for c in strategy.gate_candidates(ctx, params)]
     return mixer, candidates
@@ -255,9 +258,10 @@ def collect_readout_stats(
 
     def build(index: int) -> None:
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
+        default = default_gdn_state(student_arch, index, seed)  # drawn once for every closed form
         for name, strategy in closed_forms.items():
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
-                                                teacher_mixers[index])
+                                                teacher_mixers[index], default)
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
         if index not in mine:

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from megatron_tc.model.config import ArchConfig
-from megatron_tc.model.gdn import GatedDeltaNet
 
+from .default_init import default_gdn_state  # noqa: F401 (the strategies API: callers import it from here)
 from .readout import solve_joint_scales
 from .statsfile import TaylorStats
 
@@ -34,8 +34,9 @@ class StrategyError(ValueError):
 class LayerContext:
     """Everything a strategy may read for converted layer `index`. teacher: the teacher mixer's
     unsharded state dict (q_proj.weight, ...), on the teacher's device while the statistics pass
-    builds its readout mixers, else on the CPU; default: a default-initialized GDN mixer state and
-    stats, always on the CPU. A strategy's output may mix the two devices (it is loaded into a
+    builds its readout mixers, else on the CPU; default: a default-initialized GDN mixer state
+    (`default_gdn_state`; the strategies of one layer may share it: read it, never change it in
+    place) and stats, always on the CPU. A strategy's output may mix the two devices (it is loaded into a
     module), but one operation must not: bring a CPU tensor to the teacher's with `.to(w.device)`."""
 
     index: int
@@ -75,23 +76,6 @@ class AlignSettings:
     best_state: str = "before_update"
 
 
-def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> State:
-    """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
-    generator seeded by (seed, index) so it does not depend on which other layers exist. Always
-    drawn on the CPU (the same numbers whatever device the teacher is on)."""
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.manual_seed(seed * 100003 + index)
-        mixer = GatedDeltaNet(arch, index)
-        with torch.no_grad():
-            for module in mixer.modules():
-                if isinstance(module, torch.nn.Linear):
-                    torch.nn.init.normal_(module.weight, std=init_std)
-                    if module.bias is not None:
-                        torch.nn.init.zeros_(module.bias)
-            mixer.reset_gdn_parameters()
-    return {k: v.detach().clone() for k, v in mixer.state_dict().items()}
-
-
 def expand_kv(weight: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
     """[Hkv*D, ...] -> [gdn_kv_heads*D, ...]: each KV head repeated to its query heads (GQA)."""
     if arch.gdn_kv_heads == arch.num_kv_heads:
@@ -108,8 +92,10 @@ def value_per_query_head(ctx: LayerContext) -> torch.Tensor:
 
 
 def copy_teacher(ctx: LayerContext) -> State:
-    """q/k/v/o projections (and q/k/v biases) from the teacher, GQA-expanded; the rest default."""
-    params = {k: v.clone() for k, v in ctx.default.items()}
+    """q/k/v/o projections (and q/k/v biases) from the teacher, GQA-expanded; the rest default
+    (the defaults of what the teacher replaces are never read: DefaultGDNState does not draw them)."""
+    copied = {f"{name}_proj.{kind}" for name in "qkvo" for kind in ("weight", "bias")}
+    params = {k: None if k in copied else ctx.default[k].clone() for k in ctx.default}  # the default's key order
     params["q_proj.weight"] = ctx.teacher["q_proj.weight"].clone()
     params["o_proj.weight"] = ctx.teacher["o_proj.weight"].clone()
     for name in ("k", "v"):

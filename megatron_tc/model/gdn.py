@@ -53,9 +53,11 @@ MIN_LOG_DECAY = -1e4
 
 
 class GatedDeltaNet(nn.Module):
-    """x [B, T, hidden] -> [B, T, hidden]. `backend` selects the gated delta rule kernel."""
+    """x [B, T, hidden] -> [B, T, hidden]. `backend` selects the gated delta rule kernel.
+    init=False skips the gate parameters' random init (A_log and dt_bias stay zero), for a module
+    whose weights are all assigned right after (built on `meta`, the Linear inits cost nothing)."""
 
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, init: bool = True) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.kv_heads, self.head_dim = arch.num_heads, arch.gdn_kv_heads, arch.head_dim
@@ -76,7 +78,8 @@ class GatedDeltaNet(nn.Module):
         if self.conv_size > 0:
             for name, channels in (("q", h * d), ("k", self.kv_heads * d), ("v", self.kv_heads * d)):
                 setattr(self, f"{name}_conv1d", nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False))
-        self.reset_gdn_parameters()
+        if init:
+            self.reset_gdn_parameters()
 
     def reset_gdn_parameters(self) -> None:
         """fla's defaults: A uniform in (0, 16), dt log-uniform in (1e-3, 0.1) via inverse softplus."""

@@ -1,0 +1,90 @@
+"""The host's work in sweep 2 of the statistics pass, per converted layer, measured on the CPU
+(tools/bench/stats_host.py): PyTorch operators (counted where they reach the kernels, below
+autograd) and CPU time of
+
+    build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
+           teacher's weights, the statistics and the default GDN init), once per layer and pass;
+    sums:  one batch's readout sums of that layer (teacher q/k/v and attention, the GDN
+           recurrence, the fp64 products), once per layer and batch.
+
+On a GPU the host issues the same operators of `build` (its math runs on the CPU either way) and
+those of `sums` with the recurrence through fla instead of the PyTorch chunks counted here.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_tc.calibrate.capture import capture_layers
+from megatron_tc.calibrate.readout import readout_sums
+from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer
+from megatron_tc.calibrate.strategies import get_strategy
+from megatron_tc.model import ArchConfig, HybridLM
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the operators dispatched inside the `with` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    with OpCount() as counter:
+        fn()
+    return counter.count
+
+
+def cpu_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Process CPU time of `fn` (ms, min / median / max of `repeats` calls after one warm-up):
+    CPU time, not wall time, so other processes on the machine change it less."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(1e3 * (time.process_time() - start))
+    return {"min": round(min(times), 3), "median": round(statistics.median(times), 3), "max": round(max(times), 3)}
+
+
+def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
+    """(build, sums) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
+    weights, fp32, one row of `tokens` random ids)."""
+    arch = replace(arch, num_layers=2, layer_pattern="AA")
+    torch.manual_seed(seed)
+    teacher = HybridLM(arch).eval()
+    ids = torch.randint(0, arch.vocab_size, (1, tokens))
+    stats = collect_attention_stats(teacher, [{"input_ids": ids}], [1], {"teacher_sha256": "bench"}, progress=False)
+    (closed_form,) = readout_closed_forms([get_strategy(strategy)]).values()
+    kept = {}
+    capture_layers(teacher, ids, None, [1], lambda index, io: kept.setdefault(index, io))
+    io, attention = kept[1], teacher.layers[1].mixer
+    student, candidates = readout_mixer(closed_form, stats, teacher, arch, 1, seed)
+
+    def build():
+        return readout_mixer(closed_form, stats, teacher, arch, 1, seed)
+
+    @torch.no_grad()
+    def sums():  # what collect_readout_stats runs for one layer and batch
+        q, k, v = attention.project_qkv(io.x, io.position_ids)
+        positions = torch.arange(io.x.shape[1])
+        y = attention.attend(q, k, v, positions, positions, None)
+        return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None)
+
+    return build, sums
+
+
+def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int) -> list[dict]:
+    build, sums = layer_work(arch, strategy, tokens)
+    return [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)}
+            for name, per, fn in (("build", "layer", build), ("sums", "layer and batch", sums))]

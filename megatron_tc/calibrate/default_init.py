@@ -1,0 +1,101 @@
+"""The default init of a converted layer that strategies start from (`default_gdn_state`), drawing
+only the values that are read (docs/method.md section 4: the GDN-only parameters a closed form keeps
+at their default)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megatron_tc.model.config import ArchConfig
+from megatron_tc.model.gdn import GatedDeltaNet
+
+
+def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> "DefaultGDNState":
+    """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
+    generator seeded by (seed, index) so it does not depend on which other layers exist. Always
+    drawn on the CPU (the same numbers whatever device the teacher is on). See DefaultGDNState."""
+    return DefaultGDNState(arch, index, seed, init_std)
+
+
+class DefaultGDNState(Mapping[str, torch.Tensor]):
+    """A GDN mixer's default state dict, bit for bit that of a GatedDeltaNet built on the CPU (its
+    constructor's init) whose Linear weights are then redrawn from N(0, init_std), biases zeroed,
+    and whose gate parameters are reset again, all from one seeded generator.
+
+    Most of those draws are never read: the constructor's Linear draws are overwritten, and every
+    strategy replaces the q/k/v/o weights with the teacher's. So the sequence only moves the
+    generator past them (`_skip_draws`), keeping its state where each Linear weight's N(0, std)
+    draw starts; that weight is drawn from there when it is first read. The other values (short
+    convolutions, gate parameters, norm) are drawn as the sequence draws them."""
+
+    def __init__(self, arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> None:
+        with torch.device("meta"):  # the structure only: no allocation, no draws
+            mixer = GatedDeltaNet(arch, index, init=False)
+        self._std, self._pending = init_std, {}
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+            torch.manual_seed(seed * 100003 + index)
+            mixer.to_empty(device="cpu")  # uninitialized: every value is written below or on reading
+            for child in mixer.children():  # the constructor's draws, in its order
+                if isinstance(child, torch.nn.Linear):
+                    for param in child.parameters():  # kaiming_uniform_ of the weight, uniform_ of the bias
+                        _skip_uniform(param)
+                else:
+                    child.reset_parameters()
+            mixer.reset_gdn_parameters()  # A_log, dt_bias (their zeros are overwritten here)
+            for name, module in mixer.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    self._pending[f"{name}.weight"] = torch.random.get_rng_state()
+                    _skip_normal(module.weight)
+                    if module.bias is not None:
+                        torch.nn.init.zeros_(module.bias)
+            mixer.reset_gdn_parameters()
+        self._state = mixer.state_dict()  # detached; the module is ours, no copies
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._pending:  # a Linear weight: its N(0, std) draw from where the sequence had it
+            generator = torch.Generator()
+            generator.set_state(self._pending.pop(key))
+            torch.nn.init.normal_(self._state[key], std=self._std, generator=generator)
+        return self._state[key]
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+def _skip_uniform(param: torch.Tensor) -> None:
+    """Move the default CPU generator on as `uniform_` on `param` does: one 32-bit draw per fp32
+    element (checked in the tests); another dtype is drawn."""
+    if param.dtype == torch.float32:
+        _skip_draws(param.numel())
+    else:
+        torch.empty_like(param).uniform_()
+
+
+def _skip_normal(weight: torch.Tensor) -> None:
+    """Move the default CPU generator on as `normal_` on `weight` does. A contiguous fp32 tensor
+    whose size is a multiple of 16 takes one 32-bit draw per element (checked in the tests); any
+    other is drawn."""
+    if weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() % 16 == 0:
+        _skip_draws(weight.numel())
+    else:
+        torch.empty_like(weight).normal_()
+
+
+SKIP_CHUNK = 1 << 20  # 64-bit draws per call of `_skip_draws` at most (8 MB)
+
+
+def _skip_draws(words: int) -> None:
+    """Move the default CPU generator on by `words` 32-bit draws, as fp32 uniform_ draws of
+    `words` elements do, without their values: one 64-bit integer takes two draws (about half
+    the time of two fp32 uniform draws)."""
+    pairs = words // 2
+    while pairs:
+        take = min(pairs, SKIP_CHUNK)
+        torch.empty(take, dtype=torch.int64).random_()
+        pairs -= take
+    if words % 2:
+        torch.empty(1).uniform_()

@@ -1,0 +1,21 @@
+"""tools/bench/stats_host.py runs with --quick on CPU: one row per piece of sweep 2's host work, with
+the operators counted where they reach the kernels."""
+import json
+
+import torch
+
+from megatron_tc.bench.stats_host import count_ops
+from tests._scripts import load_script
+
+
+def test_quick_run_reports_build_and_sums(capsys):
+    assert load_script("tools/bench/stats_host.py").main(["--quick"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["work"], r["per"]) for r in rows] == [("build", "layer"), ("sums", "layer and batch")]
+    for row in rows:
+        assert row["ops"] > 0 and 0 <= row["cpu_ms"]["min"] <= row["cpu_ms"]["median"] <= row["cpu_ms"]["max"]
+
+
+def test_operators_are_counted_below_autograd():
+    x = torch.ones(3, requires_grad=True)
+    assert count_ops(lambda: (x * 2).sum()) == 2  # mul, sum

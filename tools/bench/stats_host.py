@@ -1,0 +1,38 @@
+#!/usr/bin/env python
+"""Host operators and CPU time of the statistics pass's sweep 2 per converted layer (CPU).
+
+    python tools/bench/stats_host.py [--preset smollm2-135m] [--readout taylor_calibrate]
+        [--tokens 64] [--repeats 15] [--quick]
+
+Prints one JSON line per piece of work: `build` (one layer's readout mixer, once per layer and
+pass) and `sums` (one batch's readout sums of that layer): PyTorch operators dispatched and the
+process's CPU ms (min / median / max). Run with OMP_NUM_THREADS=1 to compare revisions.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_tc.bench.models import PRESETS  # noqa: E402
+from megatron_tc.bench.stats_host import measure  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
+    p.add_argument("--readout", default="taylor_calibrate", help="the strategy whose readout mixer is built")
+    p.add_argument("--tokens", type=int, default=64, help="tokens of the batch the sums read")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="the tiny preset, 3 repeats (seconds)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.repeats, args.tokens = "tiny", 3, 16
+    for row in measure(PRESETS[args.preset](), args.readout, args.tokens, args.repeats):
+        print(json.dumps({"preset": args.preset, "readout": args.readout, "tokens": args.tokens, **row}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
