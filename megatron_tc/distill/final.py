@@ -56,19 +56,24 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             candidates.append((label, ctx.paths.student(stage)))
     results = []
     par = ctx.par
-    cache = TeacherCache()
+    memo, key = _memo(ctx, loaded, rows)
+    cache = memo.teacher_cache(key) if memo else TeacherCache()
     teacher_fn = lambda ids: teacher(ids)  # noqa: E731
     for label, path in candidates:
-        model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
-        scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device,
-                            cache, vocab_size=teacher.arch.vocab_size, batch_size=eval_batch_size(cfg),
-                            teacher_tp_group=loaded.tp_group)
+        scores = _agreed(memo.recall(key, path) if memo and path is not None else None, device)
+        if scores is not None:  # stage 2 of this process scored this checkpoint on these rows
+            log.info("eval %s: the scores stage 2 computed for %s", label, path)
+        else:
+            model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
+            scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group,
+                                device, cache, vocab_size=teacher.arch.vocab_size, batch_size=eval_batch_size(cfg),
+                                teacher_tp_group=loaded.tp_group)
+            del model
         if not results:  # the teacher's own perplexity comes with the first comparison
             results.append({"model": "teacher", "ppl": scores["teacher_ppl"], "kl": 0.0, "top1_agree": 1.0,
                             "path": str(ctx.paths.teacher)})
         results.append({"model": label, "ppl": scores["ppl"], "kl": scores["kl"], "top1_agree": scores["top1_agree"],
                         "path": str(path) if path else "(built in memory)"})
-        del model
     summary = {"eval_tokens": scores["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
                "documents": ctx.data().manifest.names("eval"), **ctx.data().bos_record(), "rows": results}
     if ctx.rank0:
@@ -80,6 +85,28 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             log.info("eval %-28s ppl %10.3f  kl %.4f", row["model"], row["ppl"], row["kl"])
     ctx.barrier()
     return {"rows": {r["model"]: round(r["ppl"], 3) for r in results}}
+
+
+def _memo(ctx: RunContext, loaded: Any, rows: list[torch.Tensor]):
+    """(the run's EvalMemo, the rows' key) when this teacher computes as stage 2's shared one
+    (fp32, whole), else (None, None)."""
+    from megatron_tc.distill.eval_memo import EvalMemo, computes_like_eval_stage
+
+    if loaded.tp_group is not None or not computes_like_eval_stage(loaded.model):
+        return None, None
+    return ctx.eval_memo(), EvalMemo.rows_key(rows, eval_batch_size(ctx.cfg), ctx.par.dp_rank, ctx.par.dp_size)
+
+
+def _agreed(scores: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
+    """`scores` when every rank has remembered scores, else None on every rank (scoring is collective)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        have = torch.tensor([int(scores is not None)], device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not int(have):
+            return None
+    return scores
 
 
 def _init_name(ctx: RunContext) -> str:
