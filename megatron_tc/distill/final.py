@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_tc.distill.context import RunContext
 from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
@@ -99,8 +100,6 @@ def _memo(ctx: RunContext, loaded: Any, rows: list[torch.Tensor]):
 
 def _agreed(scores: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
     """`scores` when every rank has remembered scores, else None on every rank (scoring is collective)."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         have = torch.tensor([int(scores is not None)], device=device)
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
@@ -133,21 +132,22 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def run_export(ctx: RunContext) -> dict[str, Any]:
     """The final student -> export/hf (AutoModelForCausalLM after `import megatron_tc`) and
-    export/megatron_tc (sharded for parallel.tp x parallel.pp)."""
+    export/megatron_tc (sharded for parallel.tp x parallel.pp), each written by one rank."""
     from megatron_tc.convert.checkpoint import reshard
     from megatron_tc.convert.export import export_to_hf
 
     source = final_student_dir(ctx)
-    out: dict[str, Any] = {"source": str(source)}
-    if ctx.rank0:
-        formats = ctx.cfg.export.formats
-        if "hf" in formats:
-            out["hf"] = str(export_to_hf(source, ctx.paths.export / "hf", overwrite=True))
-        if "megatron_tc" in formats:
-            out["megatron_tc"] = str(reshard(source, ctx.paths.export / "megatron_tc", ctx.cfg.parallel.tp,
-                                             ctx.cfg.parallel.pp, overwrite=True))
-        log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))
+    writers = {"hf": lambda dst: export_to_hf(source, dst, overwrite=True),
+               "megatron_tc": lambda dst: reshard(source, dst, ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, overwrite=True)}
+    formats = [f for f in ctx.cfg.export.formats if f in writers]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for i, fmt in enumerate(formats):  # dealt over the ranks: each format is one rank's write
+        if i % world == ctx.par.rank:
+            writers[fmt](ctx.paths.export / fmt)
     ctx.barrier()
+    out: dict[str, Any] = {"source": str(source), **{f: str(ctx.paths.export / f) for f in formats}}
+    if ctx.rank0:
+        log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))
     return out
 
 
