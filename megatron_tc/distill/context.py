@@ -45,6 +45,7 @@ class RunContext:
     _teacher: Any = field(default=None, repr=False)
     _data: Any = field(default=None, repr=False)
     _shard_teacher: bool | None = field(default=None, repr=False)
+    _eval_memo: Any = field(default=None, repr=False)
 
     @property
     def rank0(self) -> bool:
@@ -113,6 +114,14 @@ class RunContext:
         """Forget the loaded teacher (a training stage may have cast or wrapped it in place); the
         next `teacher()` loads it again, fp32, from the run directory."""
         self._teacher = None
+
+    def eval_memo(self):
+        """distill.eval_memo.EvalMemo: stage 2's evaluations, which the eval stage reuses."""
+        if self._eval_memo is None:
+            from megatron_tc.distill.eval_memo import EvalMemo
+
+            self._eval_memo = EvalMemo()
+        return self._eval_memo
 
     # ---- data ----------------------------------------------------------------------------------------
     def data(self):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_tc.distill.context import RunContext
 from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
@@ -56,19 +57,24 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             candidates.append((label, ctx.paths.student(stage)))
     results = []
     par = ctx.par
-    cache = TeacherCache()
+    memo, key = _memo(ctx, loaded, rows)
+    cache = memo.teacher_cache(key) if memo else TeacherCache()
     teacher_fn = lambda ids: teacher(ids)  # noqa: E731
     for label, path in candidates:
-        model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
-        scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group, device,
-                            cache, vocab_size=teacher.arch.vocab_size, batch_size=eval_batch_size(cfg),
-                            teacher_tp_group=loaded.tp_group)
+        scores = _agreed(memo.recall(key, path) if memo and path is not None else None, device)
+        if scores is not None:  # stage 2 of this process scored this checkpoint on these rows
+            log.info("eval %s: the scores stage 2 computed for %s", label, path)
+        else:
+            model = build_naive_student(ctx).to(device) if path is None else _load(path, device)
+            scores = score_rows(lambda ids: model(ids), teacher_fn, rows, par.dp_rank, par.dp_size, par.dp_group,
+                                device, cache, vocab_size=teacher.arch.vocab_size, batch_size=eval_batch_size(cfg),
+                                teacher_tp_group=loaded.tp_group)
+            del model
         if not results:  # the teacher's own perplexity comes with the first comparison
             results.append({"model": "teacher", "ppl": scores["teacher_ppl"], "kl": 0.0, "top1_agree": 1.0,
                             "path": str(ctx.paths.teacher)})
         results.append({"model": label, "ppl": scores["ppl"], "kl": scores["kl"], "top1_agree": scores["top1_agree"],
                         "path": str(path) if path else "(built in memory)"})
-        del model
     summary = {"eval_tokens": scores["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
                "documents": ctx.data().manifest.names("eval"), **ctx.data().bos_record(), "rows": results}
     if ctx.rank0:
@@ -80,6 +86,26 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             log.info("eval %-28s ppl %10.3f  kl %.4f", row["model"], row["ppl"], row["kl"])
     ctx.barrier()
     return {"rows": {r["model"]: round(r["ppl"], 3) for r in results}}
+
+
+def _memo(ctx: RunContext, loaded: Any, rows: list[torch.Tensor]):
+    """(the run's EvalMemo, the rows' key) when this teacher computes as stage 2's shared one
+    (fp32, whole), else (None, None)."""
+    from megatron_tc.distill.eval_memo import EvalMemo, computes_like_eval_stage
+
+    if loaded.tp_group is not None or not computes_like_eval_stage(loaded.model):
+        return None, None
+    return ctx.eval_memo(), EvalMemo.rows_key(rows, eval_batch_size(ctx.cfg), ctx.par.dp_rank, ctx.par.dp_size)
+
+
+def _agreed(scores: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
+    """`scores` when every rank has remembered scores, else None on every rank (scoring is collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        have = torch.tensor([int(scores is not None)], device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not int(have):
+            return None
+    return scores
 
 
 def _init_name(ctx: RunContext) -> str:
@@ -106,21 +132,22 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def run_export(ctx: RunContext) -> dict[str, Any]:
     """The final student -> export/hf (AutoModelForCausalLM after `import megatron_tc`) and
-    export/megatron_tc (sharded for parallel.tp x parallel.pp)."""
+    export/megatron_tc (sharded for parallel.tp x parallel.pp), each written by one rank."""
     from megatron_tc.convert.checkpoint import reshard
     from megatron_tc.convert.export import export_to_hf
 
     source = final_student_dir(ctx)
-    out: dict[str, Any] = {"source": str(source)}
-    if ctx.rank0:
-        formats = ctx.cfg.export.formats
-        if "hf" in formats:
-            out["hf"] = str(export_to_hf(source, ctx.paths.export / "hf", overwrite=True))
-        if "megatron_tc" in formats:
-            out["megatron_tc"] = str(reshard(source, ctx.paths.export / "megatron_tc", ctx.cfg.parallel.tp,
-                                             ctx.cfg.parallel.pp, overwrite=True))
-        log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))
+    writers = {"hf": lambda dst: export_to_hf(source, dst, overwrite=True),
+               "megatron_tc": lambda dst: reshard(source, dst, ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, overwrite=True)}
+    formats = [f for f in ctx.cfg.export.formats if f in writers]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for i, fmt in enumerate(formats):  # dealt over the ranks: each format is one rank's write
+        if i % world == ctx.par.rank:
+            writers[fmt](ctx.paths.export / fmt)
     ctx.barrier()
+    out: dict[str, Any] = {"source": str(source), **{f: str(ctx.paths.export / f) for f in formats}}
+    if ctx.rank0:
+        log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))
     return out
 
 

@@ -111,15 +111,35 @@ def run_stage2(ctx: RunContext, stop_after: int | None = None) -> dict[str, Any]
     trainer = build_stage2(ctx.cfg, ctx.par, student, teacher, _loader(ctx), rows,
                            ctx.paths.stage_dir("stage2"), ctx.tb, ctx.device,
                            tensorboard_dir=str(ctx.paths.tensorboard), eval_log=ctx.paths.eval_log)
+    memo_key = _share_evaluations(ctx, trainer, rows)
     with trainer:
         result = trainer.run(stop_after)
     if result.stopped_early:
         raise StageStopped(f"stage2 stopped at step {result.steps}")
     rank0_save_student(ctx, result.student_state, arch, ctx.paths.student("stage2"),
                        {"stage": "stage2", "from": str(source), "steps": result.steps, "tokens": result.tokens})
+    if memo_key is not None:  # the eval stage scores these two checkpoints on the same rows
+        ctx.eval_memo().remember(memo_key, source, trainer.scores_by_step.get(0))
+        ctx.eval_memo().remember(memo_key, ctx.paths.student("stage2"), trainer.scores_by_step.get(result.steps))
     _release_changed_teacher(ctx, teacher)
     return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
             "last_eval": result.last_eval}
+
+
+def _share_evaluations(ctx: RunContext, trainer: Any, rows: list[torch.Tensor]) -> str | None:
+    """When stage 2 scores the held-out rows as the eval stage would (fp32, eager, whole vocabulary),
+    its teacher log-probs go into the run's memo; returns the rows' memo key (None: nothing shared)."""
+    from megatron_tc.distill.eval_memo import EvalMemo, computes_like_eval_stage
+    from megatron_tc.distill.evaluation import eval_batch_size
+
+    if not rows or ctx.par.pp_size > 1 or ctx.shard_teacher():
+        return None
+    if not (computes_like_eval_stage(trainer.engine, ctx.par.tp_size, trainer.compiled)
+            and computes_like_eval_stage(trainer.teacher)):
+        return None
+    key = EvalMemo.rows_key(rows, eval_batch_size(ctx.cfg), ctx.par.dp_rank, ctx.par.dp_size)
+    trainer.teacher_cache = ctx.eval_memo().teacher_cache(key)
+    return key
 
 
 # ---- the table of stages -----------------------------------------------------------------------------

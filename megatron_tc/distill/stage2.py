@@ -158,6 +158,7 @@ class Stage2Trainer(EngineOwner):
                  out_dir: Path, tb: Any, device: torch.device, vocab_size: int, eval_log: Path | None = None):
         self.eval_log = eval_log or out_dir / EVAL_LOG
         self.teacher_cache = TeacherCache()
+        self.scores_by_step: dict[int, dict[str, Any]] = {}  # this process's evaluations (score_rows' dicts)
         self.cfg, self.ctx, self.engine, self.teacher, self.loader = cfg, ctx, engine, teacher, loader
         self.eval_rows, self.out_dir, self.tb, self.device, self.vocab_size = eval_rows, out_dir, tb, device, vocab_size
         s2 = cfg.distill.stage2
@@ -260,6 +261,7 @@ class Stage2Trainer(EngineOwner):
                                 batch_size=eval_batch_size(self.cfg))
         finally:
             self.engine.train()
+        self.scores_by_step[state.step] = dict(result)
         result["eval_tokens"] = result.pop("tokens")
         record = {"step": state.step, "tokens": state.tokens_seen, **result}
         if self.rank0:
