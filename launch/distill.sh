@@ -5,9 +5,9 @@
 #   bash launch/distill.sh [CONFIG] [key=value ...]      (no CONFIG: configs/quickstart.yaml)
 #
 # Modes, chosen from the environment:
-#   workstation  plain shell: starts the `deepspeed` launcher over the local GPUs, or on a machine
-#                without GPUs NPROC gloo ranks itself (default 2, OMP_NUM_THREADS = cores / ranks),
-#                each rank re-entering this script. NPROC=N or --num_gpus N picks the number of ranks.
+#   workstation  plain shell: starts the `deepspeed` launcher over the local GPUs (or NPROC gloo
+#                ranks on CPU, default 2, OMP_NUM_THREADS = cores / ranks), each rank re-entering
+#                this script. NPROC=N or --num_gpus N picks the number of ranks.
 #   per-rank     RANK and LOCAL_RANK already set (`deepspeed --no_python [--hostfile F]
 #                launch/distill.sh ...`, torchrun --no-python, or the workstation mode above):
 #                runs one rank of `python tools/distill.py`.
@@ -85,38 +85,6 @@ free_port() {
     || echo $((29500 + RANDOM % 1000))
 }
 
-# The gloo ranks of a machine without GPUs, started from this shell: what the deepspeed launcher
-# does for local ranks, without its two Python interpreters (about 7 s of start-up before the ranks
-# on 2 cores). As there, the first rank to exit non-zero ends the others (SIGTERM after 5 s, SIGKILL
-# 30 s later) and its code is the launch's; SIGINT or SIGTERM to the launch goes on to every rank.
-launch_local_ranks() {
-  local nproc="$1" port="$2"; shift 2
-  local -A running=()
-  local r pid
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$nproc" LOCAL_WORLD_SIZE="$nproc"
-  for (( r = 0; r < nproc; r++ )); do
-    RANK="$r" LOCAL_RANK="$r" "$SELF" "$@" &
-    running[$!]=1
-  done
-  trap 'kill -TERM "${!running[@]}" 2>/dev/null || true' INT TERM
-  local rc=0 status killer=""
-  while (( ${#running[@]} > 0 )); do
-    pid=""
-    wait -n -p pid "${!running[@]}" && status=0 || status=$?
-    [[ -n "${pid:-}" ]] || continue  # a signal interrupted the wait; the trap has passed it on
-    unset "running[$pid]"
-    if (( status != 0 && rc == 0 )); then
-      rc="$status"
-      if (( ${#running[@]} > 0 )); then  # a grace first: a rank left waiting on it says why it stops
-        (sleep 5; kill -TERM "${!running[@]}"; sleep 30; kill -KILL "${!running[@]}") >/dev/null 2>&1 &
-        killer=$!
-      fi
-    fi
-  done
-  [[ -z "$killer" ]] || kill "$killer" 2>/dev/null || true
-  return "$rc"
-}
-
 detect_mode() {
   if [[ -n "${RANK:-}" && -n "${LOCAL_RANK:-}" ]]; then
     echo per-rank
@@ -185,10 +153,6 @@ main() {
       local port="${MASTER_PORT:-$(free_port)}"
       if (( print )); then
         NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; return
-      fi
-      if (( gpus == 0 )); then
-        launch_local_ranks "$nproc" "$port" "$@"
-        return
       fi
       # The `deepspeed` console script when it is on PATH (an activated venv), else the same
       # launcher through the interpreter that will run the ranks.

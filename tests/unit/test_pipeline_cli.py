@@ -1,4 +1,4 @@
-"""`bash launch/distill.sh` in CPU mode (2 gloo ranks started by the script) runs the whole
+"""`bash launch/distill.sh` in CPU mode (2 gloo ranks through the deepspeed launcher) runs the whole
 pipeline on configs/tiny.yaml: a tiny random Llama teacher saved as an HF directory, a tiny
 sentencepiece tokenizer and synthetic text, all written by the test."""
 from __future__ import annotations
