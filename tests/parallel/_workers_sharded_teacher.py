@@ -182,10 +182,3 @@ def stage2_reference(rank: int, world_size: int, out: str) -> None:
 
 
 STAGE2_STEPS = 2
-
-
-def pipeline(rank: int, world_size: int, argv: list[str]) -> None:
-    """tools/distill.py's `main` on this gloo rank (test_pipeline_with_a_sharded_teacher's reference run)."""
-    from megatron_tc.distill.cli import main
-
-    assert main(argv) == 0

@@ -15,6 +15,7 @@ import torch
 from megatron_tc.calibrate.statsfile import TaylorStats
 from megatron_tc.calibrate.teacher_io import checkpoint_weights_sha256, weights_sha256
 from megatron_tc.testing import run_distributed
+from tests._scripts import distill_main
 from tests.parallel import _workers_sharded_teacher as workers
 from tests.parallel import _workers_stats
 from tests.parallel._workers_common import assert_close, assert_same_weights
@@ -184,8 +185,8 @@ def test_pipeline_with_a_sharded_teacher(tmp_path):
                       "run.stages=[convert,select,stats,init,stage1,stage2,eval]", "distill.stage2.steps=2")
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-5000:]
     assert "the teacher is split over 2 tensor-parallel ranks" in sharded.stdout + sharded.stderr
-    run_distributed(workers.pipeline, 2, _args(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
-                                               "model.policy=ar", "run.stages=[convert,select,stats,init,eval]"),
+    run_distributed(distill_main, 2, _args(assets, tmp_path / "replicated", "parallel.shard_teacher=false",
+                                           "model.policy=ar", "run.stages=[convert,select,stats,init,eval]"),
                     timeout=400)
     chosen, want_chosen = (json.loads((tmp_path / run / "select/selection.json").read_text())
                            for run in ("sharded", "replicated"))
