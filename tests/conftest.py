@@ -20,8 +20,10 @@ if _worker.startswith("gw") and torch.cuda.is_available() and torch.cuda.device_
 # The gloo ranks of tests/parallel and friends fork from one process that imported these once,
 # instead of importing them in every rank of every launch (see megatron_tc/testing.py).
 fork_gloo_ranks_from("torch", "torch.distributed", "numpy", "deepspeed", "megatron.core.parallel_state",
-                     "megatron.core.tensor_parallel", "transformers", "megatron_tc.distill.stage2",
-                     "megatron_tc.parallel.deepspeed_engine", "megatron_tc.convert.hf_to_megatron")
+                     "megatron.core.tensor_parallel", "transformers", "torch.utils.tensorboard",
+                     "megatron_tc.distill.stage2", "megatron_tc.parallel.deepspeed_engine",
+                     "megatron_tc.convert.hf_to_megatron", "megatron_tc.calibrate.strategies",
+                     "megatron_tc.distill.runner")
 
 
 def pytest_collection_modifyitems(config, items):

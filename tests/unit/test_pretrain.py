@@ -48,15 +48,22 @@ def distill(assets: Path, run: Path, *extra: str, nproc: int = 1) -> subprocess.
     return proc
 
 
+@pytest.fixture(scope="module")
+def whole(assets, tmp_path_factory) -> Path:
+    """An uninterrupted one-process run (both tests' reference; the run is deterministic)."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    distill(assets, run)
+    return run
+
+
 def weights(run: Path) -> dict[str, torch.Tensor]:
     from megatron_tc.convert.checkpoint import load_checkpoint
 
     return load_checkpoint(run / "pretrain" / "model")[1]
 
 
-def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, tmp_path):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    distill(assets, whole)
+def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, whole, tmp_path):
+    split = tmp_path / "split"
     # the split run also evaluates at distill.eval_steps: scoring held-out text must not move training
     first = distill(assets, split, "--stop-after", "4", "distill.eval_steps=[1,2]")
     assert "pretrain stopped at step 4" in first.stdout + first.stderr
@@ -83,14 +90,13 @@ def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, tmp_path
     assert diff < 1e-4
 
 
-def test_pretrain_with_tensor_parallelism_trains_as_one_process(assets, tmp_path):
+def test_pretrain_with_tensor_parallelism_trains_as_one_process(assets, whole, tmp_path):
     """TP=2 (megatron-core layers, vocabulary-parallel cross-entropy, ZeRO-3 through the TP mpu)
     against one process on the same data order: held-out perplexities within 1e-5 and the saved
     (gathered) weights all within 1e-5, each tensor within 1e-4 (TP sums in another order)."""
     from tests.parallel._workers_common import assert_close, assert_same_weights
 
-    one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    distill(assets, one)
+    one, tp2 = whole, tmp_path / "tp2"
     out = distill(assets, tp2, "parallel.tp=2", nproc=2)
     shards = re.search(r"tensor-parallel over 2 ranks, (\d+) of (\d+) parameters", out.stdout + out.stderr)
     local, total = map(int, shards.groups())
