@@ -33,16 +33,22 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
+def pretrain_args(assets: Path, run: Path, *extra: str) -> list[str]:
+    """tools/distill.py's arguments: the pretrain stage of configs/tiny.yaml on `assets`."""
+    return [str(ROOT / "configs" / "tiny.yaml"), "run.stages=[pretrain]",
+            f"run.run_dir={run}", f"model.teacher={run / 'hf'}", f"data.tokenizer={assets / 'tok'}",
+            f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file",
+            f"pretrain.hf_config={assets / 'qwen2.json'}", "pretrain.steps=8", "pretrain.lr=1e-2",
+            "pretrain.min_lr=1e-3", "pretrain.warmup_steps=1", "distill.eval_interval=4",
+            "distill.checkpoint_interval=4", *extra]
+
+
 def distill(assets: Path, run: Path, *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
     """One process through tools/distill.py, or `nproc` gloo ranks through launch/distill.sh."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
     env.update(OMP_NUM_THREADS="1", NPROC=str(nproc), PYTHON=sys.executable)
     entry = [sys.executable, str(ROOT / "tools" / "distill.py")] if nproc == 1 else ["bash", str(ROOT / "launch" / "distill.sh")]
-    cmd = [*entry, "configs/tiny.yaml", "run.stages=[pretrain]",
-           f"run.run_dir={run}", f"model.teacher={run / 'hf'}", f"data.tokenizer={assets / 'tok'}",
-           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"pretrain.hf_config={assets / 'qwen2.json'}",
-           "pretrain.steps=8", "pretrain.lr=1e-2", "pretrain.min_lr=1e-3", "pretrain.warmup_steps=1",
-           "distill.eval_interval=4", "distill.checkpoint_interval=4", *extra]
+    cmd = [*entry, *pretrain_args(assets, run, *extra)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -50,9 +56,13 @@ def distill(assets: Path, run: Path, *extra: str, nproc: int = 1) -> subprocess.
 
 @pytest.fixture(scope="module")
 def whole(assets, tmp_path_factory) -> Path:
-    """An uninterrupted one-process run (both tests' reference; the run is deterministic)."""
+    """An uninterrupted one-process run (both tests' reference; the run is deterministic):
+    tools/distill.py's main on one gloo rank of the test harness."""
+    from megatron_tc.testing import run_distributed
+    from tests._scripts import distill_main
+
     run = tmp_path_factory.mktemp("whole") / "run"
-    distill(assets, run)
+    run_distributed(distill_main, 1, pretrain_args(assets, run), timeout=300)
     return run
 
 
