@@ -8,6 +8,12 @@ in the parent's and the children's environment, see `NCCL_ENV`); the function's 
 its traceback) comes back to the parent, which raises one AssertionError naming every failed
 rank; the child also prints it to stderr the moment it fails. A child that dies without a Python
 exception (a segfault, os._exit) or hangs past `timeout` fails the test as well.
+
+Ranks start as fresh interpreters (spawn), which import torch, DeepSpeed and megatron-core again
+at every launch: seconds of CPU per rank. A test suite calls `fork_gloo_ranks_from(modules)` once;
+gloo ranks then fork from one server process that imported those modules once (multiprocessing's
+forkserver). NCCL ranks, and any rank where CUDA is available, still spawn: a CUDA runtime does not
+survive a fork. Benchmarks that measure a fresh process's memory or time keep spawning.
 """
 from __future__ import annotations
 
@@ -37,6 +43,22 @@ BACKENDS = ("gloo", "nccl")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+_FORK_FROM: list[str] = []  # modules the forkserver imports; empty: always spawn
+
+
+def fork_gloo_ranks_from(*modules: str) -> None:
+    """Gloo ranks of later `run_distributed` calls fork from a server that imported `modules` once
+    (a module that fails to import is skipped). Each rank still gets the caller's environment as it
+    is at the launch, and its own process: nothing a rank does reaches the next launch."""
+    _FORK_FROM[:] = modules
+
+
+def _start_method(backend: str) -> str:
+    if _FORK_FROM and backend == "gloo" and not torch.cuda.is_available():
+        return "forkserver"
+    return "spawn"
+
+
 def check_backend(backend: str, world_size: int) -> None:
     """Raise ValueError/RuntimeError, before any process starts, if `backend` cannot run `world_size` ranks."""
     if backend not in BACKENDS:
@@ -50,7 +72,13 @@ def check_backend(backend: str, world_size: int) -> None:
                                f"{gpus} CUDA device(s) are visible; use fewer ranks or backend='gloo'")
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, backend: str = "gloo") -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, backend: str = "gloo",
+           environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # forked from the forkserver: its environment is the one of its start
+        os.environ.clear()
+        os.environ.update(environ)
+        # the server's imports (~500k objects) stay out of this rank's garbage collections
+        gc.freeze()
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -106,10 +134,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     check_backend(backend, world_size)
     if backend == "nccl":
         os.environ.update(NCCL_ENV)  # spawned children inherit it; _child sets it again
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_start_method(backend))
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(_FORK_FROM)  # read when the server starts: the first launch
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, errors, backend))
+    environ = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, errors, backend, environ))
              for r in range(world_size)]
     for p in procs:
         p.start()

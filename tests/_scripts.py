@@ -15,3 +15,11 @@ def load_script(relative_path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def distill_main(rank: int, world_size: int, argv: list[str]) -> None:
+    """tools/distill.py's `main` (the whole CLI after its process setup) on a `run_distributed` rank:
+    a run on N gloo ranks without the launcher and N fresh interpreters."""
+    from megatron_tc.distill.cli import main
+
+    assert main(argv) == 0, f"rank {rank}: tools/distill.py {' '.join(argv)} failed (its error is above)"

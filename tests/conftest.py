@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from megatron_tc.testing import fork_gloo_ranks_from
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -14,6 +16,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
     torch.cuda.set_device(int(_worker[2:]) % torch.cuda.device_count())
+
+# The gloo ranks of tests/parallel and friends fork from one process that imported these once,
+# instead of importing them in every rank of every launch (see megatron_tc/testing.py).
+fork_gloo_ranks_from("torch", "torch.distributed", "numpy", "deepspeed", "megatron.core.parallel_state",
+                     "megatron.core.tensor_parallel", "transformers", "torch.utils.tensorboard",
+                     "megatron_tc.distill.stage2", "megatron_tc.parallel.deepspeed_engine",
+                     "megatron_tc.convert.hf_to_megatron", "megatron_tc.calibrate.strategies",
+                     "megatron_tc.distill.runner")
 
 
 def pytest_collection_modifyitems(config, items):

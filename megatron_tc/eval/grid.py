@@ -220,7 +220,7 @@ def _wait_forwarding_signal(child: subprocess.Popen) -> int:
     forwarded = False
     while True:
         try:
-            return child.wait(timeout=0.5)
+            return child.wait(timeout=0.1)  # a stop signal reaches the cell within 0.1 s
         except subprocess.TimeoutExpired:
             signals = active()
             if signals is not None and signals.received and not forwarded:

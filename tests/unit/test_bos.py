@@ -291,26 +291,23 @@ def test_prepared_data_follows_the_rule_and_is_unchanged_without_bos(family, tmp
 # ---- the pipeline: one convention from teacher to results ------------------------------------------
 
 def test_pipeline_records_the_convention_in_manifest_stats_and_results(tmp_path):
-    """tools/distill.py (one process) on a teacher whose tokenizer adds BOS the Llama-3 way."""
-    import os
-    import subprocess
-    import sys
+    """tools/distill.py's main (one gloo rank of the test harness) on a teacher whose tokenizer adds
+    BOS the Llama-3 way."""
     from pathlib import Path
 
     from megatron_tc.calibrate.statsfile import TaylorStats
+    from megatron_tc.testing import run_distributed
+    from tests._scripts import distill_main
 
     root = Path(__file__).resolve().parents[2]
     _, tok, teacher_dir = _tiny_teacher("llama3", tmp_path)
     write_synthetic_corpus(tmp_path / "text", n_docs=16, words_per_doc=(40, 120), seed=5)
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
-    cmd = [sys.executable, str(root / "tools" / "distill.py"), "configs/tiny.yaml", f"run.run_dir={run}",
-           "run.stages=[convert,select,stats,init,stage2,eval]", f"model.teacher={teacher_dir}",
-           f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file",
-           "distill.stage2.steps=2", "data.seq_len=16", "data.calib_tokens=64", "data.eval_tokens=64"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    argv = [str(root / "configs" / "tiny.yaml"), f"run.run_dir={run}",
+            "run.stages=[convert,select,stats,init,stage2,eval]", f"model.teacher={teacher_dir}",
+            f"data.source.paths=[{tmp_path / 'text'}]", "data.source.split_by=file",
+            "distill.stage2.steps=2", "data.seq_len=16", "data.calib_tokens=64", "data.eval_tokens=64"]
+    run_distributed(distill_main, 1, argv, timeout=400)
     record = {"bos": True, "bos_token_id": tok.bos_token_id, "bos_setting": "auto"}
     assert json.loads((run / "manifest.json").read_text())["data"] == record
     assert {k: TaylorStats.load(run / "stats" / "stats.pt").meta[k] for k in record} == record

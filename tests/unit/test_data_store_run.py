@@ -128,14 +128,14 @@ def test_a_store_that_does_not_match_the_run_is_refused(corpus, tmp_path):
 
 
 def test_a_pipeline_run_over_a_store_equals_the_run_over_text(tmp_path):
-    """tools/distill.py (one process, a teacher whose tokenizer adds BOS) over text paragraphs and over
-    a store of the same files: the same statistics, the same distillation and the same evaluation."""
-    import os
-    import subprocess
-    import sys
+    """tools/distill.py's main (one gloo rank of the test harness, a teacher whose tokenizer adds BOS)
+    over text paragraphs and over a store of the same files: the same statistics, the same
+    distillation and the same evaluation."""
     from pathlib import Path
 
     from megatron_tc.calibrate.statsfile import TaylorStats
+    from megatron_tc.testing import run_distributed
+    from tests._scripts import distill_main
     from megatron_tc.data.synthetic import llama3_style_tokenizer, write_synthetic_corpus
     from tests.converters.families import random_hf_model
 
@@ -146,18 +146,14 @@ def test_a_pipeline_run_over_a_store_equals_the_run_over_text(tmp_path):
     write_synthetic_corpus(tmp_path / "text", n_docs=16, words_per_doc=(40, 120), seed=5)
     assert preprocess_main(["--input", str(tmp_path / "text"), "--tokenizer", str(teacher),
                             "--out", str(tmp_path / "store")]) == 0
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     common = ["run.stages=[convert,select,stats,init,stage2,eval]", f"model.teacher={teacher}",
               "distill.stage2.steps=2", "data.seq_len=16", "data.calib_tokens=64", "data.eval_tokens=64"]
     sources = {"text": [f"data.source.paths=[{tmp_path / 'text'}]"],
                "store": ["data.source.kind=shakespeare", "data.source.paths=[]", "data.source.split_by=file",
                          f"data.token_store={tmp_path / 'store'}"]}
     for name, overrides in sources.items():
-        cmd = [sys.executable, str(root / "tools" / "distill.py"), "configs/tiny.yaml",
-               f"run.run_dir={tmp_path / name}", *common, *overrides]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        run_distributed(distill_main, 1, [str(root / "configs" / "tiny.yaml"), f"run.run_dir={tmp_path / name}",
+                                          *common, *overrides], timeout=400)
     text, store = (TaylorStats.load(tmp_path / name / "stats" / "stats.pt") for name in sources)
     assert text.meta["bos"] is True and text.meta["documents"] == store.meta["documents"]
     assert text.sums.keys() == store.sums.keys() and all(torch.equal(text.sums[k], store.sums[k]) for k in text.sums)

@@ -33,19 +33,37 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
+def pretrain_args(assets: Path, run: Path, *extra: str) -> list[str]:
+    """tools/distill.py's arguments: the pretrain stage of configs/tiny.yaml on `assets`."""
+    return [str(ROOT / "configs" / "tiny.yaml"), "run.stages=[pretrain]",
+            f"run.run_dir={run}", f"model.teacher={run / 'hf'}", f"data.tokenizer={assets / 'tok'}",
+            f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file",
+            f"pretrain.hf_config={assets / 'qwen2.json'}", "pretrain.steps=8", "pretrain.lr=1e-2",
+            "pretrain.min_lr=1e-3", "pretrain.warmup_steps=1", "distill.eval_interval=4",
+            "distill.checkpoint_interval=4", *extra]
+
+
 def distill(assets: Path, run: Path, *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
     """One process through tools/distill.py, or `nproc` gloo ranks through launch/distill.sh."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
     env.update(OMP_NUM_THREADS="1", NPROC=str(nproc), PYTHON=sys.executable)
     entry = [sys.executable, str(ROOT / "tools" / "distill.py")] if nproc == 1 else ["bash", str(ROOT / "launch" / "distill.sh")]
-    cmd = [*entry, "configs/tiny.yaml", "run.stages=[pretrain]",
-           f"run.run_dir={run}", f"model.teacher={run / 'hf'}", f"data.tokenizer={assets / 'tok'}",
-           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"pretrain.hf_config={assets / 'qwen2.json'}",
-           "pretrain.steps=8", "pretrain.lr=1e-2", "pretrain.min_lr=1e-3", "pretrain.warmup_steps=1",
-           "distill.eval_interval=4", "distill.checkpoint_interval=4", *extra]
+    cmd = [*entry, *pretrain_args(assets, run, *extra)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+@pytest.fixture(scope="module")
+def whole(assets, tmp_path_factory) -> Path:
+    """An uninterrupted one-process run (both tests' reference; the run is deterministic):
+    tools/distill.py's main on one gloo rank of the test harness."""
+    from megatron_tc.testing import run_distributed
+    from tests._scripts import distill_main
+
+    run = tmp_path_factory.mktemp("whole") / "run"
+    run_distributed(distill_main, 1, pretrain_args(assets, run), timeout=300)
+    return run
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -54,9 +72,8 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(run / "pretrain" / "model")[1]
 
 
-def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, tmp_path):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    distill(assets, whole)
+def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, whole, tmp_path):
+    split = tmp_path / "split"
     # the split run also evaluates at distill.eval_steps: scoring held-out text must not move training
     first = distill(assets, split, "--stop-after", "4", "distill.eval_steps=[1,2]")
     assert "pretrain stopped at step 4" in first.stdout + first.stderr
@@ -83,14 +100,13 @@ def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, tmp_path
     assert diff < 1e-4
 
 
-def test_pretrain_with_tensor_parallelism_trains_as_one_process(assets, tmp_path):
+def test_pretrain_with_tensor_parallelism_trains_as_one_process(assets, whole, tmp_path):
     """TP=2 (megatron-core layers, vocabulary-parallel cross-entropy, ZeRO-3 through the TP mpu)
     against one process on the same data order: held-out perplexities within 1e-5 and the saved
     (gathered) weights all within 1e-5, each tensor within 1e-4 (TP sums in another order)."""
     from tests.parallel._workers_common import assert_close, assert_same_weights
 
-    one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    distill(assets, one)
+    one, tp2 = whole, tmp_path / "tp2"
     out = distill(assets, tp2, "parallel.tp=2", nproc=2)
     shards = re.search(r"tensor-parallel over 2 ranks, (\d+) of (\d+) parameters", out.stdout + out.stderr)
     local, total = map(int, shards.groups())

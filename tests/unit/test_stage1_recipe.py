@@ -52,23 +52,20 @@ def test_recipe_config_loads():
 
 def test_tiny_run_with_the_recipe(tmp_path):
     """init (taylor_calibrate) -> stage 1 (here half of the stage-2 tokens, rmse) -> stage 2, one
-    process, on a tiny random teacher."""
+    process (tools/distill.py's main on one gloo rank of the test harness), on a tiny random teacher."""
     import json
-    import os
-    import subprocess
-    import sys
 
+    from megatron_tc.testing import run_distributed
+    from tests._scripts import distill_main
     from tests.unit.test_select_stage import _tiny_teacher_and_text
 
     teacher_and_text = _tiny_teacher_and_text(tmp_path)[2:]  # after configs/tiny.yaml and its run.stages
     run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "tools" / "distill.py"), "configs/tiny.yaml", *teacher_and_text, f"run.run_dir={run}",
-           "run.stages=[convert,select,stats,init,stage1,stage2]", "calibrate.init=taylor_calibrate",
-           "calibrate.align_steps=2", "distill.stage2.tokens=256", "distill.stage1.stage2_fraction=0.5",
-           "distill.stage1.loss=rmse", "distill.eval_interval=0"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    argv = [str(ROOT / "configs" / "tiny.yaml"), *teacher_and_text, f"run.run_dir={run}",
+            "run.stages=[convert,select,stats,init,stage1,stage2]", "calibrate.init=taylor_calibrate",
+            "calibrate.align_steps=2", "distill.stage2.tokens=256", "distill.stage1.stage2_fraction=0.5",
+            "distill.stage1.loss=rmse", "distill.eval_interval=0"]
+    run_distributed(distill_main, 1, argv, timeout=300)
     stage1 = [json.loads(line) for line in (run / "stage1/train_log.jsonl").read_text().splitlines()]
     stage2 = [json.loads(line) for line in (run / "stage2/train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in stage1] == [1, 2] and [r["step"] for r in stage2] == [1, 2, 3, 4]  # 64 tokens a step
