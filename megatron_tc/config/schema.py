@@ -246,7 +246,8 @@ class DistillConfig:
 
     stage1: Stage1Config = section(Stage1Config, "Stage 1 (per-layer MSE alignment at scale).")
     stage2: Stage2Config = section(Stage2Config, "Stage 2 (end-to-end KL distillation).")
-    eval_interval: int = opt(10, "Evaluate held-out perplexity and KL every this many steps; 0 only at the end.")
+    eval_interval: int = opt(10, "Evaluate held-out perplexity and KL every this many steps (and at step 0); 0: not during "
+                             "training (the eval stage still scores the final student).")
     eval_steps: list[int] = opt([], "Further steps to evaluate at, besides every eval_interval (e.g. [1, 2, 4, 8]: the "
                                     "start of a tokens-to-target curve, where a calibrated student moves fastest).")
     checkpoint_interval: int = opt(25, "Save a resumable checkpoint every this many steps; 0 only at the end.")
