@@ -43,7 +43,7 @@ MEASURED_PEAK_TFLOPS = 708.0
 # fitted to the measured ZeRO-3 steps (docs/results/step_model.json)
 MATMUL_EFFICIENCY, PARAMETER_MS_PER_BILLION, LAYER_MS = 0.73, 64.0, 20.75
 # fitted to the compiled ZeRO-1 step of SmolLM2-135M (docs/results/step_model.json)
-COMPILED_LAYER_MS = 13.06
+COMPILED_LAYER_MS = 11.51
 # fla's chunk kernel, forward + backward, 16 heads x 128 over 131072 tokens: 22.25 ms
 # (docs/results/bench_h200_gdn_op_h16d128.json) for 3 x 16 x (8 x 64 x 128 + 6 x 128^2) FLOPs a token
 GDN_KERNEL_TFLOPS = 46.3
