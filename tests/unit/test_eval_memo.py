@@ -3,17 +3,14 @@ table equals the one a fresh process computes from the checkpoints alone."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_tc.distill.eval_memo import EvalMemo, computes_like_eval_stage
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.test_pipeline_cli import launch, tiny_assets  # noqa: F401 (a fixture)
 
 
 def test_rows_key_tells_apart_tokens_batch_size_and_rank_share():
@@ -55,20 +52,8 @@ def test_only_fp32_eager_whole_models_compute_like_the_eval_stage():
     assert computes_like_eval_stage(Engine(model)) and not computes_like_eval_stage(Engine(model.double()))
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory) -> Path:
-    from megatron_tc.testing import write_tiny_teacher
-
-    return write_tiny_teacher(tmp_path_factory.mktemp("tiny"), n_docs=40, words_per_doc=(50, 300))
-
-
 def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
-    env.update(NPROC="2", OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    cmd = ["bash", str(ROOT / "launch" / "distill.sh"), "configs/tiny.yaml", f"model.teacher={assets / 'teacher'}",
-           f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}",
-           "run.stages=[convert,select,stats,init,stage2,eval]", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    out = launch(assets, run_dir, "run.stages=[convert,select,stats,init,stage2,eval]", *extra)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
