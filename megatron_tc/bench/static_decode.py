@@ -1,5 +1,5 @@
 """Greedy decoding of a `HybridLM` with fixed shapes and addresses, so a step can be captured
-once in a CUDA graph and replayed for every later token (docs/benchmarks.md: the
+once in a CUDA graph and replayed for every later token (docs/inference-benchmarks.md: the
 eager loop spends ~60 ms per step on the host against ~3.3 ms of GPU work).
 
 What differs from the model's own decoding path (`model(token, cache=HybridCache)`):

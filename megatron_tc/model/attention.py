@@ -91,7 +91,7 @@ class Attention(nn.Module):
             group = 1
         if q.is_cuda and q.shape[2] == 1:
             # One-query decoding step: cuDNN's attention builds a plan per new KV length, 3 ms of host
-            # time per call on an H200 (docs/benchmarks.md); flash / efficient have none.
+            # time per call on an H200 (docs/inference-benchmarks.md); flash / efficient have none.
             with sdpa_kernel(DECODE_SDPA_BACKENDS):
                 return F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=group > 1
