@@ -19,7 +19,7 @@ CUDA = torch.device("cuda", 0)
 
 def test_the_authors_alignment_replays_on_cuda(monkeypatch):
     monkeypatch.delenv(GRAPH_ENV, raising=False)
-    assert graph_plan(CUDA, PAPER, has_doc_ids=False, graphs=None) == (True, "")
+    assert graph_plan(CUDA, PAPER, raw_doc_ids=False, graphs=None) == (True, "")
     assert graph_plan(CUDA, replace(PAPER, batch_rows=4, best_on="heldout"), False, True) == (True, "")
 
 
@@ -27,7 +27,7 @@ def test_the_authors_alignment_replays_on_cuda(monkeypatch):
     (torch.device("cpu"), PAPER, False, True, "not on CUDA"),
     (CUDA, PAPER, False, False, "turned off"),
     (CUDA, replace(PAPER, schedule="cosine"), False, None, "changes the learning rate"),
-    (CUDA, PAPER, True, None, "doc_ids"),
+    (CUDA, PAPER, True, None, "plain doc_ids"),
     (CUDA, replace(PAPER, steps=WARMUP_STEPS), False, None, "warm-up"),
 ])
 def test_eager_steps_say_why(device, settings, docs, graphs, why, monkeypatch):
