@@ -17,7 +17,8 @@ backward, then one AdamW step over all of them. The layers are independent (own 
 row draws, best state), so the results are those of one layer after another, bit for bit; the
 losses and the best state stay on the device, so the host queues steps without waiting. On CUDA
 the steps after the first three replay one captured step of all the layers (align_graph.py): the
-step then costs its GPU time, not the host's thousands of launches.
+step then costs its GPU time, not the host's thousands of launches. Rows of packed documents take
+part as PackedRows (their layout for fla's variable-length kernels computed once, `_packed`).
 """
 from __future__ import annotations
 
