@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -213,7 +213,8 @@ def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, prog
     try:
         for job in jobs:
             job.mixer.to(dtype)
-        runs = [_LayerRun(job, _packed(_in_dtype(job.train, dtype), layouts), settings) for job in jobs]
+        runs = [_LayerRun(replace(job, heldout=None if job.heldout is None else _packed(job.heldout, layouts)),
+                          _packed(_in_dtype(job.train, dtype), layouts), settings) for job in jobs]
         _lockstep(runs, settings, progress, graphs)
         return [run.finish(log) for run in runs]
     finally:

@@ -84,3 +84,32 @@ def test_steps_after_the_warm_up_go_to_the_replay(layers, name, monkeypatch):
     for l in LAYERS:
         for key, value in want_states[l].items():
             assert torch.equal(got_states[l][key], value), (l, key)
+
+
+def test_packed_documents_reach_the_steps_precomputed(layers, monkeypatch):
+    """Rows with doc_ids go to the steps as one PackedRows per doc_ids tensor (their fla layout
+    computed once), which graph_plan accepts; on the CPU the results equal those with plain doc_ids."""
+    mixers, train, held = layers
+    assert all(train[l].doc_ids is not None for l in LAYERS)
+    settings = replace(SETTINGS["heldout, 2 rows a step"], steps=4)
+    plans, seen = [], []
+    monkeypatch.setattr(align, "graph_plan", lambda device, s, raw, graphs: plans.append(raw) or (False, "cpu"))
+    forward = align._LayerRun.forward_backward
+    monkeypatch.setattr(align._LayerRun, "forward_backward", lambda run, clock: seen.append(run.train.doc_ids)
+                        or forward(run, clock))
+    results = []
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(align, "_packed", lambda data, layouts: data)
+        copies = copy.deepcopy(mixers)
+        jobs = [AlignJob(copies[l], train[l], held[l], 10 + l, f"L{l}") for l in LAYERS]
+        results.append((align_together(jobs, settings), {l: copies[l].state_dict() for l in LAYERS}))
+    assert plans == [False, True]  # plain doc_ids would keep the steps eager
+    half = len(seen) // 2  # each step's drawn rows: gathered from the layout, or plain doc_ids
+    assert all(isinstance(d, align.PackedRows) for d in seen[:half])
+    assert all(isinstance(d, torch.Tensor) for d in seen[half:])
+    (got, got_states), (want, want_states) = results
+    assert got == want
+    for l in LAYERS:
+        for key, value in want_states[l].items():
+            assert torch.equal(got_states[l][key], value), (l, key)

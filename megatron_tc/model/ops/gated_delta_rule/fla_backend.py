@@ -74,7 +74,8 @@ def varlen_call(kernel, inputs: tuple[torch.Tensor, ...], initial_state: torch.T
         if chunked:
             extra["chunk_indices"] = chunk_indices
         span = t + doc_ids.pad
-        inputs = [torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, doc_ids.pad)) for x in inputs]
+        if doc_ids.pad:  # zeros: they neither change the state nor read it
+            inputs = [torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, doc_ids.pad)) for x in inputs]
     else:
         cu_seqlens, first, last = _segments(doc_ids)
         span = t
