@@ -29,6 +29,24 @@ def random_batches(vocab: int, rows: int, seq: int, num: int, device) -> list[di
     return [{"input_ids": torch.randint(0, vocab, (rows, seq), device=device)} for _ in range(num)]
 
 
+def packed_batches(vocab: int, rows: int, seq: int, mean_doc: int, device, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """`rows` batches of one row [1, seq], input_ids and doc_ids, as a run's calibration source gives
+    them: random documents (lengths exponential with mean `mean_doc` tokens, at least 1) packed
+    back to back by the run's `pack_window`."""
+    import numpy as np
+
+    from megatron_tc.data.packing import TokenStream, pack_window
+
+    gen = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total <= rows * seq:
+        lengths.append(max(1, int(gen.exponential(mean_doc))))
+        total += lengths[-1]
+    stream = TokenStream.from_token_lists([gen.integers(0, vocab, n) for n in lengths])
+    windows = [pack_window(stream, r * seq, seq, pad_id=0) for r in range(rows)]
+    return [{key: torch.as_tensor(w[key], device=device)[None] for key in ("input_ids", "doc_ids")} for w in windows]
+
+
 def stats_check(teacher: HybridLM, layers: list[int], device, meta: dict, chunk: int) -> dict:
     """Sweep-1 sums on the device (teacher dtype) vs an fp32 CPU copy, one [1, 256] batch."""
     batch = random_batches(teacher.arch.vocab_size, 1, 256, 1, device)
@@ -195,11 +213,16 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
 def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
     arch = teacher.arch
     rows = args.calib_tokens // args.calib_seq
-    calib = random_batches(arch.vocab_size, 1, args.calib_seq, rows, device)
-    calib = [{"input_ids": torch.cat([b["input_ids"] for b in calib[i:i + 4]])} for i in range(0, rows, 4)]
+    mean_doc = getattr(args, "packed_docs", 0)
+    if mean_doc:  # as the pipeline: one row per batch, with document boundaries
+        calib = packed_batches(arch.vocab_size, rows, args.calib_seq, mean_doc, device)
+    else:
+        calib = random_batches(arch.vocab_size, 1, args.calib_seq, rows, device)
+        calib = [{"input_ids": torch.cat([b["input_ids"] for b in calib[i:i + 4]])} for i in range(0, rows, 4)]
     strategy = get_strategy("taylor_calibrate")
     align = strategy.align if args.align_steps is None else replace(strategy.align, steps=args.align_steps)
     row = {"init": strategy.name, "tokens": rows * args.calib_seq, "seq": args.calib_seq,
+           "docs": f"packed, mean {mean_doc}" if mean_doc else "none",
            "converted_layers": len(converted_layers(pattern)), "align_steps": align.steps}
     align_dtype = torch.bfloat16 if align.dtype == "bfloat16" else torch.float32
 
@@ -281,7 +304,7 @@ def _finish(report: Report) -> int:
          ["pass", "op", "calls", "host_ms", "device_ms"]),
         ("Host waits for the device (one warm call, CUDA sync debug mode)", "syncs", ["what", "host_syncs", "where"]),
         ("Calibration wall time (taylor_calibrate)", "calibrate",
-         ["init", "tokens", "seq", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
+         ["init", "tokens", "seq", "docs", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
           "mean_best_rel_mse", "goal", "met", "note"]),
     ])
     return 0

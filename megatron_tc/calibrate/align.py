@@ -17,18 +17,21 @@ backward, then one AdamW step over all of them. The layers are independent (own 
 row draws, best state), so the results are those of one layer after another, bit for bit; the
 losses and the best state stay on the device, so the host queues steps without waiting. On CUDA
 the steps after the first three replay one captured step of all the layers (align_graph.py): the
-step then costs its GPU time, not the host's thousands of launches.
+step then costs its GPU time, not the host's thousands of launches. Rows of packed documents take
+part as PackedRows (their layout for fla's variable-length kernels computed once, `_packed`).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megatron_tc.model.ops.gated_delta_rule import PackedRows
 
 from .align_graph import WARMUP_STEPS, graph_plan, replay_stream, try_capture
 from .capture import LayerIO, capture_layers
@@ -42,12 +45,12 @@ GATE_PARAMS = ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj")
 @dataclass
 class LayerData:
     """Data of one layer: x, y [N, T, hidden] (mixer input / target: the teacher's attention output
-    after o_proj), doc_ids [N, T] or None; resid [N, T, hidden] the residual stream entering the
+    after o_proj), doc_ids [N, T] (or their PackedRows) or None; resid [N, T, hidden] the residual stream entering the
     layer, when collected (student-forced alignment, sequential.py)."""
 
     x: torch.Tensor
     y: torch.Tensor
-    doc_ids: torch.Tensor | None
+    doc_ids: torch.Tensor | PackedRows | None
     resid: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> "LayerData":
@@ -159,6 +162,17 @@ def _in_dtype(data: LayerData, dtype: torch.dtype) -> LayerData:
     return LayerData(data.x.to(dtype), data.y.to(dtype).float(), data.doc_ids, data.resid)
 
 
+def _packed(data: LayerData, layouts: dict[int, PackedRows]) -> LayerData:
+    """`data` with its doc_ids as PackedRows: the variable-length layout of the rows computed here,
+    once per doc_ids tensor, so that no step reads it on the host (align_graph.py's condition)."""
+    if data.doc_ids is None or isinstance(data.doc_ids, PackedRows):
+        return data
+    key = id(data.doc_ids)
+    if key not in layouts:
+        layouts[key] = PackedRows.of(data.doc_ids)
+    return LayerData(data.x, data.y, layouts[key], data.resid)
+
+
 @dataclass
 class AlignJob:
     """One layer to align: its mixer (changed in place), training rows, held-out rows (best_on
@@ -193,12 +207,14 @@ def align_together(jobs: list[AlignJob], settings: AlignSettings, log=None, prog
     for job in jobs:
         _check(settings, job.heldout)
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    layouts: dict[int, PackedRows] = {}  # one per doc_ids tensor: the layers share their rows
     homes = [(next(job.mixer.parameters()).dtype, {n: p.requires_grad for n, p in job.mixer.named_parameters()})
              for job in jobs]
     try:
         for job in jobs:
             job.mixer.to(dtype)
-        runs = [_LayerRun(job, _in_dtype(job.train, dtype), settings) for job in jobs]
+        runs = [_LayerRun(replace(job, heldout=None if job.heldout is None else _packed(job.heldout, layouts)),
+                          _packed(_in_dtype(job.train, dtype), layouts), settings) for job in jobs]
         _lockstep(runs, settings, progress, graphs)
         return [run.finish(log) for run in runs]
     finally:
@@ -229,7 +245,8 @@ def _lockstep(runs: list["_LayerRun"], settings: AlignSettings, progress: bool, 
     """The steps of every run together, one AdamW step over all layers. On CUDA the steps after the
     first few replay one captured step (align_graph.py); elsewhere they run eagerly."""
     device = runs[0].device
-    use_graph, why = graph_plan(device, settings, any(run.train.doc_ids is not None for run in runs), graphs)
+    raw = any(run.train.doc_ids is not None and not isinstance(run.train.doc_ids, PackedRows) for run in runs)
+    use_graph, why = graph_plan(device, settings, raw, graphs)
     if not use_graph and device.type == "cuda":
         logger.info("alignment of %d layers: eager steps (%s)", len(runs), why)
     optimizer, scheduler = _optimizer(runs, settings, capturable=use_graph)

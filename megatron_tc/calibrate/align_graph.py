@@ -8,8 +8,10 @@ and step, far more than the GPU needs); a replay launches them all at the cost o
 What a replay needs, and align.py provides: the same tensors every step (the calibration rows are
 fixed; drawn rows are gathered on the device by a step counter there), state updated in place,
 AdamW with `capturable=True` (its step counters on the device), a constant learning rate, and no
-host reads inside the step. Where these do not hold the steps run eagerly, as on the CPU, and the
-log says why.
+host reads inside the step. Packed documents qualify as `PackedRows` (model/ops/gated_delta_rule/
+segments.py): fla's segment offsets and chunk indices of the rows, computed once before the first
+step, gathered on the device for each step's rows with shapes that do not depend on them. Where
+these do not hold the steps run eagerly, as on the CPU, and the log says why.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ GRAPH_ENV = "MEGATRON_TC_ALIGN_GRAPHS"  # "0": eager steps on CUDA too
 WARMUP_STEPS = 3  # eager steps first: Triton autotuning, TileLang builds, library handles, AdamW state
 
 
-def graph_plan(device: torch.device, settings, has_doc_ids: bool, graphs: bool | None) -> tuple[bool, str]:
-    """(replay the steps from a CUDA graph?, why not). `graphs` None follows $MEGATRON_TC_ALIGN_GRAPHS."""
+def graph_plan(device: torch.device, settings, raw_doc_ids: bool, graphs: bool | None) -> tuple[bool, str]:
+    """(replay the steps from a CUDA graph?, why not). `graphs` None follows $MEGATRON_TC_ALIGN_GRAPHS.
+    raw_doc_ids: packed documents given as plain doc_ids, not as PackedRows (whose layout is precomputed)."""
     if device.type != "cuda":
         return False, "not on CUDA"
     if graphs is None:
@@ -38,8 +41,9 @@ def graph_plan(device: torch.device, settings, has_doc_ids: bool, graphs: bool |
         return False, f"turned off ({GRAPH_ENV}=0)"
     if settings.schedule != "constant":
         return False, f"the {settings.schedule!r} schedule changes the learning rate every step"
-    if has_doc_ids:
-        return False, "packed documents (doc_ids): fla's variable-length kernels read segment offsets on the host"
+    if raw_doc_ids:
+        return False, ("packed documents as plain doc_ids: their segment offsets for fla's variable-length "
+                       "kernels would be read on the host in every step (PackedRows precompute them)")
     if settings.steps <= WARMUP_STEPS:
         return False, f"{settings.steps} steps: all of them are warm-up"
     return True, ""

@@ -21,7 +21,7 @@ from .cache import GDNCache
 from .config import ArchConfig
 from .fused import fused, gated_output, gdn_gates
 from .norm import RMSNorm
-from .ops.gated_delta_rule import BACKENDS, gated_delta_rule
+from .ops.gated_delta_rule import BACKENDS, PackedRows, gated_delta_rule
 
 
 def causal_short_conv(
@@ -104,10 +104,12 @@ class GatedDeltaNet(nn.Module):
         return fused("gdn_gates", gdn_gates, a)(a, b, self.A_log, self.dt_bias, MAX_A_LOG, MIN_LOG_DECAY)
 
     def qkv(
-        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: GDNCache | None = None
+        self, x: torch.Tensor, doc_ids: torch.Tensor | PackedRows | None = None, cache: GDNCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, T, H, D], k, v [B, T, H, D] (k/v repeated to H heads), before the L2 norm."""
         b, t, _ = x.shape
+        if isinstance(doc_ids, PackedRows):  # the convolution's masks: device ops of fixed shape
+            doc_ids = doc_ids.doc_ids
         out = []
         for name in ("q", "k", "v"):
             y = getattr(self, f"{name}_proj")(x)
@@ -129,10 +131,11 @@ class GatedDeltaNet(nn.Module):
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | PackedRows | None = None,
         cache: GDNCache | None = None,
     ) -> torch.Tensor:
-        """x [B, T, hidden]; position_ids unused (GDN has no positions); doc_ids [B, T] resets state."""
+        """x [B, T, hidden]; position_ids unused (GDN has no positions); doc_ids [B, T] resets state
+        (or `PackedRows` of them: fla's layout precomputed, no host read, as a CUDA graph needs)."""
         if cache is not None and doc_ids is not None:
             raise ValueError("doc_ids (packed documents) cannot be combined with a decoding cache")
         b, t, _ = x.shape

@@ -8,7 +8,10 @@ held-out evals between replays). Both runs take the same first steps; the captur
 replays a step recorded with AdamW's capturable update and the eager element-wise formulas (the
 eager run: compiled blocks), so they agree to rounding, within the bounds the CPU-vs-CUDA check
 of calibration uses (tests/unit/test_calibrate_device.py: initial 5e-3, best 2e-2 relative),
-here also for every step's training loss. A capture that fails leaves the steps to eager code.
+here also for every step's training loss. The same over rows of packed documents (doc_ids, as the
+pipeline calibrates): their fla layout is precomputed (PackedRows), so these steps replay too; and
+fla's kernels given PackedRows agree with fla's kernels given the doc_ids. A capture that fails
+leaves the steps to eager code.
 """
 from __future__ import annotations
 
@@ -25,11 +28,13 @@ if not torch.cuda.is_available():  # conftest also skips gpu-marked tests withou
 pytest.importorskip("fla.ops.gated_delta_rule")
 
 from megatron_tc.bench.models import quarter_pattern, smollm2_135m  # noqa: E402
+from megatron_tc.bench.stats_run import packed_batches  # noqa: E402
 from megatron_tc.calibrate import align_graph  # noqa: E402
 from megatron_tc.calibrate.align import AlignJob, LayerData, align_together  # noqa: E402
 from megatron_tc.calibrate.strategies import TAYLOR_FIT_ALIGN, get_strategy  # noqa: E402
 from megatron_tc.calibrate.student import converted_layers  # noqa: E402
 from megatron_tc.model.gdn import GatedDeltaNet  # noqa: E402
+from megatron_tc.model.ops.gated_delta_rule import PackedRows  # noqa: E402
 
 STEPS = 8
 SETTINGS = {
@@ -71,9 +76,61 @@ def close(got: float, want: float, rel: float) -> bool:
     return abs(got - want) <= rel * abs(want)
 
 
+@pytest.fixture(scope="module")
+def packed_case():
+    """`case` over rows of packed documents (doc_ids as the pipeline's calibration rows: several
+    documents a row, some rows one), targets from GDN layers that reset at the boundaries."""
+    pattern = quarter_pattern(30)
+    arch = smollm2_135m().with_pattern(pattern)
+    layers = converted_layers(pattern)[:2]
+    doc_ids = torch.cat([b["doc_ids"] for b in packed_batches(8, 20, 512, 300, "cuda", seed=1)])
+    doc_ids[3] = 0  # a row of one document
+    torch.manual_seed(0)
+    mixers, data, held = {}, {}, {}
+    for l in layers:
+        mixers[l] = GatedDeltaNet(arch, l).cuda()
+        teacher = GatedDeltaNet(arch, l).cuda().to(torch.bfloat16)
+        x = torch.randn(20, 512, arch.hidden_size, device="cuda")
+        with torch.no_grad():
+            y = teacher(x.to(torch.bfloat16), doc_ids=doc_ids).float()
+        data[l], held[l] = LayerData(x[:16], y[:16], doc_ids[:16]), LayerData(x[16:], y[16:], doc_ids[16:])
+    return layers, mixers, data, held
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_replayed_steps_equal_eager_steps(case, name, monkeypatch):
-    settings = SETTINGS[name]
+    check_replay(case, SETTINGS[name], monkeypatch)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_replayed_steps_with_packed_documents_equal_eager_steps(packed_case, name, monkeypatch):
+    check_replay(packed_case, SETTINGS[name], monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_with_packed_rows_equals_fla_with_doc_ids(packed_case, dtype):
+    """The mixer through fla's kernels: PackedRows of drawn rows (padded, chunk indices passed in)
+    against the same rows' doc_ids (segments derived in the call): outputs and gradients."""
+    layers, mixers, data, _ = packed_case
+    mixer = copy.deepcopy(mixers[layers[0]]).to(dtype)
+    rows = torch.tensor([3, 0, 7, 7], device="cuda")
+    x = data[layers[0]].x[rows].to(dtype)
+
+    def run(docs):
+        mixer.zero_grad()
+        out = mixer(x, doc_ids=docs)
+        out.float().square().mean().backward()
+        return out.float(), [p.grad.float().clone() for p in mixer.parameters()]
+
+    want, want_grads = run(data[layers[0]].doc_ids[rows])
+    got, got_grads = run(PackedRows.of(data[layers[0]].doc_ids)[rows])
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def check_replay(case, settings, monkeypatch):
     captured = []
     original = align_graph.capture_step
     monkeypatch.setattr(align_graph, "capture_step", lambda *a: captured.append(original(*a)) or captured[-1])

@@ -19,7 +19,7 @@ CUDA = torch.device("cuda", 0)
 
 def test_the_authors_alignment_replays_on_cuda(monkeypatch):
     monkeypatch.delenv(GRAPH_ENV, raising=False)
-    assert graph_plan(CUDA, PAPER, has_doc_ids=False, graphs=None) == (True, "")
+    assert graph_plan(CUDA, PAPER, raw_doc_ids=False, graphs=None) == (True, "")
     assert graph_plan(CUDA, replace(PAPER, batch_rows=4, best_on="heldout"), False, True) == (True, "")
 
 
@@ -27,7 +27,7 @@ def test_the_authors_alignment_replays_on_cuda(monkeypatch):
     (torch.device("cpu"), PAPER, False, True, "not on CUDA"),
     (CUDA, PAPER, False, False, "turned off"),
     (CUDA, replace(PAPER, schedule="cosine"), False, None, "changes the learning rate"),
-    (CUDA, PAPER, True, None, "doc_ids"),
+    (CUDA, PAPER, True, None, "plain doc_ids"),
     (CUDA, replace(PAPER, steps=WARMUP_STEPS), False, None, "warm-up"),
 ])
 def test_eager_steps_say_why(device, settings, docs, graphs, why, monkeypatch):
@@ -81,6 +81,35 @@ def test_steps_after_the_warm_up_go_to_the_replay(layers, name, monkeypatch):
     (want, want_logs, want_states), (got, got_logs, got_states) = results
     assert [g.replays for g in graphs] == [settings.steps - WARMUP_STEPS]
     assert got == want and got_logs == want_logs
+    for l in LAYERS:
+        for key, value in want_states[l].items():
+            assert torch.equal(got_states[l][key], value), (l, key)
+
+
+def test_packed_documents_reach_the_steps_precomputed(layers, monkeypatch):
+    """Rows with doc_ids go to the steps as one PackedRows per doc_ids tensor (their fla layout
+    computed once), which graph_plan accepts; on the CPU the results equal those with plain doc_ids."""
+    mixers, train, held = layers
+    assert all(train[l].doc_ids is not None for l in LAYERS)
+    settings = replace(SETTINGS["heldout, 2 rows a step"], steps=4)
+    plans, seen = [], []
+    monkeypatch.setattr(align, "graph_plan", lambda device, s, raw, graphs: plans.append(raw) or (False, "cpu"))
+    forward = align._LayerRun.forward_backward
+    monkeypatch.setattr(align._LayerRun, "forward_backward", lambda run, clock: seen.append(run.train.doc_ids)
+                        or forward(run, clock))
+    results = []
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(align, "_packed", lambda data, layouts: data)
+        copies = copy.deepcopy(mixers)
+        jobs = [AlignJob(copies[l], train[l], held[l], 10 + l, f"L{l}") for l in LAYERS]
+        results.append((align_together(jobs, settings), {l: copies[l].state_dict() for l in LAYERS}))
+    assert plans == [False, True]  # plain doc_ids would keep the steps eager
+    half = len(seen) // 2  # each step's drawn rows: gathered from the layout, or plain doc_ids
+    assert all(isinstance(d, align.PackedRows) for d in seen[:half])
+    assert all(isinstance(d, torch.Tensor) for d in seen[half:])
+    (got, got_states), (want, want_states) = results
+    assert got == want
     for l in LAYERS:
         for key, value in want_states[l].items():
             assert torch.equal(got_states[l][key], value), (l, key)

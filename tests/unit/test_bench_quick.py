@@ -125,6 +125,18 @@ def test_bench_stats_calibrate_only(tmp_path):
     assert calib["wall_s"] > 0 and calib["align_steps"] == 3 and not data.get("rows") and not data.get("checks")
 
 
+def test_bench_stats_calibrate_only_with_packed_documents(tmp_path):
+    from megatron_tc.bench.stats_run import packed_batches
+
+    batches = packed_batches(100, rows=8, seq=32, mean_doc=12, device="cpu")
+    assert [b["doc_ids"].shape for b in batches] == [(1, 32)] * 8
+    docs = [int(b["doc_ids"].max()) + 1 for b in batches]
+    assert all(b["doc_ids"][0, 0] == 0 for b in batches) and max(docs) > 1  # boundaries, counted per row
+    data = run("bench_stats", tmp_path, "--calibrate-only", "--packed-docs", "12")
+    (calib,) = data["calibrate"]
+    assert calib["wall_s"] > 0 and calib["docs"] == "packed, mean 12" and calib["mean_best_rel_mse"] > 0
+
+
 def test_unknown_preset_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown model preset 'gpt9'"):
         load_tool("bench_inference").main(["--quick", "--models", "gpt9", "--out", str(tmp_path / "x.json")])

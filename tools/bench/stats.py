@@ -4,7 +4,8 @@ of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
 
     python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
-        [--align-steps N] [--no-calibrate | --calibrate-only] [--sweep1-reference] [--profile]
+        [--align-steps N] [--no-calibrate | --calibrate-only] [--packed-docs [MEAN]] [--sweep1-reference]
+        [--profile]
 
 Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
@@ -30,6 +31,8 @@ Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibra
 --calib-tokens tokens in rows of --calib-seq, timed wall clock after a warm-up (first uses compile:
 the GDN kernels in fp32 and in the alignment's dtype, then the whole calibration with 2 alignment
 steps); goal <= 60 s on one H200. --calibrate-only times the calibration alone (no checks, no sweep rows).
+--packed-docs calibrates on rows of random documents packed with their doc_ids, one row per batch,
+as the pipeline's calibration source gives them (else rows without boundaries, four per batch).
 """
 import argparse
 import sys
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--align-steps", type=int, default=None, help="override taylor_calibrate's 300 steps per layer")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--calibrate-only", action="store_true", help="only the calibration wall time (no checks, no sweeps)")
+    p.add_argument("--packed-docs", type=int, nargs="?", const=512, default=0, metavar="MEAN_TOKENS",
+                   help="calibrate on rows of packed documents with doc_ids, one row per batch, as the pipeline's "
+                        "calibration source gives them (document lengths exponential, mean 512 tokens or as given)")
     p.add_argument("--sweep1-reference", action="store_true",
                    help="also time sweep 1 with the PyTorch chunks (and check the kernel against them)")
     p.add_argument("--budget-ms", type=float, default=2000.0)

@@ -17,6 +17,7 @@ from .chunk import chunk_gated_delta_rule_torch
 from .common import l2norm
 from .fla_backend import fla_available, fla_gated_delta_rule
 from .recurrent import recurrent_gated_delta_rule
+from .segments import PackedRows
 
 BACKENDS = ("auto", "chunk", "recurrent", "fla", "fla_chunk", "fla_recurrent")
 
@@ -30,7 +31,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    doc_ids: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | PackedRows | None = None,
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
@@ -43,7 +44,8 @@ def gated_delta_rule(
         initial_state: [B, H, Dk, Dv] state before position 0 (zeros if None).
         output_final_state: also return the state after the last position.
         doc_ids: [B, T] int document ids of packed sequences; the state is zeroed where the id
-            changes (initial_state applies to each row's first document only).
+            changes (initial_state applies to each row's first document only); or `PackedRows` of
+            them, whose layout for fla's kernels is precomputed (no host read in the call).
         use_qk_l2norm: L2-normalize q and k inside (as fla's `use_qk_l2norm_in_kernel`).
         chunk_size: chunk length of the PyTorch chunked backend.
         backend: one of BACKENDS.
@@ -57,6 +59,8 @@ def gated_delta_rule(
     if backend == "fla":
         decoding = not torch.is_grad_enabled() and q.shape[1] <= 64
         backend = "fla_recurrent" if decoding else "fla_chunk"
+    if isinstance(doc_ids, PackedRows) and backend in ("chunk", "recurrent"):
+        doc_ids = doc_ids.doc_ids
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, doc_ids, use_qk_l2norm)
     if backend == "chunk":
         return chunk_gated_delta_rule_torch(*args, chunk_size=chunk_size)
@@ -69,6 +73,7 @@ def gated_delta_rule(
 
 __all__ = [
     "BACKENDS",
+    "PackedRows",
     "chunk_gated_delta_rule_torch",
     "fla_available",
     "gated_delta_rule",
