@@ -4,8 +4,8 @@ autograd) and CPU time of
 
     build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
            teacher's weights, the statistics and the default GDN init), once per layer and pass;
-    sums:  one batch's readout sums of that layer (teacher q/k/v and attention, the GDN
-           recurrence, the fp64 products), once per layer and batch.
+    sums:  one batch's readout sums of that layer (the GDN recurrence, the fp64 products; the
+           teacher's attention heads are those its forward made), once per layer and batch.
 
 On a GPU the host issues the same operators of `build` (its math runs on the CPU either way) and
 those of `sums` with the recurrence through fla instead of the PyTorch chunks counted here.
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tc.calibrate.capture import capture_layers
 from megatron_tc.calibrate.readout import readout_sums
-from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer
+from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
 from megatron_tc.calibrate.strategies import get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
 
@@ -75,10 +75,8 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
         return readout_mixer(closed_form, stats, teacher, arch, 1, seed)
 
     @torch.no_grad()
-    def sums():  # what collect_readout_stats runs for one layer and batch
-        q, k, v = attention.project_qkv(io.x, io.position_ids)
-        positions = torch.arange(io.x.shape[1])
-        y = attention.attend(q, k, v, positions, positions, None)
+    def sums():  # what collect_readout_stats runs for one layer and batch (the attention's heads kept)
+        y = teacher_heads(attention, io.x, io.position_ids, None, io.heads)
         return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None)
 
     return build, sums

@@ -19,7 +19,9 @@ from torch import nn
 class LayerIO:
     """One layer's view of a batch. resid [B, T, hidden] residual stream entering the layer;
     x [B, T, hidden] mixer input (after input_norm); out [B, T, hidden] mixer output (attention
-    after o_proj); position_ids / doc_ids [B, T]; mixer: the teacher's attention module."""
+    after o_proj); position_ids / doc_ids [B, T]; mixer: the teacher's attention module;
+    heads [B, T, H*D] the per-head attention output entering o_proj (the teacher's dtype; under
+    tensor parallelism this rank's heads only), None where the mixer has no o_proj module."""
 
     resid: torch.Tensor
     x: torch.Tensor
@@ -27,6 +29,7 @@ class LayerIO:
     position_ids: torch.Tensor
     doc_ids: torch.Tensor | None
     mixer: nn.Module
+    heads: torch.Tensor | None = None
 
 
 class _StopForward(Exception):
@@ -37,6 +40,7 @@ class _StopForward(Exception):
 def _hooks(model: nn.Module, layers: list[int], fn: Callable[[int, LayerIO], None]) -> Iterator[None]:
     handles = []
     resid: dict[int, torch.Tensor] = {}
+    heads: dict[int, torch.Tensor] = {}
     last = max(layers)
     for index in layers:
         layer = model.layers[index]
@@ -44,16 +48,22 @@ def _hooks(model: nn.Module, layers: list[int], fn: Callable[[int, LayerIO], Non
         def pre(module, args, kwargs, index=index):
             resid[index] = args[0] if args else kwargs["x"]
 
+        def pre_o_proj(module, args, index=index):  # the heads the forward made: no recompute later
+            heads[index] = args[0]
+
         def post(module, args, kwargs, output, index=index):
             names = ("x", "position_ids", "doc_ids", "cache")
             given = dict(zip(names, args)) | kwargs
-            io = LayerIO(resid.pop(index), given["x"], output, given["position_ids"], given.get("doc_ids"), module)
+            io = LayerIO(resid.pop(index), given["x"], output, given["position_ids"], given.get("doc_ids"), module,
+                         heads.pop(index, None))
             fn(index, io)
             if index == last:
                 raise _StopForward
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.mixer.register_forward_hook(post, with_kwargs=True))
+        if isinstance(getattr(layer.mixer, "o_proj", None), nn.Module):
+            handles.append(layer.mixer.o_proj.register_forward_pre_hook(pre_o_proj))
     try:
         yield
     finally:

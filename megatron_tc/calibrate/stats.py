@@ -10,7 +10,8 @@ single process over the union of the data. With tensor parallelism each rank mea
 and `gather_tp_heads` concatenates them into global heads before saving.
 
 Sweep 2 needs sweep 1's reduced sums (the closed forms come from them), so it cannot run inside
-the same forward; it needs only each layer's input and output, though. `collect_stats` keeps those
+the same forward; it needs only each layer's input, output and attention heads (what the forward
+fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
 the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
@@ -115,7 +116,8 @@ def collect_attention_stats(
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
     rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
-    batch, {layer: LayerIO} of the selected layers (resid dropped), for `collect_readout_stats`."""
+    batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
+    kept without TP), for `collect_readout_stats`."""
     arch = model.arch
     layers = sorted(layers)
     for index in layers:
@@ -141,8 +143,8 @@ def collect_attention_stats(
     def on_layer(index: int, io: LayerIO) -> None:
         run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
         add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids]))
-        if keep_io is not None:
-            keep_io[-1][index] = dataclasses.replace(io, resid=None)
+        if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
+            keep_io[-1][index] = dataclasses.replace(io, resid=None, heads=io.heads if tp == 1 else None)
 
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
@@ -271,13 +273,12 @@ def collect_readout_stats(
 
     def layer_sums(modules, tensors, counts) -> dict[tuple[str, str], torch.Tensor]:
         """modules: the teacher attention, then a readout mixer per closed form; tensors: x,
-        position_ids, out, doc_ids, then each closed form's candidates (`counts` of them)."""
+        position_ids, out, doc_ids, heads (the kept per-head output [B, T, H*D] or None), then each
+        closed form's candidates (`counts` of them)."""
         mixer, students = modules[0], modules[1:]
-        x, position_ids, out, doc_ids = tensors[:4]
-        q, k, v = mixer.project_qkv(x, position_ids)
-        idx = torch.arange(x.shape[1], device=x.device)
-        y = mixer.attend(q, k, v, idx, idx, doc_ids)  # [B, H, T, D]
-        result, start = {}, 4
+        x, position_ids, out, doc_ids, heads = tensors[:5]
+        y = teacher_heads(mixer, x, position_ids, doc_ids, heads)
+        result, start = {}, 5
         for name, student, count in zip(names, students, counts):
             got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids)
             result.update({(name, key): value for key, value in got.items()})
@@ -293,7 +294,8 @@ def collect_readout_stats(
         candidates = [c for name in names for c in mixers[name][index][1]]
         counts = tuple(len(mixers[name][index][1]) for name in names)
         run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        got = run([teacher_mixers[index], *students], [io.x, io.position_ids, io.out, io.doc_ids, *candidates],
+        got = run([teacher_mixers[index], *students],
+                  [io.x, io.position_ids, io.out, io.doc_ids, io.heads if tp == 1 else None, *candidates],
                   counts)
         add_into({key: part[f"readout.{key[0]}.layers.{index}.{key[1]}"] for key in got}, got)
 
@@ -327,6 +329,19 @@ def collect_readout_stats(
     for name, per_layer in mixers.items():
         stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1])}
     return stats
+
+
+def teacher_heads(mixer: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                  heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention's per-head output y [B, H, T, D] on x [B, T, hidden]: a view of `heads` [B, T,
+    H*D] (what the forward fed o_proj, kept by sweep 1) when given, else recomputed (the same
+    q/k/v projection and attention call as the forward's: the same values)."""
+    if heads is not None:
+        b, t, _ = heads.shape
+        return heads.view(b, t, mixer.num_heads, mixer.head_dim).transpose(1, 2)
+    q, k, v = mixer.project_qkv(x, position_ids)
+    idx = torch.arange(x.shape[1], device=x.device)
+    return mixer.attend(q, k, v, idx, idx, doc_ids)
 
 
 def collect_stats(
@@ -369,10 +384,12 @@ def collect_stats(
 
 
 def layer_io_bytes(model: nn.Module, batches: Sequence[Batch], layers: Sequence[int]) -> int:
-    """Bytes of every selected layer's input and output over `batches` (the sweep-2 cache)."""
+    """Bytes of every selected layer's input, output and per-head attention output over `batches`
+    (the sweep-2 cache; the heads counted also under TP, where they are not kept)."""
     tokens = sum(batch["input_ids"].numel() for batch in batches)
     itemsize = next(model.parameters()).element_size()
-    return 2 * tokens * len(layers) * model.arch.hidden_size * itemsize
+    arch = model.arch
+    return tokens * len(layers) * (2 * arch.hidden_size + arch.num_heads * arch.head_dim) * itemsize
 
 
 def default_io_cache_budget(device: torch.device) -> int:

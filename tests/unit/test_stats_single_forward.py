@@ -23,7 +23,7 @@ def stats_and_forwards(io_cache_budget):
 
 def test_one_teacher_forward_per_batch_and_the_same_sums_as_two():
     cached, cached_forwards, needed = stats_and_forwards(None)
-    assert needed == 2 * 4 * 24 * len(LAYERS) * 32 * 4  # x and out, 4 rows x 24 tokens, hidden 32, fp32
+    assert needed == 3 * 4 * 24 * len(LAYERS) * 32 * 4  # x, out, heads: 4 rows x 24 tokens, hidden = H*D = 32, fp32
     twice, twice_forwards, _ = stats_and_forwards(0)  # no room for the cache: sweep 2 runs the teacher again
     assert (cached_forwards, twice_forwards) == (4, 8)
     assert any(key.startswith("readout.") for key in cached.sums)
@@ -34,7 +34,7 @@ def test_one_teacher_forward_per_batch_and_the_same_sums_as_two():
 
 
 def test_the_budget_decides_exactly_at_the_cache_size():
-    needed = 2 * 4 * 24 * len(LAYERS) * 32 * 4
+    needed = 3 * 4 * 24 * len(LAYERS) * 32 * 4
     assert stats_and_forwards(needed)[1] == 4
     assert stats_and_forwards(needed - 1)[1] == 8
 
@@ -65,3 +65,24 @@ def test_readout_closed_forms_read_the_teacher_where_it_is():
             got = mixer.state_dict()
             for key, value in want.state_dict().items():
                 assert got[key].shape == value.shape and got[key].dtype == value.dtype == torch.float32, (name, key)
+
+
+def test_kept_heads_equal_the_recomputed_attention():
+    """Sweep 2 reads the per-head output the forward fed o_proj instead of recomputing the
+    attention: bit for bit the recomputation's, with and without packed documents, fp32 and bf16."""
+    from megatron_tc.calibrate.capture import capture_layers
+    from megatron_tc.calibrate.stats import teacher_heads
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model, ids, doc_ids = tiny_teacher_and_rows()
+        model.to(dtype)
+        for docs in (doc_ids, None):
+            kept = {}
+            capture_layers(model, ids, docs, LAYERS, lambda index, io: kept.setdefault(index, io))
+            for index, io in kept.items():
+                assert io.heads is not None and io.heads.dtype == dtype
+                got = teacher_heads(io.mixer, io.x, io.position_ids, io.doc_ids, io.heads)
+                with torch.no_grad():
+                    want = teacher_heads(io.mixer, io.x, io.position_ids, io.doc_ids)
+                assert got.shape == want.shape == (4, 4, 24, 8)
+                assert torch.equal(got, want), (dtype, docs is None, index)
