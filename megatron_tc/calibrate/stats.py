@@ -14,9 +14,11 @@ the same forward; it needs only each layer's input, output and attention heads (
 fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
-on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
-sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
+the same sums bit for bit. The default GDN init each closed form starts from (CPU math that does
+not depend on the statistics) is made during sweep 1, after each layer's sums are queued. Reading
+kept layers, sweep 2 goes layer by layer, so the host's work on the next layer's closed form
+overlaps the device's sums of this one: that work never waits for the device (no copies to the
+CPU, pinned copies to it).
 It all runs on the calling thread: with the closed forms on a second host thread the one-forward
 pass measured twice as slow on an H200 as the two-forward one. Each sweep's work for one layer
 and batch goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,11 +113,13 @@ def collect_attention_stats(
     num_batches: int | None = None,
     progress: bool = True,
     keep_io: list[dict[int, LayerIO]] | None = None,
+    after_layer: Callable[[int], None] | None = None,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
-    rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
+    rank measures its own heads and the result holds global heads. after_layer(index): host work
+    run once a layer's sums of a batch are queued (on a GPU the device sums meanwhile). keep_io: a list that gets, per
     batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
     kept without TP), for `collect_readout_stats`."""
     arch = model.arch
@@ -145,6 +149,8 @@ def collect_attention_stats(
         add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids]))
         if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
             keep_io[-1][index] = dataclasses.replace(io, resid=None, heads=io.heads if tp == 1 else None)
+        if after_layer is not None:
+            after_layer(index)
 
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
@@ -234,6 +240,7 @@ def collect_readout_stats(
     num_batches: int | None = None,
     progress: bool = True,
     layer_io: Sequence[dict[int, LayerIO]] | None = None,
+    defaults: dict[int, Mapping[str, torch.Tensor]] | None = None,
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
@@ -247,7 +254,10 @@ def collect_readout_stats(
     Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
     works out layer l+1's closed form (without waiting for the device) while the device sums. The sums are
     those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
-    same order)."""
+    same order).
+
+    defaults: {layer: its `default_gdn_state(student_arch, layer, seed)`} made ahead (taken out
+    of the dict as used); a layer not in it gets its own here."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
@@ -260,7 +270,8 @@ def collect_readout_stats(
 
     def build(index: int) -> None:
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
-        default = default_gdn_state(student_arch, index, seed)  # drawn once for every closed form
+        ahead = defaults.pop(index, None) if defaults is not None else None
+        default = default_gdn_state(student_arch, index, seed) if ahead is None else ahead  # once for every closed form
         for name, strategy in closed_forms.items():
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
                                                 teacher_mixers[index], default)
@@ -371,14 +382,23 @@ def collect_stats(
     serve sweep 2 as they do without TP."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
     keep = [] if readout_strategies and layer_io_bytes(model, batches, layers) <= budget else None
+    student_arch = student_arch or model.arch
+    defaults: dict[int, Mapping[str, torch.Tensor]] = {}
+
+    def default_ahead(index: int) -> None:
+        """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
+        ms a layer) made on the host while the device runs sweep 1's sums of the layer."""
+        if readout_strategies and index not in defaults:
+            defaults[index] = default_gdn_state(student_arch, index, seed).draw_read_values()
+
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-        num_batches=len(batches), progress=progress, keep_io=keep,
+        num_batches=len(batches), progress=progress, keep_io=keep, after_layer=default_ahead,
     )
     if readout_strategies:
         stats = collect_readout_stats(
-            stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
-            dp_group=dp_group, tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep,
+            stats, model, batches, readout_strategies, student_arch, seed=seed, dp_group=dp_group,
+            tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep, defaults=defaults,
         )
     return stats
 

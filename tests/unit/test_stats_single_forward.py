@@ -86,3 +86,16 @@ def test_kept_heads_equal_the_recomputed_attention():
                     want = teacher_heads(io.mixer, io.x, io.position_ids, io.doc_ids)
                 assert got.shape == want.shape == (4, 4, 24, 8)
                 assert torch.equal(got, want), (dtype, docs is None, index)
+
+
+def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch):
+    from megatron_tc.calibrate import stats as stats_module
+
+    made, sweep_2 = [], []
+    real = stats_module.default_gdn_state
+    monkeypatch.setattr(stats_module, "default_gdn_state", lambda *a, **k: made.append(a[1]) or real(*a, **k))
+    real_readout = stats_module.collect_readout_stats
+    monkeypatch.setattr(stats_module, "collect_readout_stats",
+                        lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
+    stats_and_forwards(None)
+    assert made == LAYERS and sweep_2 == [LAYERS]
