@@ -139,7 +139,7 @@ def readout_sums(
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
     U = torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads).view(h * n, -1)  # [H*C, BT*hidden]
     Y = out.float().reshape(-1)  # [BT*hidden]
-    gram, r = long_products(U, Y, x.shape[-1])
+    gram, r = long_products(U, Y, x.shape[-1], rows=b)
     if n > 1:
         gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
         r = r.view(h, n).t().reshape(-1)
@@ -164,24 +164,32 @@ def readout_sums(
 PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`
 
 
-def long_products(U: torch.Tensor, Y: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = tokens * `width`:
-    fp32 partial products over blocks of PRODUCT_TOKENS tokens (one batched GEMM per product)
-    summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
+def long_products(U: torch.Tensor, Y: torch.Tensor, width: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = rows * tokens * `width`:
+    fp32 partial products over blocks of PRODUCT_TOKENS tokens of one row (one batched GEMM per
+    product) summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
     as a GEMV on a few blocks (the replayed pass's profile on an H200 showed such GEMVs), and an
-    fp32 accumulation over all of N."""
+    fp32 accumulation over all of N. Blocks never span rows, so rows summed in one call or in
+    several make the same fp32 products (batches merged by the statistics pass)."""
     m, k = U.shape[0], PRODUCT_TOKENS * width
-    blocks = U.shape[1] // k
+    per_row = U.shape[1] // rows
+    blocks = per_row // k
+    U, Y = U.view(m, rows, per_row), Y.view(rows, per_row)
     gram = torch.zeros(m, m, dtype=F64, device=U.device)
     r = torch.zeros(m, dtype=F64, device=U.device)
     if blocks:
-        a = U[:, :blocks * k].reshape(m, blocks, k).transpose(0, 1)  # [S, M, K]
+        a = U[:, :, :blocks * k].reshape(m, rows * blocks, k).transpose(0, 1)  # [S, M, K]
         gram += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
-        r += torch.bmm(a, Y[:blocks * k].view(blocks, k, 1)).sum(0, dtype=F64).view(m)
-    if U.shape[1] > blocks * k:  # the tokens after the last whole block
-        rest, y_rest = U[:, blocks * k:], Y[blocks * k:]
-        gram += (rest @ rest.t()).to(F64)
-        r += (rest @ y_rest).to(F64)
+        r += torch.bmm(a, Y[:, :blocks * k].reshape(rows * blocks, k, 1)).sum(0, dtype=F64).view(m)
+    if per_row > blocks * k:  # each row's tokens after its last whole block
+        rest, y_rest = U[:, :, blocks * k:], Y[:, blocks * k:]
+        if rows == 1:
+            gram += (rest[:, 0] @ rest[:, 0].t()).to(F64)
+            r += (rest[:, 0] @ y_rest[0]).to(F64)
+        else:
+            rest = rest.transpose(0, 1)  # [rows, M, R]
+            gram += torch.bmm(rest, rest.transpose(1, 2)).sum(0, dtype=F64)
+            r += torch.bmm(rest, y_rest[:, :, None]).sum(0, dtype=F64).view(m)
     return gram, r
 
 
