@@ -88,3 +88,34 @@ def capture_layers(
             model(input_ids, doc_ids=doc_ids)
         except _StopForward:
             pass
+
+
+def merge_layer_io(ios: list[LayerIO], max_tokens: int) -> list[LayerIO]:
+    """One layer's kept views of consecutive batches, concatenated along the rows into as few as
+    fit `max_tokens` tokens each (a batch larger than that stays alone): one sweep-2 call per
+    group instead of one per batch. Batches join only when their lengths, dtypes and whether they
+    carry doc_ids / heads agree; resid is dropped; position_ids come out [rows, T]."""
+    groups: list[list[LayerIO]] = []
+    tokens = 0
+    for io in ios:
+        n = io.x.shape[0] * io.x.shape[1]
+        if groups and tokens + n <= max_tokens and _joinable(groups[-1][0], io):
+            groups[-1].append(io)
+            tokens += n
+        else:
+            groups.append([io])
+            tokens = n
+    return [group[0] if len(group) == 1 else _concat(group) for group in groups]
+
+
+def _joinable(a: LayerIO, b: LayerIO) -> bool:
+    return (a.x.shape[1:] == b.x.shape[1:] and a.x.dtype == b.x.dtype and a.out.dtype == b.out.dtype
+            and (a.doc_ids is None) == (b.doc_ids is None) and (a.heads is None) == (b.heads is None)
+            and a.mixer is b.mixer)
+
+
+def _concat(group: list[LayerIO]) -> LayerIO:
+    cat = lambda name: torch.cat([getattr(io, name) for io in group])  # noqa: E731
+    positions = torch.cat([io.position_ids.expand(io.x.shape[0], -1) for io in group])
+    return LayerIO(None, cat("x"), cat("out"), positions, None if group[0].doc_ids is None else cat("doc_ids"),
+                   group[0].mixer, None if group[0].heads is None else cat("heads"))

@@ -137,9 +137,12 @@ def readout_sums(
     # U_{c,t,h} = O_h u_{c,t,h} as one batched matmul over heads, [H, C*BT, D] @ [H, D, hidden];
     # its rows are head-major (h*C + c), the sums' order is candidate-major (c*H + h)
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
-    U = torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads).view(h * n, -1)  # [H*C, BT*hidden]
-    Y = out.float().reshape(-1)  # [BT*hidden]
-    gram, r = long_products(U, Y, x.shape[-1], rows=b)
+    hidden = o_weight.shape[0]
+    V = torch.empty(h * n + 1, b * t * hidden, device=x.device)  # [U; Y]: U [H*C, BT*hidden], Y its last row
+    torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads, out=V[:h * n].view(h, n * b * t, hidden))
+    Y = V[h * n]
+    Y.copy_(out.reshape(-1))  # [BT*hidden] fp32
+    gram, r = long_products(V, hidden, rows=b)
     if n > 1:
         gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
         r = r.view(h, n).t().reshape(-1)
@@ -164,33 +167,27 @@ def readout_sums(
 PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`
 
 
-def long_products(U: torch.Tensor, Y: torch.Tensor, width: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = rows * tokens * `width`:
-    fp32 partial products over blocks of PRODUCT_TOKENS tokens of one row (one batched GEMM per
-    product) summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
-    as a GEMV on a few blocks (the replayed pass's profile on an H200 showed such GEMVs), and an
-    fp32 accumulation over all of N. Blocks never span rows, so rows summed in one call or in
-    several make the same fp32 products (batches merged by the statistics pass)."""
-    m, k = U.shape[0], PRODUCT_TOKENS * width
-    per_row = U.shape[1] // rows
+def long_products(V: torch.Tensor, width: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U U^T [M, M], U Y [M]) in fp64 for fp32 V = [U; Y] [M + 1, N] (Y its last row) whose
+    N = rows * tokens * `width`: fp32 partial products V V^T over blocks of PRODUCT_TOKENS tokens of
+    one row (one batched GEMM) summed in fp64. One GEMM over the whole N has an inner size of
+    millions, which cuBLAS may run as a GEMV on a few blocks (the replayed pass's profile on an
+    H200 showed such GEMVs), and an fp32 accumulation over all of N. Y rides along as a row of
+    the same GEMM (no matrix-vector kernel, whose summation order changes with the batch count) and
+    blocks never span rows: rows summed in one call or in several make the same fp32 products
+    (batches merged by the statistics pass)."""
+    m, k = V.shape[0] - 1, PRODUCT_TOKENS * width
+    per_row = V.shape[1] // rows
     blocks = per_row // k
-    U, Y = U.view(m, rows, per_row), Y.view(rows, per_row)
-    gram = torch.zeros(m, m, dtype=F64, device=U.device)
-    r = torch.zeros(m, dtype=F64, device=U.device)
+    V = V.view(m + 1, rows, per_row)
+    full = torch.zeros(m + 1, m + 1, dtype=F64, device=V.device)
     if blocks:
-        a = U[:, :, :blocks * k].reshape(m, rows * blocks, k).transpose(0, 1)  # [S, M, K]
-        gram += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
-        r += torch.bmm(a, Y[:, :blocks * k].reshape(rows * blocks, k, 1)).sum(0, dtype=F64).view(m)
+        a = V[:, :, :blocks * k].reshape(m + 1, rows * blocks, k).transpose(0, 1)  # [S, M + 1, K]
+        full += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
     if per_row > blocks * k:  # each row's tokens after its last whole block
-        rest, y_rest = U[:, :, blocks * k:], Y[:, blocks * k:]
-        if rows == 1:
-            gram += (rest[:, 0] @ rest[:, 0].t()).to(F64)
-            r += (rest[:, 0] @ y_rest[0]).to(F64)
-        else:
-            rest = rest.transpose(0, 1)  # [rows, M, R]
-            gram += torch.bmm(rest, rest.transpose(1, 2)).sum(0, dtype=F64)
-            r += torch.bmm(rest, y_rest[:, :, None]).sum(0, dtype=F64).view(m)
-    return gram, r
+        rest = V[:, :, blocks * k:].transpose(0, 1)  # [rows, M + 1, R]
+        full += torch.bmm(rest, rest.transpose(1, 2)).sum(0, dtype=F64)
+    return full[:m, :m], full[:m, m]
 
 
 def gated_reads(normed: torch.Tensor, x: torch.Tensor, candidates: list[torch.Tensor | None]) -> list[torch.Tensor]:

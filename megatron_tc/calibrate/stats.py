@@ -36,7 +36,7 @@ from torch import nn
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.parallel.comm import all_gather
 
-from .capture import LayerIO, capture_layers
+from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
@@ -252,9 +252,11 @@ def collect_readout_stats(
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
-    works out layer l+1's closed form (without waiting for the device) while the device sums. The sums are
-    those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
-    same order).
+    works out layer l+1's closed form (without waiting for the device) while the device sums.
+    Consecutive kept batches are concatenated into calls of up to `readout_group_tokens` tokens
+    (`capture.merge_layer_io`): a few calls per layer instead of one per batch (the pipeline's
+    batches are single rows). The sums are those of the batch-by-batch order up to the fp64
+    summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count.
 
     defaults: {layer: its `default_gdn_state(student_arch, layer, seed)`} made ahead (taken out
     of the dict as used); a layer not in it gets its own here."""
@@ -319,8 +321,10 @@ def collect_readout_stats(
         for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
             if position == 0:
                 build(index)
-            for kept in layer_io:
-                on_layer(index, kept[index])
+                merge = readout_group_tokens(arch, max(len(mixers[name][index][1]) for name in names))
+            if index in mine:  # the kept batches in groups of up to `merge` tokens: fewer, larger calls
+                for io in merge_layer_io([kept[index] for kept in layer_io], merge):
+                    on_layer(index, io)
             if position + 1 < len(layers):
                 build(layers[position + 1])  # under TP a collective: every rank in the same order
             teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
@@ -401,6 +405,17 @@ def collect_stats(
             tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep, defaults=defaults,
         )
     return stats
+
+
+READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most
+
+
+def readout_group_tokens(arch, candidates: int) -> int:
+    """Tokens of kept batches sweep 2 merges into one readout_sums call: its largest fp32
+    temporaries (U [H*C, tokens*hidden], the reads [C + 2, tokens, H, D]) within
+    READOUT_GROUP_BYTES (a batch larger than that is never split: it costs what it did alone)."""
+    per_token = 4 * arch.num_heads * (candidates * arch.hidden_size + (candidates + 2) * arch.head_dim)
+    return READOUT_GROUP_BYTES // per_token
 
 
 def layer_io_bytes(model: nn.Module, batches: Sequence[Batch], layers: Sequence[int]) -> int:

@@ -103,16 +103,20 @@ def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
 def test_long_products_equal_fp64_products_over_blocks_and_the_rest():
     """U U^T and U Y from fp32 products over blocks of PRODUCT_TOKENS tokens, summed in fp64: equal
     to the fp64 products within fp32 rounding, whether the tokens fill whole blocks, leave a rest,
-    or are fewer than one block (then it is the single fp32 product the pass used before)."""
+    or are fewer than one block; rows summed in one call make the products of each row alone."""
     from megatron_tc.calibrate.readout import PRODUCT_TOKENS, long_products
 
     torch.manual_seed(0)
     width = 6
     for tokens in (3 * PRODUCT_TOKENS, 3 * PRODUCT_TOKENS + 5, PRODUCT_TOKENS - 1):
         U, Y = torch.randn(7, tokens * width), torch.randn(tokens * width)
-        gram, r = long_products(U, Y, width)
+        gram, r = long_products(torch.cat([U, Y[None]]), width)
         assert gram.dtype == r.dtype == F64
         torch.testing.assert_close(gram, U.double() @ U.double().t(), rtol=1e-6, atol=1e-4)
         torch.testing.assert_close(r, U.double() @ Y.double(), rtol=1e-6, atol=1e-4)
-        if tokens < PRODUCT_TOKENS:
-            assert torch.equal(gram, (U @ U.t()).double()) and torch.equal(r, (U @ Y).double())
+        half = tokens // 2 * width  # two rows of tokens // 2: blocks and rests of each row
+        V = torch.cat([U, Y[None]])
+        both = long_products(V[:, :2 * half], width, rows=2)
+        apart = [long_products(V[:, i * half:(i + 1) * half], width) for i in (0, 1)]
+        for got, first, second in zip(both, *apart):
+            torch.testing.assert_close(got, first + second, rtol=1e-13, atol=0)
