@@ -57,7 +57,7 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
 
 
 @torch.no_grad()
-def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**26) -> torch.Tensor:
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | None = None) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
     Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
@@ -66,6 +66,8 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2
     b, t, _ = v.shape
     v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
+    if max_elements is None:  # a GPU wants few large kernels; a CPU a buffer that stays in its caches
+        max_elements = 2**26 if v.is_cuda else 2**18
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):

@@ -60,7 +60,7 @@ def test_value_grid_is_the_same_whatever_the_scales_per_kernel():
                       head_dim=8, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8)
     mixer, x = GatedDeltaNet(arch, 0), torch.randn(2, 5, 16)
     one = value_silu_grid(mixer, x, max_elements=1)  # one scale per kernel
-    many = value_silu_grid(mixer, x)  # all 81 at once
+    many = value_silu_grid(mixer, x)  # the default: all 81 at once for these few tokens
     assert one.shape == (2, len(VALUE_SCALE_GRID))
     torch.testing.assert_close(one, many, rtol=1e-12, atol=0)
     torch.testing.assert_close(many, reference_value_grid(mixer, x), rtol=1e-6, atol=0)
