@@ -78,8 +78,8 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
 
     ready = default()
 
-    def build():
-        return readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready)
+    def build():  # into the previous layer's mixer, as the pass reuses it
+        return readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready, into=student)
 
     @torch.no_grad()
     def sums():  # what collect_readout_stats runs for one layer and batch (the attention's heads kept)

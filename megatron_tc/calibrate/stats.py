@@ -198,25 +198,56 @@ def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
 
 def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
                   seed: int = 0, teacher_mixer: nn.Module | None = None,
-                  default: Mapping[str, torch.Tensor] | None = None) -> tuple[GatedDeltaNet, list]:
+                  default: Mapping[str, torch.Tensor] | None = None,
+                  into: GatedDeltaNet | None = None) -> tuple[GatedDeltaNet, list]:
     """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
     candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
     their device and the statistics and default init on the CPU; nothing here waits for the device.
     teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer). default: the
-    layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it."""
+    layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it.
+    into: a readout mixer of this closed form (another layer's) whose parameters are replaced
+    instead of building a module (its previous layer's parameters are gone)."""
     device = model_device(model)
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
     default = default_gdn_state(student_arch, index, seed) if default is None else default
     ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
     params = strategy.closed_form(ctx)
-    with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
-        mixer = GatedDeltaNet(student_arch, index, init=False)
+    candidates = strategy.gate_candidates(ctx, params)
+    moved = _to_device_all(params | {f"candidate.{i}": c for i, c in enumerate(candidates) if c is not None}, device)
+    if into is None:
+        with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
+            mixer = GatedDeltaNet(student_arch, index, init=False)
+    else:
+        mixer, mixer.layer_idx = into, index
     # the parameters become `params`' tensors in the mixer's dtype (no second copy on the device)
     dtypes = {k: v.dtype for k, v in mixer.state_dict(keep_vars=True).items()}
-    mixer.load_state_dict({k: _to_device(v, device).to(dtypes[k]) for k, v in params.items()}, assign=True)
+    mixer.load_state_dict({k: moved[k].to(dtypes[k]) for k in params}, assign=True)
     mixer.eval()
-    candidates = [None if c is None else _to_device(c, device) for c in strategy.gate_candidates(ctx, params)]
-    return mixer, candidates
+    return mixer, [None if c is None else moved[f"candidate.{i}"] for i, c in enumerate(candidates)]
+
+
+def _to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`; to a GPU the CPU ones travel packed, one pinned buffer per dtype
+    (one host-to-device copy instead of one per tensor, none waiting for the device)."""
+    if device.type != "cuda":
+        return {k: _to_device(v, device) for k, v in tensors.items()}
+    return pack_to(tensors, device, pin=True)
+
+
+def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
+    """`tensors` with every CPU one moved to `device` through one buffer per dtype (pinned:
+    `pin`, non-blocking); the values come back as views of it, shapes and dtypes unchanged."""
+    out = dict(tensors)
+    groups: dict[torch.dtype, list[str]] = {}
+    for key, value in tensors.items():
+        if value.device.type == "cpu":
+            groups.setdefault(value.dtype, []).append(key)
+    for keys in groups.values():
+        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+        moved = (flat.pin_memory() if pin else flat).to(device, non_blocking=pin)
+        for key, piece in zip(keys, moved.split([tensors[k].numel() for k in keys])):
+            out[key] = piece.view(tensors[key].shape)
+    return {k: _to_device(v, device) for k, v in out.items()}
 
 
 def build_readout_mixers(
@@ -270,13 +301,15 @@ def collect_readout_stats(
     teacher_mixers: dict[int, nn.Module] = {}
     part: dict[str, torch.Tensor] = {}
 
-    def build(index: int) -> None:
+    def build(index: int, reuse: bool = False) -> None:
+        """reuse: the previous layer's readout mixers take this layer's parameters (its sums are queued)."""
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
         ahead = defaults.pop(index, None) if defaults is not None else None
         default = default_gdn_state(student_arch, index, seed) if ahead is None else ahead  # once for every closed form
         for name, strategy in closed_forms.items():
+            shell = next(reversed(mixers[name].values()))[0] if reuse and mixers[name] else None
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
-                                                teacher_mixers[index], default)
+                                                teacher_mixers[index], default, into=shell)
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
         if index not in mine:
@@ -326,7 +359,7 @@ def collect_readout_stats(
                 for io in merge_layer_io([kept[index] for kept in layer_io], merge):
                     on_layer(index, io)
             if position + 1 < len(layers):
-                build(layers[position + 1])  # under TP a collective: every rank in the same order
+                build(layers[position + 1], reuse=True)  # under TP a collective: every rank in the same order
             teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:

@@ -123,3 +123,29 @@ def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
     assert merged[1].doc_ids is None and merged[2] is ios[5] and merged[3] is ios[6]
     assert [m.x.shape[0] for m in merge_layer_io(ios[:3], max_tokens=5)] == [1, 2, 1]  # over the cap: alone
     assert [m.x.shape[0] for m in merge_layer_io([io(1), io(1, dtype=torch.bfloat16)], 100)] == [1, 1]
+
+
+def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_one():
+    from megatron_tc.calibrate.stats import collect_attention_stats, pack_to, readout_mixer
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 1, 3), "d": torch.randn(()),
+               "e": torch.randn(4, 2).t()}  # e: not contiguous
+    moved = pack_to(tensors, torch.device("cpu"), pin=False)
+    assert moved.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert moved[key].shape == value.shape and moved[key].dtype == value.dtype and torch.equal(moved[key], value)
+    assert moved["a"].untyped_storage().data_ptr() == moved["c"].untyped_storage().data_ptr()  # one fp32 buffer
+
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    stats = collect_attention_stats(model, row_batches(ids, doc_ids, range(2)), LAYERS,
+                                    {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
+    arch = model.arch.with_pattern("GAG")
+    for name in ("taylor", "taylor_fit-closed"):
+        shell, _ = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[0])
+        reused, got = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1], into=shell)
+        fresh, want = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1])
+        assert reused is shell and reused.layer_idx == fresh.layer_idx == LAYERS[1]
+        assert reused.state_dict().keys() == fresh.state_dict().keys()
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(reused.state_dict()[key], value), (name, key)
+        assert [c is None or torch.equal(c, w) for c, w in zip(got, want)] == [True] * len(want)
