@@ -69,7 +69,7 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     stats = collect_attention_stats(teacher, [{"input_ids": ids}], [1], {"teacher_sha256": "bench"}, progress=False)
     (closed_form,) = readout_closed_forms([get_strategy(strategy)]).values()
     kept = {}
-    capture_layers(teacher, ids, None, [1], lambda index, io: kept.setdefault(index, io))
+    capture_layers(teacher, ids, None, [1], lambda index, io: kept.setdefault(index, io), inner=True)
     io, attention = kept[1], teacher.layers[1].mixer
     student, candidates = readout_mixer(closed_form, stats, teacher, arch, 1, seed)
 

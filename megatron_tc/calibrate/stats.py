@@ -136,8 +136,9 @@ def collect_attention_stats(
     sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
 
     def layer_sums(modules, tensors, spec) -> dict[str, torch.Tensor]:
-        (mixer,), (x, resid, out, position_ids, doc_ids) = modules, tensors
-        q, k, v = mixer.project_qkv(x, position_ids)
+        """tensors: x, resid, out, position_ids, doc_ids, then q, k, v as the forward made them (or Nones)."""
+        (mixer,), (x, resid, out, position_ids, doc_ids, *qkv) = modules, tensors
+        q, k, v = mixer.project_qkv(x, position_ids) if qkv[0] is None else qkv
         head_sums, _ = attention_sums(q, k, v, mixer.scale, mixer.o_proj.weight, doc_ids, mixer.sliding_window,
                                       chunk_size)
         return head_sums | layer_input_sums(x, resid, out, doc_ids, mixer.sliding_window)
@@ -146,9 +147,10 @@ def collect_attention_stats(
 
     def on_layer(index: int, io: LayerIO) -> None:
         run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids]))
+        qkv = list(io.qkv) if io.qkv is not None else [None] * 3
+        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids, *qkv]))
         if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
-            keep_io[-1][index] = dataclasses.replace(io, resid=None, heads=io.heads if tp == 1 else None)
+            keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None, heads=io.heads if tp == 1 else None)
         if after_layer is not None:
             after_layer(index)
 
@@ -157,7 +159,7 @@ def collect_attention_stats(
         seq_len = max(seq_len, batch["input_ids"].shape[1])
         if keep_io is not None:
             keep_io.append({})
-        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
+        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer, inner=True)
     graphs.close()
     flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
     full_meta = dict(meta)
@@ -365,7 +367,7 @@ def collect_readout_stats(
         for index in stats.layers:
             build(index)
         for batch in _progress(batches, num_batches, "readout sums", show):
-            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer, inner=True)
     graphs.close()
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order

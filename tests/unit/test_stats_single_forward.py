@@ -71,7 +71,8 @@ def test_readout_closed_forms_read_the_teacher_where_it_is():
 
 def test_kept_heads_equal_the_recomputed_attention():
     """Sweep 2 reads the per-head output the forward fed o_proj instead of recomputing the
-    attention: bit for bit the recomputation's, with and without packed documents, fp32 and bf16."""
+    attention, sweep 1 the forward's q/k/v: bit for bit the recomputation's, with and without
+    packed documents, fp32 and bf16."""
     from megatron_tc.calibrate.capture import capture_layers
     from megatron_tc.calibrate.stats import teacher_heads
 
@@ -80,7 +81,7 @@ def test_kept_heads_equal_the_recomputed_attention():
         model.to(dtype)
         for docs in (doc_ids, None):
             kept = {}
-            capture_layers(model, ids, docs, LAYERS, lambda index, io: kept.setdefault(index, io))
+            capture_layers(model, ids, docs, LAYERS, lambda index, io: kept.setdefault(index, io), inner=True)
             for index, io in kept.items():
                 assert io.heads is not None and io.heads.dtype == dtype
                 got = teacher_heads(io.mixer, io.x, io.position_ids, io.doc_ids, io.heads)
@@ -88,6 +89,13 @@ def test_kept_heads_equal_the_recomputed_attention():
                     want = teacher_heads(io.mixer, io.x, io.position_ids, io.doc_ids)
                 assert got.shape == want.shape == (4, 4, 24, 8)
                 assert torch.equal(got, want), (dtype, docs is None, index)
+                with torch.no_grad():  # sweep 1 reads the forward's q/k/v: those of projecting again
+                    again = io.mixer.project_qkv(io.x, io.position_ids)
+                assert all(torch.equal(a, b) for a, b in zip(io.qkv, again, strict=True))
+        assert all("project_qkv" not in vars(layer.mixer) for layer in model.layers)  # the hooks are gone
+        plain = {}
+        capture_layers(model, ids, None, LAYERS, lambda index, io: plain.setdefault(index, io))
+        assert all(io.heads is None and io.qkv is None for io in plain.values())  # not asked: not recorded
 
 
 def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch):
