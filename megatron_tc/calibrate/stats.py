@@ -418,7 +418,8 @@ def collect_stats(
     parallel.sharded_teacher). Sweep 1 sums each rank's heads and gathers them into global heads;
     sweep 2 gathers one whole attention layer at a time (never the model). A layer's input and
     output are whole on every rank of the group (the row-parallel o_proj reduces), so kept layers
-    serve sweep 2 as they do without TP."""
+    serve sweep 2 as they do without TP (but for the attention heads, a rank's own: sweep 2
+    recomputes them from the gathered layer)."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
     keep = [] if readout_strategies and layer_io_bytes(model, batches, layers) <= budget else None
     student_arch = student_arch or model.arch
