@@ -61,10 +61,18 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | N
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
     Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
-    square in place), summed in fp64."""
-    v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
+    square in place), summed in fp64. `mixer.value_groups` (default 1): consecutive value heads
+    whose v_proj rows are the same (the closed form repeated the teacher's k/v heads): the sums
+    are made once per group."""
+    groups, d = getattr(mixer, "value_groups", 1), mixer.head_dim
+    heads = mixer.kv_heads // groups
+    weight, bias = mixer.v_proj.weight, mixer.v_proj.bias
+    if groups > 1:  # the first head of each group
+        weight = weight.view(heads, groups, d, -1)[:, 0].reshape(heads * d, -1)
+        bias = None if bias is None else bias.view(heads, groups, d)[:, 0].reshape(-1)
+    v = F.linear(x.to(weight.dtype), weight, bias).float()
     b, t, _ = v.shape
-    v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
+    v = v.view(1, b * t, heads, d)
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
     if max_elements is None:  # a GPU wants few large kernels; a CPU a buffer that stays in its caches
         max_elements = 2**26 if v.is_cuda else 2**18
@@ -73,8 +81,8 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | N
     for start in range(0, len(scales), step):
         act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, Hkv, D]
         parts.append(_sum64(act, (1, 3)))
-    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [Hkv, C]
-    group = mixer.num_heads // mixer.kv_heads
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [heads, C]
+    group = mixer.num_heads // heads
     return out[:, None].expand(-1, group, -1).reshape(mixer.num_heads, -1)  # k/v heads to query heads
 
 

@@ -225,6 +225,7 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     dtypes = {k: v.dtype for k, v in mixer.state_dict(keep_vars=True).items()}
     mixer.load_state_dict({k: moved[k].to(dtypes[k]) for k in params}, assign=True)
     mixer.eval()
+    mixer.value_groups = student_arch.gdn_kv_heads // student_arch.num_kv_heads if strategy.values_repeat_kv else 1
     return mixer, [None if c is None else moved[f"candidate.{i}"] for i, c in enumerate(candidates)]
 
 

@@ -120,3 +120,20 @@ def test_long_products_equal_fp64_products_over_blocks_and_the_rest():
         apart = [long_products(V[:, i * half:(i + 1) * half], width) for i in (0, 1)]
         for got, first, second in zip(both, *apart):
             torch.testing.assert_close(got, first + second, rtol=1e-13, atol=0)
+
+
+def test_value_grid_once_per_group_of_repeated_value_heads_equals_every_head():
+    """A closed form that repeats the teacher's k/v heads (value_groups) has its value grid summed once
+    per group: the same sums as over every query head."""
+    torch.manual_seed(2)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8, attention_bias=True)
+    mixer, x = GatedDeltaNet(arch, 0), torch.randn(2, 5, 16)
+    with torch.no_grad():  # heads (0, 1) and (2, 3) share their value rows, as expand_kv makes them
+        for param in (mixer.v_proj.weight, mixer.v_proj.bias):
+            heads = param.view(2, 2, 8, -1)
+            heads[:, 1] = heads[:, 0]
+    every = value_silu_grid(mixer, x)
+    mixer.value_groups = 2
+    torch.testing.assert_close(value_silu_grid(mixer, x), every, rtol=1e-12, atol=0)
+    assert every.shape == (4, len(VALUE_SCALE_GRID))
