@@ -133,7 +133,8 @@ def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
     assert [m.x.shape[0] for m in merge_layer_io([io(1), io(1, dtype=torch.bfloat16)], 100)] == [1, 1]
 
 
-def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_one():
+def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_one(monkeypatch):
+    from megatron_tc.calibrate import stats as stats_module
     from megatron_tc.calibrate.stats import collect_attention_stats, pack_to, readout_mixer
 
     tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 1, 3), "d": torch.randn(()),
@@ -148,10 +149,13 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
     stats = collect_attention_stats(model, row_batches(ids, doc_ids, range(2)), LAYERS,
                                     {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
     arch = model.arch.with_pattern("GAG")
+    packed = lambda tensors, device: pack_to(tensors, device, pin=False)  # noqa: E731 (the GPU's packing, on the CPU)
     for name in ("taylor", "taylor_fit-closed"):
+        fresh, want = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1])
+        monkeypatch.setattr(stats_module, "_to_device_all", packed)
         shell, _ = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[0])
         reused, got = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1], into=shell)
-        fresh, want = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1])
+        monkeypatch.undo()
         assert reused is shell and reused.layer_idx == fresh.layer_idx == LAYERS[1]
         assert reused.state_dict().keys() == fresh.state_dict().keys()
         for key, value in fresh.state_dict().items():
