@@ -134,7 +134,7 @@ def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
 
 
 def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_one(monkeypatch):
-    from megatron_tc.calibrate import stats as stats_module
+    from megatron_tc.calibrate import readout_mixers
     from megatron_tc.calibrate.stats import collect_attention_stats, pack_to, readout_mixer
 
     tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 1, 3), "d": torch.randn(()),
@@ -152,7 +152,7 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
     packed = lambda tensors, device: pack_to(tensors, device, pin=False)  # noqa: E731 (the GPU's packing, on the CPU)
     for name in ("taylor", "taylor_fit-closed"):
         fresh, want = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1])
-        monkeypatch.setattr(stats_module, "_to_device_all", packed)
+        monkeypatch.setattr(readout_mixers, "_to_device_all", packed)
         shell, _ = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[0])
         reused, got = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1], into=shell)
         monkeypatch.undo()
