@@ -148,7 +148,8 @@ def readout_sums(
     # its rows are head-major (h*C + c), the sums' order is candidate-major (c*H + h)
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
     hidden = o_weight.shape[0]
-    V = torch.empty(h * n + 1, b * t * hidden, device=x.device)  # [U; Y]: U [H*C, BT*hidden], Y its last row
+    # [U; Y]: U [H*C, BT*hidden] and Y its last row, written in place (no concatenation copy)
+    V = torch.empty(h * n + 1, b * t * hidden, dtype=torch.float32, device=x.device)
     torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads, out=V[:h * n].view(h, n * b * t, hidden))
     Y = V[h * n]
     Y.copy_(out.reshape(-1))  # [BT*hidden] fp32
