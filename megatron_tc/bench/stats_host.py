@@ -2,10 +2,12 @@
 (tools/bench/stats_host.py): PyTorch operators (counted where they reach the kernels, below
 autograd) and CPU time of
 
+    default: one layer's default GDN init with the values closed forms read (`default_gdn_state`
+           + `draw_read_values`), once per layer and pass, made during sweep 1;
     build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
-           teacher's weights, the statistics and the default GDN init), once per layer and pass;
-    sums:  one batch's readout sums of that layer (teacher q/k/v and attention, the GDN
-           recurrence, the fp64 products), once per layer and batch.
+           teacher's weights, the statistics and that default init), once per layer and pass;
+    sums:  one batch's readout sums of that layer (the GDN recurrence, the fp64 products; the
+           teacher's attention heads are those its forward made), once per layer and batch.
 
 On a GPU the host issues the same operators of `build` (its math runs on the CPU either way) and
 those of `sums` with the recurrence through fla instead of the PyTorch chunks counted here.
@@ -22,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tc.calibrate.capture import capture_layers
 from megatron_tc.calibrate.readout import readout_sums
-from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer
-from megatron_tc.calibrate.strategies import get_strategy
+from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
+from megatron_tc.calibrate.strategies import default_gdn_state, get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
 
 
@@ -58,7 +60,7 @@ def cpu_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
 
 
 def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
-    """(build, sums) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
+    """(default, build, sums) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
     weights, fp32, one row of `tokens` random ids)."""
     arch = replace(arch, num_layers=2, layer_pattern="AA")
     torch.manual_seed(seed)
@@ -67,24 +69,27 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     stats = collect_attention_stats(teacher, [{"input_ids": ids}], [1], {"teacher_sha256": "bench"}, progress=False)
     (closed_form,) = readout_closed_forms([get_strategy(strategy)]).values()
     kept = {}
-    capture_layers(teacher, ids, None, [1], lambda index, io: kept.setdefault(index, io))
+    capture_layers(teacher, ids, None, [1], lambda index, io: kept.setdefault(index, io), inner=True)
     io, attention = kept[1], teacher.layers[1].mixer
     student, candidates = readout_mixer(closed_form, stats, teacher, arch, 1, seed)
 
-    def build():
-        return readout_mixer(closed_form, stats, teacher, arch, 1, seed)
+    def default():
+        return default_gdn_state(arch, 1, seed).draw_read_values()
+
+    ready = default()
+
+    def build():  # into the previous layer's mixer, as the pass reuses it
+        return readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready, into=student)
 
     @torch.no_grad()
-    def sums():  # what collect_readout_stats runs for one layer and batch
-        q, k, v = attention.project_qkv(io.x, io.position_ids)
-        positions = torch.arange(io.x.shape[1])
-        y = attention.attend(q, k, v, positions, positions, None)
+    def sums():  # what collect_readout_stats runs for one layer and batch (the attention's heads kept)
+        y = teacher_heads(attention, io.x, io.position_ids, None, io.heads)
         return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None)
 
-    return build, sums
+    return default, build, sums
 
 
 def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int) -> list[dict]:
-    build, sums = layer_work(arch, strategy, tokens)
-    return [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)}
-            for name, per, fn in (("build", "layer", build), ("sums", "layer and batch", sums))]
+    default, build, sums = layer_work(arch, strategy, tokens)
+    work = (("default", "layer", default), ("build", "layer", build), ("sums", "layer and batch", sums))
+    return [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)} for name, per, fn in work]

@@ -26,8 +26,10 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
     Most of those draws are never read: the constructor's Linear draws are overwritten, and every
     strategy replaces the q/k/v/o weights with the teacher's. So the sequence only moves the
     generator past them (`_skip_draws`), keeping its state where each Linear weight's N(0, std)
-    draw starts; that weight is drawn from there when it is first read. The other values (short
-    convolutions, gate parameters, norm) are drawn as the sequence draws them."""
+    draw starts; that weight is allocated and drawn from there when it is first read (until then
+    it is a `meta` tensor: an unread weight costs no memory, so every layer's state can be made
+    ahead of its use). The other values (short convolutions, gate parameters, norm, zero biases)
+    are drawn as the sequence draws them."""
 
     def __init__(self, arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> None:
         with torch.device("meta"):  # the structure only: no allocation, no draws
@@ -35,12 +37,13 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
         self._std, self._pending = init_std, {}
         with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
             torch.manual_seed(seed * 100003 + index)
-            mixer.to_empty(device="cpu")  # uninitialized: every value is written below or on reading
+            mixer.to_empty(device="cpu", recurse=False)  # A_log, dt_bias: written below
             for child in mixer.children():  # the constructor's draws, in its order
                 if isinstance(child, torch.nn.Linear):
                     for param in child.parameters():  # kaiming_uniform_ of the weight, uniform_ of the bias
                         _skip_uniform(param)
                 else:
+                    child.to_empty(device="cpu")
                     child.reset_parameters()
             mixer.reset_gdn_parameters()  # A_log, dt_bias (their zeros are overwritten here)
             for name, module in mixer.named_modules():
@@ -48,7 +51,7 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
                     self._pending[f"{name}.weight"] = torch.random.get_rng_state()
                     _skip_normal(module.weight)
                     if module.bias is not None:
-                        torch.nn.init.zeros_(module.bias)
+                        module.bias = torch.nn.Parameter(torch.zeros_like(module.bias, device="cpu"))
             mixer.reset_gdn_parameters()
         self._state = mixer.state_dict()  # detached; the module is ours, no copies
 
@@ -56,8 +59,18 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
         if key in self._pending:  # a Linear weight: its N(0, std) draw from where the sequence had it
             generator = torch.Generator()
             generator.set_state(self._pending.pop(key))
+            meta = self._state[key]
+            self._state[key] = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
             torch.nn.init.normal_(self._state[key], std=self._std, generator=generator)
         return self._state[key]
+
+    def draw_read_values(self, teacher_copied: bool = True) -> "DefaultGDNState":
+        """Draw now every pending Linear weight but (teacher_copied) the q/k/v/o projections every
+        strategy replaces with the teacher's: the values a closed form reads, made ahead of it."""
+        for key in list(self._pending):
+            if not (teacher_copied and key.split("_proj.")[0] in ("q", "k", "v", "o")):
+                self[key]
+        return self
 
     def __iter__(self):
         return iter(self._state)
@@ -72,7 +85,7 @@ def _skip_uniform(param: torch.Tensor) -> None:
     if param.dtype == torch.float32:
         _skip_draws(param.numel())
     else:
-        torch.empty_like(param).uniform_()
+        torch.empty(param.shape, dtype=param.dtype, device="cpu").uniform_()
 
 
 def _skip_normal(weight: torch.Tensor) -> None:
@@ -82,20 +95,24 @@ def _skip_normal(weight: torch.Tensor) -> None:
     if weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() % 16 == 0:
         _skip_draws(weight.numel())
     else:
-        torch.empty_like(weight).normal_()
+        torch.empty(weight.shape, dtype=weight.dtype, device="cpu").normal_()
 
 
-SKIP_CHUNK = 1 << 20  # 64-bit draws per call of `_skip_draws` at most (8 MB)
+SKIP_CHUNK = 1 << 18  # 64-bit draws per call of `_skip_draws` at most (2 MB: stays in cache)
+_SKIP_BUFFER: list[torch.Tensor] = []  # one reused buffer: a fresh 8 MB tensor per call cost as much in page faults
 
 
 def _skip_draws(words: int) -> None:
     """Move the default CPU generator on by `words` 32-bit draws, as fp32 uniform_ draws of
     `words` elements do, without their values: one 64-bit integer takes two draws (about half
-    the time of two fp32 uniform draws)."""
+    the time of two fp32 uniform draws), written into one buffer reused by every call."""
+    if not _SKIP_BUFFER or _SKIP_BUFFER[0].numel() != SKIP_CHUNK:
+        _SKIP_BUFFER[:] = [torch.empty(SKIP_CHUNK, dtype=torch.int64)]
+    buffer = _SKIP_BUFFER[0]
     pairs = words // 2
     while pairs:
         take = min(pairs, SKIP_CHUNK)
-        torch.empty(take, dtype=torch.int64).random_()
+        buffer[:take].random_()
         pairs -= take
     if words % 2:
         torch.empty(1).uniform_()

@@ -13,8 +13,9 @@ algorithms under capture, so sums made by GEMMs can differ from the eager ones i
 A signature is captured the second time it is seen (the first call runs eagerly: it compiles and
 autotunes the Triton kernels, which capturing cannot do, and a shape seen once costs no capture).
 Only CUDA tensors are captured, and only with $MEGATRON_TC_STATS_GRAPHS=1: the default is eager,
-because the pass measured slower with the replays on an H200 (docs/benchmarks.md, "Statistics pass
-and calibration"). A computation that cannot be captured (a host sync inside) runs eagerly from
+because the pipeline's batches carry document ids, which never replay, and the replays' sums differ
+from the eager ones in rounding (docs/benchmarks.md, "Statistics pass and calibration", times both
+on rows without documents). A computation that cannot be captured (a host sync inside) runs eagerly from
 then on, with one warning.
 """
 from __future__ import annotations

@@ -57,22 +57,32 @@ def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Te
 
 
 @torch.no_grad()
-def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int = 2**26) -> torch.Tensor:
+def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | None = None) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
     Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
-    square in place), summed in fp64."""
-    v = mixer.v_proj(x.to(mixer.v_proj.weight.dtype)).float()
+    square in place), summed in fp64. `mixer.value_groups` (default 1): consecutive value heads
+    whose v_proj rows are the same (the closed form repeated the teacher's k/v heads): the sums
+    are made once per group."""
+    groups, d = getattr(mixer, "value_groups", 1), mixer.head_dim
+    heads = mixer.kv_heads // groups
+    weight, bias = mixer.v_proj.weight, mixer.v_proj.bias
+    if groups > 1:  # the first head of each group
+        weight = weight.view(heads, groups, d, -1)[:, 0].reshape(heads * d, -1)
+        bias = None if bias is None else bias.view(heads, groups, d)[:, 0].reshape(-1)
+    v = F.linear(x.to(weight.dtype), weight, bias).float()
     b, t, _ = v.shape
-    v = v.view(1, b * t, mixer.kv_heads, mixer.head_dim)
+    v = v.view(1, b * t, heads, d)
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
+    if max_elements is None:  # a GPU wants few large kernels; a CPU a buffer that stays in its caches
+        max_elements = 2**26 if v.is_cuda else 2**18
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
         act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, Hkv, D]
         parts.append(_sum64(act, (1, 3)))
-    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [Hkv, C]
-    group = mixer.num_heads // mixer.kv_heads
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [heads, C]
+    group = mixer.num_heads // heads
     return out[:, None].expand(-1, group, -1).reshape(mixer.num_heads, -1)  # k/v heads to query heads
 
 
@@ -137,9 +147,13 @@ def readout_sums(
     # U_{c,t,h} = O_h u_{c,t,h} as one batched matmul over heads, [H, C*BT, D] @ [H, D, hidden];
     # its rows are head-major (h*C + c), the sums' order is candidate-major (c*H + h)
     o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
-    U = torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads).view(h * n, -1)  # [H*C, BT*hidden]
-    Y = out.float().reshape(-1)  # [BT*hidden]
-    gram, r = long_products(U, Y, x.shape[-1])
+    hidden = o_weight.shape[0]
+    # [U; Y]: U [H*C, BT*hidden] and Y its last row, written in place (no concatenation copy)
+    V = torch.empty(h * n + 1, b * t * hidden, dtype=torch.float32, device=x.device)
+    torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads, out=V[:h * n].view(h, n * b * t, hidden))
+    Y = V[h * n]
+    Y.copy_(out.reshape(-1))  # [BT*hidden] fp32
+    gram, r = long_products(V, hidden, rows=b)
     if n > 1:
         gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
         r = r.view(h, n).t().reshape(-1)
@@ -164,25 +178,27 @@ def readout_sums(
 PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`
 
 
-def long_products(U: torch.Tensor, Y: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U U^T [M, M], U Y [M]) in fp64 for fp32 U [M, N] and Y [N] whose N = tokens * `width`:
-    fp32 partial products over blocks of PRODUCT_TOKENS tokens (one batched GEMM per product)
-    summed in fp64. One GEMM over the whole N has an inner size of millions, which cuBLAS may run
-    as a GEMV on a few blocks (the replayed pass's profile on an H200 showed such GEMVs), and an
-    fp32 accumulation over all of N."""
-    m, k = U.shape[0], PRODUCT_TOKENS * width
-    blocks = U.shape[1] // k
-    gram = torch.zeros(m, m, dtype=F64, device=U.device)
-    r = torch.zeros(m, dtype=F64, device=U.device)
+def long_products(V: torch.Tensor, width: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U U^T [M, M], U Y [M]) in fp64 for fp32 V = [U; Y] [M + 1, N] (Y its last row) whose
+    N = rows * tokens * `width`: fp32 partial products V V^T over blocks of PRODUCT_TOKENS tokens of
+    one row (one batched GEMM) summed in fp64. One GEMM over the whole N has an inner size of
+    millions, which cuBLAS may run as a GEMV on a few blocks (the replayed pass's profile on an
+    H200 showed such GEMVs), and an fp32 accumulation over all of N. Y rides along as a row of
+    the same GEMM (no matrix-vector kernel, whose summation order changes with the batch count) and
+    blocks never span rows: rows summed in one call or in several make the same fp32 products
+    (batches merged by the statistics pass)."""
+    m, k = V.shape[0] - 1, PRODUCT_TOKENS * width
+    per_row = V.shape[1] // rows
+    blocks = per_row // k
+    V = V.view(m + 1, rows, per_row)
+    full = torch.zeros(m + 1, m + 1, dtype=F64, device=V.device)
     if blocks:
-        a = U[:, :blocks * k].reshape(m, blocks, k).transpose(0, 1)  # [S, M, K]
-        gram += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
-        r += torch.bmm(a, Y[:blocks * k].view(blocks, k, 1)).sum(0, dtype=F64).view(m)
-    if U.shape[1] > blocks * k:  # the tokens after the last whole block
-        rest, y_rest = U[:, blocks * k:], Y[blocks * k:]
-        gram += (rest @ rest.t()).to(F64)
-        r += (rest @ y_rest).to(F64)
-    return gram, r
+        a = V[:, :, :blocks * k].reshape(m + 1, rows * blocks, k).transpose(0, 1)  # [S, M + 1, K]
+        full += torch.bmm(a, a.transpose(1, 2)).sum(0, dtype=F64)
+    if per_row > blocks * k:  # each row's tokens after its last whole block
+        rest = V[:, :, blocks * k:].transpose(0, 1)  # [rows, M + 1, R]
+        full += torch.bmm(rest, rest.transpose(1, 2)).sum(0, dtype=F64)
+    return full[:m, :m], full[:m, m]
 
 
 def gated_reads(normed: torch.Tensor, x: torch.Tensor, candidates: list[torch.Tensor | None]) -> list[torch.Tensor]:

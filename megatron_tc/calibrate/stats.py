@@ -10,12 +10,15 @@ single process over the union of the data. With tensor parallelism each rank mea
 and `gather_tp_heads` concatenates them into global heads before saving.
 
 Sweep 2 needs sweep 1's reduced sums (the closed forms come from them), so it cannot run inside
-the same forward; it needs only each layer's input and output, though. `collect_stats` keeps those
+the same forward; it needs only each layer's input, output and attention heads (what the forward
+fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
-on the next layer's closed form (the default init it starts from is CPU math) overlaps the device's
-sums of this one: that work never waits for the device (no copies to the CPU, pinned copies to it).
+the same sums bit for bit. The default GDN init each closed form starts from (CPU math that does
+not depend on the statistics) is made during sweep 1, after each layer's sums are queued. Reading
+kept layers, sweep 2 goes layer by layer, so the host's work on the next layer's closed form
+overlaps the device's sums of this one: that work never waits for the device (no copies to the
+CPU, pinned copies to it).
 It all runs on the calling thread: with the closed forms on a second host thread the one-forward
 pass measured twice as slow on an H200 as the two-forward one. Each sweep's work for one layer
 and batch goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,12 +36,15 @@ from torch import nn
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.parallel.comm import all_gather
 
-from .capture import LayerIO, capture_layers
+from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
+from .readout_mixers import (  # noqa: F401 (pack_to, build_readout_mixers: the pass's API)
+    build_readout_mixers, model_device, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
+)
 from .statsfile import TaylorStats
-from .strategies import LayerContext, Strategy, default_gdn_state, get_strategy
+from .strategies import Strategy, default_gdn_state
 
 Batch = dict[str, torch.Tensor]
 
@@ -55,22 +61,6 @@ def _rank0(group) -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
-    """A whole teacher mixer's weights where they are (no copy: strategies clone what they keep).
-    Copying them to the CPU would wait for every kernel queued on the device."""
-    return {k: v.detach() for k, v in mixer.state_dict().items()}
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
-    the kernels queued there (a plain copy synchronizes the stream)."""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None) -> nn.Module:
     """Layer `index`'s teacher attention whole on this rank: the layer itself, or with a
     tensor-parallel teacher a single-device copy gathered over `tp_group` (one layer's weights)."""
@@ -79,11 +69,6 @@ def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | Non
     from megatron_tc.parallel.sharded_teacher import full_mixer
 
     return full_mixer(model, index, tp_group)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where the teacher's weights are: every sum and helper module of the pass lives there."""
-    return next(model.parameters()).device
 
 
 def _graphs_allowed(tp_group: dist.ProcessGroup | None) -> bool | None:
@@ -110,12 +95,15 @@ def collect_attention_stats(
     num_batches: int | None = None,
     progress: bool = True,
     keep_io: list[dict[int, LayerIO]] | None = None,
+    after_layer: Callable[[int], None] | None = None,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
-    rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
-    batch, {layer: LayerIO} of the selected layers (resid dropped), for `collect_readout_stats`."""
+    rank measures its own heads and the result holds global heads. after_layer(index): host work
+    run once a layer's sums of a batch are queued (on a GPU the device sums meanwhile). keep_io: a list that gets, per
+    batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
+    kept without TP), for `collect_readout_stats`."""
     arch = model.arch
     layers = sorted(layers)
     for index in layers:
@@ -130,8 +118,9 @@ def collect_attention_stats(
     sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
 
     def layer_sums(modules, tensors, spec) -> dict[str, torch.Tensor]:
-        (mixer,), (x, resid, out, position_ids, doc_ids) = modules, tensors
-        q, k, v = mixer.project_qkv(x, position_ids)
+        """tensors: x, resid, out, position_ids, doc_ids, then q, k, v as the forward made them (or Nones)."""
+        (mixer,), (x, resid, out, position_ids, doc_ids, *qkv) = modules, tensors
+        q, k, v = mixer.project_qkv(x, position_ids) if qkv[0] is None else qkv
         head_sums, _ = attention_sums(q, k, v, mixer.scale, mixer.o_proj.weight, doc_ids, mixer.sliding_window,
                                       chunk_size)
         return head_sums | layer_input_sums(x, resid, out, doc_ids, mixer.sliding_window)
@@ -140,16 +129,19 @@ def collect_attention_stats(
 
     def on_layer(index: int, io: LayerIO) -> None:
         run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids]))
-        if keep_io is not None:
-            keep_io[-1][index] = dataclasses.replace(io, resid=None)
+        qkv = list(io.qkv) if io.qkv is not None else [None] * 3
+        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids, *qkv]))
+        if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
+            keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None, heads=io.heads if tp == 1 else None)
+        if after_layer is not None:
+            after_layer(index)
 
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
         seq_len = max(seq_len, batch["input_ids"].shape[1])
         if keep_io is not None:
             keep_io.append({})
-        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer)
+        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer, inner=True)
     graphs.close()
     flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
     full_meta = dict(meta)
@@ -177,48 +169,6 @@ def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
         stats.sums[key] = torch.cat(all_gather(stats.sums[key], tp_group), dim=0)
 
 
-def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
-    """{readout name: the strategy whose closed form gives its readout mixers} for every strategy
-    needing readout sums (strategies sharing a closed form share one entry)."""
-    out: dict[str, Strategy] = {}
-    for strategy in strategies:
-        if strategy.needs_readout and strategy.readout_name not in out:
-            same = strategy.readout_name == strategy.name
-            out[strategy.readout_name] = strategy if same else get_strategy(strategy.readout_name)
-    return out
-
-
-def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
-                  seed: int = 0, teacher_mixer: nn.Module | None = None,
-                  default: Mapping[str, torch.Tensor] | None = None) -> tuple[GatedDeltaNet, list]:
-    """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
-    candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
-    their device and the statistics and default init on the CPU; nothing here waits for the device.
-    teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer). default: the
-    layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it."""
-    device = model_device(model)
-    teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
-    default = default_gdn_state(student_arch, index, seed) if default is None else default
-    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
-    params = strategy.closed_form(ctx)
-    with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
-        mixer = GatedDeltaNet(student_arch, index, init=False)
-    # the parameters become `params`' tensors in the mixer's dtype (no second copy on the device)
-    dtypes = {k: v.dtype for k, v in mixer.state_dict(keep_vars=True).items()}
-    mixer.load_state_dict({k: _to_device(v, device).to(dtypes[k]) for k, v in params.items()}, assign=True)
-    mixer.eval()
-    candidates = [None if c is None else _to_device(c, device) for c in strategy.gate_candidates(ctx, params)]
-    return mixer, candidates
-
-
-def build_readout_mixers(
-    stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
-) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
-    """For every strategy needing readout sums: per layer, `readout_mixer`."""
-    return {name: {index: readout_mixer(strategy, stats, model, student_arch, index, seed) for index in stats.layers}
-            for name, strategy in readout_closed_forms(strategies).items()}
-
-
 def collect_readout_stats(
     stats: TaylorStats,
     model: nn.Module,
@@ -232,6 +182,7 @@ def collect_readout_stats(
     num_batches: int | None = None,
     progress: bool = True,
     layer_io: Sequence[dict[int, LayerIO]] | None = None,
+    defaults: dict[int, Mapping[str, torch.Tensor]] | None = None,
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
@@ -243,9 +194,14 @@ def collect_readout_stats(
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
-    works out layer l+1's closed form (without waiting for the device) while the device sums. The sums are
-    those of the batch-by-batch order, bit for bit (each layer's sums run over the batches in the
-    same order)."""
+    works out layer l+1's closed form (without waiting for the device) while the device sums.
+    Consecutive kept batches are concatenated into calls of up to `readout_group_tokens` tokens
+    (`capture.merge_layer_io`): a few calls per layer instead of one per batch (the pipeline's
+    batches are single rows). The sums are those of the batch-by-batch order up to the fp64
+    summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count.
+
+    defaults: {layer: its `default_gdn_state(student_arch, layer, seed)`} made ahead (taken out
+    of the dict as used); a layer not in it gets its own here."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
@@ -256,12 +212,15 @@ def collect_readout_stats(
     teacher_mixers: dict[int, nn.Module] = {}
     part: dict[str, torch.Tensor] = {}
 
-    def build(index: int) -> None:
+    def build(index: int, reuse: bool = False) -> None:
+        """reuse: the previous layer's readout mixers take this layer's parameters (its sums are queued)."""
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
-        default = default_gdn_state(student_arch, index, seed)  # drawn once for every closed form
+        ahead = defaults.pop(index, None) if defaults is not None else None
+        default = default_gdn_state(student_arch, index, seed) if ahead is None else ahead  # once for every closed form
         for name, strategy in closed_forms.items():
+            shell = next(reversed(mixers[name].values()))[0] if reuse and mixers[name] else None
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
-                                                teacher_mixers[index], default)
+                                                teacher_mixers[index], default, into=shell)
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
         if index not in mine:
@@ -271,13 +230,12 @@ def collect_readout_stats(
 
     def layer_sums(modules, tensors, counts) -> dict[tuple[str, str], torch.Tensor]:
         """modules: the teacher attention, then a readout mixer per closed form; tensors: x,
-        position_ids, out, doc_ids, then each closed form's candidates (`counts` of them)."""
+        position_ids, out, doc_ids, heads (the kept per-head output [B, T, H*D] or None), then each
+        closed form's candidates (`counts` of them)."""
         mixer, students = modules[0], modules[1:]
-        x, position_ids, out, doc_ids = tensors[:4]
-        q, k, v = mixer.project_qkv(x, position_ids)
-        idx = torch.arange(x.shape[1], device=x.device)
-        y = mixer.attend(q, k, v, idx, idx, doc_ids)  # [B, H, T, D]
-        result, start = {}, 4
+        x, position_ids, out, doc_ids, heads = tensors[:5]
+        y = teacher_heads(mixer, x, position_ids, doc_ids, heads)
+        result, start = {}, 5
         for name, student, count in zip(names, students, counts):
             got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids)
             result.update({(name, key): value for key, value in got.items()})
@@ -293,7 +251,8 @@ def collect_readout_stats(
         candidates = [c for name in names for c in mixers[name][index][1]]
         counts = tuple(len(mixers[name][index][1]) for name in names)
         run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        got = run([teacher_mixers[index], *students], [io.x, io.position_ids, io.out, io.doc_ids, *candidates],
+        got = run([teacher_mixers[index], *students],
+                  [io.x, io.position_ids, io.out, io.doc_ids, io.heads if tp == 1 else None, *candidates],
                   counts)
         add_into({key: part[f"readout.{key[0]}.layers.{index}.{key[1]}"] for key in got}, got)
 
@@ -306,16 +265,18 @@ def collect_readout_stats(
         for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
             if position == 0:
                 build(index)
-            for kept in layer_io:
-                on_layer(index, kept[index])
+                merge = readout_group_tokens(arch, max(len(mixers[name][index][1]) for name in names))
+            if index in mine:  # the kept batches in groups of up to `merge` tokens: fewer, larger calls
+                for io in merge_layer_io([kept[index] for kept in layer_io], merge):
+                    on_layer(index, io)
             if position + 1 < len(layers):
-                build(layers[position + 1])  # under TP a collective: every rank in the same order
+                build(layers[position + 1], reuse=True)  # under TP a collective: every rank in the same order
             teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)
         for batch in _progress(batches, num_batches, "readout sums", show):
-            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer)
+            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer, inner=True)
     graphs.close()
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
@@ -353,26 +314,49 @@ def collect_stats(
     parallel.sharded_teacher). Sweep 1 sums each rank's heads and gathers them into global heads;
     sweep 2 gathers one whole attention layer at a time (never the model). A layer's input and
     output are whole on every rank of the group (the row-parallel o_proj reduces), so kept layers
-    serve sweep 2 as they do without TP."""
+    serve sweep 2 as they do without TP (but for the attention heads, a rank's own: sweep 2
+    recomputes them from the gathered layer)."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
     keep = [] if readout_strategies and layer_io_bytes(model, batches, layers) <= budget else None
+    student_arch = student_arch or model.arch
+    defaults: dict[int, Mapping[str, torch.Tensor]] = {}
+
+    def default_ahead(index: int) -> None:
+        """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
+        ms a layer) made on the host while the device runs sweep 1's sums of the layer."""
+        if readout_strategies and index not in defaults:
+            defaults[index] = default_gdn_state(student_arch, index, seed).draw_read_values()
+
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-        num_batches=len(batches), progress=progress, keep_io=keep,
+        num_batches=len(batches), progress=progress, keep_io=keep, after_layer=default_ahead,
     )
     if readout_strategies:
         stats = collect_readout_stats(
-            stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed,
-            dp_group=dp_group, tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep,
+            stats, model, batches, readout_strategies, student_arch, seed=seed, dp_group=dp_group,
+            tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep, defaults=defaults,
         )
     return stats
 
 
+READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most
+
+
+def readout_group_tokens(arch, candidates: int) -> int:
+    """Tokens of kept batches sweep 2 merges into one readout_sums call: its largest fp32
+    temporaries (U [H*C, tokens*hidden], the reads [C + 2, tokens, H, D]) within
+    READOUT_GROUP_BYTES (a batch larger than that is never split: it costs what it did alone)."""
+    per_token = 4 * arch.num_heads * (candidates * arch.hidden_size + (candidates + 2) * arch.head_dim)
+    return READOUT_GROUP_BYTES // per_token
+
+
 def layer_io_bytes(model: nn.Module, batches: Sequence[Batch], layers: Sequence[int]) -> int:
-    """Bytes of every selected layer's input and output over `batches` (the sweep-2 cache)."""
+    """Bytes of every selected layer's input, output and per-head attention output over `batches`
+    (the sweep-2 cache; the heads counted also under TP, where they are not kept)."""
     tokens = sum(batch["input_ids"].numel() for batch in batches)
     itemsize = next(model.parameters()).element_size()
-    return 2 * tokens * len(layers) * model.arch.hidden_size * itemsize
+    arch = model.arch
+    return tokens * len(layers) * (2 * arch.hidden_size + arch.num_heads * arch.head_dim) * itemsize
 
 
 def default_io_cache_budget(device: torch.device) -> int:

@@ -141,6 +141,9 @@ class Strategy:
     needs_readout: bool = False
     align: AlignSettings | None = None
     readout_key: str | None = None  # whose readout sums apply (ablations sharing a closed form)
+    # closed_form keeps v_proj as copy_teacher makes it (teacher k/v heads repeated to query
+    # heads): the readout's value grid is then summed once per teacher k/v head
+    values_repeat_kv: bool = True
     description: str = "copy q/k/v/o (GQA-expanded); GDN-only parameters at their default init"
 
     @property

@@ -8,10 +8,11 @@ from megatron_tc.bench.stats_host import count_ops
 from tests._scripts import load_script
 
 
-def test_quick_run_reports_build_and_sums(capsys):
+def test_quick_run_reports_default_build_and_sums(capsys):
     assert load_script("tools/bench/stats_host.py").main(["--quick"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["work"], r["per"]) for r in rows] == [("build", "layer"), ("sums", "layer and batch")]
+    assert [(r["work"], r["per"]) for r in rows] == [("default", "layer"), ("build", "layer"),
+                                                       ("sums", "layer and batch")]
     for row in rows:
         assert row["ops"] > 0 and 0 <= row["cpu_ms"]["min"] <= row["cpu_ms"]["median"] <= row["cpu_ms"]["max"]
 

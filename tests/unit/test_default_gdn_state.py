@@ -124,3 +124,15 @@ def test_a_smollm2_shaped_layer_equals_the_plain_sequence():
     want, got = reference_state(arch, 5, 1), default_gdn_state(arch, 5, 1)
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+def test_values_drawn_ahead_equal_the_plain_sequence_and_unread_weights_take_no_memory():
+    """draw_read_values draws what closed forms read; the teacher-copied projections stay unallocated."""
+    arch = ARCHS["attention_bias"]
+    want, state = reference_state(arch, 1, 3), default_gdn_state(arch, 1, 3)
+    assert all(state._state[f"{p}_proj.weight"].is_meta for p in "qkvoabg")
+    state.draw_read_values()
+    assert sorted(state._pending) == [f"{p}_proj.weight" for p in "koqv"]
+    assert not any(state._state[key].is_meta for key in want if key not in state._pending)
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key

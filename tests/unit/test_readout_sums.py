@@ -60,7 +60,7 @@ def test_value_grid_is_the_same_whatever_the_scales_per_kernel():
                       head_dim=8, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8)
     mixer, x = GatedDeltaNet(arch, 0), torch.randn(2, 5, 16)
     one = value_silu_grid(mixer, x, max_elements=1)  # one scale per kernel
-    many = value_silu_grid(mixer, x)  # all 81 at once
+    many = value_silu_grid(mixer, x)  # the default: all 81 at once for these few tokens
     assert one.shape == (2, len(VALUE_SCALE_GRID))
     torch.testing.assert_close(one, many, rtol=1e-12, atol=0)
     torch.testing.assert_close(many, reference_value_grid(mixer, x), rtol=1e-6, atol=0)
@@ -103,16 +103,37 @@ def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
 def test_long_products_equal_fp64_products_over_blocks_and_the_rest():
     """U U^T and U Y from fp32 products over blocks of PRODUCT_TOKENS tokens, summed in fp64: equal
     to the fp64 products within fp32 rounding, whether the tokens fill whole blocks, leave a rest,
-    or are fewer than one block (then it is the single fp32 product the pass used before)."""
+    or are fewer than one block; rows summed in one call make the products of each row alone."""
     from megatron_tc.calibrate.readout import PRODUCT_TOKENS, long_products
 
     torch.manual_seed(0)
     width = 6
     for tokens in (3 * PRODUCT_TOKENS, 3 * PRODUCT_TOKENS + 5, PRODUCT_TOKENS - 1):
         U, Y = torch.randn(7, tokens * width), torch.randn(tokens * width)
-        gram, r = long_products(U, Y, width)
+        gram, r = long_products(torch.cat([U, Y[None]]), width)
         assert gram.dtype == r.dtype == F64
         torch.testing.assert_close(gram, U.double() @ U.double().t(), rtol=1e-6, atol=1e-4)
         torch.testing.assert_close(r, U.double() @ Y.double(), rtol=1e-6, atol=1e-4)
-        if tokens < PRODUCT_TOKENS:
-            assert torch.equal(gram, (U @ U.t()).double()) and torch.equal(r, (U @ Y).double())
+        half = tokens // 2 * width  # two rows of tokens // 2: blocks and rests of each row
+        V = torch.cat([U, Y[None]])
+        both = long_products(V[:, :2 * half], width, rows=2)
+        apart = [long_products(V[:, i * half:(i + 1) * half], width) for i in (0, 1)]
+        for got, first, second in zip(both, *apart):
+            torch.testing.assert_close(got, first + second, rtol=1e-13, atol=0)
+
+
+def test_value_grid_once_per_group_of_repeated_value_heads_equals_every_head():
+    """A closed form that repeats the teacher's k/v heads (value_groups) has its value grid summed once
+    per group: the same sums as over every query head."""
+    torch.manual_seed(2)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8, attention_bias=True)
+    mixer, x = GatedDeltaNet(arch, 0), torch.randn(2, 5, 16)
+    with torch.no_grad():  # heads (0, 1) and (2, 3) share their value rows, as expand_kv makes them
+        for param in (mixer.v_proj.weight, mixer.v_proj.bias):
+            heads = param.view(2, 2, 8, -1)
+            heads[:, 1] = heads[:, 0]
+    every = value_silu_grid(mixer, x)
+    mixer.value_groups = 2
+    torch.testing.assert_close(value_silu_grid(mixer, x), every, rtol=1e-12, atol=0)
+    assert every.shape == (4, len(VALUE_SCALE_GRID))

@@ -4,9 +4,9 @@
     python tools/bench/stats_host.py [--preset smollm2-135m] [--readout taylor_calibrate]
         [--tokens 64] [--repeats 15] [--quick]
 
-Prints one JSON line per piece of work: `build` (one layer's readout mixer, once per layer and
-pass) and `sums` (one batch's readout sums of that layer): PyTorch operators dispatched and the
-process's CPU ms (min / median / max). Run with OMP_NUM_THREADS=1 to compare revisions.
+Prints one JSON line per piece of work: `default` (one layer's default GDN init, made in sweep 1),
+`build` (one layer's readout mixer from it, once per layer and pass) and `sums` (one batch's readout
+sums of that layer): PyTorch operators dispatched and the process's CPU ms (min / median / max). Run with OMP_NUM_THREADS=1 to compare revisions.
 """
 import argparse
 import json

@@ -1,0 +1,122 @@
+"""The readout mixers of sweep 2: each converted layer's GDN mixer with a strategy's closed-form
+parameters, built from the teacher's weights where they are (nothing here waits for the device),
+and the teacher attention's per-head output the readout sums compare it with."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from megatron_tc.model.gdn import GatedDeltaNet
+
+from .statsfile import TaylorStats
+from .strategies import LayerContext, Strategy, default_gdn_state, get_strategy
+
+
+def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
+    """A whole teacher mixer's weights where they are (no copy: strategies clone what they keep).
+    Copying them to the CPU would wait for every kernel queued on the device."""
+    return {k: v.detach() for k, v in mixer.state_dict().items()}
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
+    the kernels queued there (a plain copy synchronizes the stream)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the teacher's weights are: every sum and helper module of the pass lives there."""
+    return next(model.parameters()).device
+
+
+def readout_closed_forms(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
+    """{readout name: the strategy whose closed form gives its readout mixers} for every strategy
+    needing readout sums (strategies sharing a closed form share one entry)."""
+    out: dict[str, Strategy] = {}
+    for strategy in strategies:
+        if strategy.needs_readout and strategy.readout_name not in out:
+            same = strategy.readout_name == strategy.name
+            out[strategy.readout_name] = strategy if same else get_strategy(strategy.readout_name)
+    return out
+
+
+def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
+                  seed: int = 0, teacher_mixer: nn.Module | None = None,
+                  default: Mapping[str, torch.Tensor] | None = None,
+                  into: GatedDeltaNet | None = None) -> tuple[GatedDeltaNet, list]:
+    """Layer `index`'s GDN mixer with the strategy's closed-form parameters and its output-gate
+    candidates, in fp32 on the teacher's device. The closed form reads the teacher's weights on
+    their device and the statistics and default init on the CPU; nothing here waits for the device.
+    teacher_mixer: the layer's whole teacher attention (default: `model`'s own layer). default: the
+    layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it.
+    into: a readout mixer of this closed form (another layer's) whose parameters are replaced
+    instead of building a module (its previous layer's parameters are gone)."""
+    device = model_device(model)
+    teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
+    default = default_gdn_state(student_arch, index, seed) if default is None else default
+    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
+    params = strategy.closed_form(ctx)
+    candidates = strategy.gate_candidates(ctx, params)
+    moved = _to_device_all(params | {f"candidate.{i}": c for i, c in enumerate(candidates) if c is not None}, device)
+    if into is None:
+        with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
+            mixer = GatedDeltaNet(student_arch, index, init=False)
+    else:
+        mixer, mixer.layer_idx = into, index
+    # the parameters become `params`' tensors in the mixer's dtype (no second copy on the device)
+    dtypes = {k: v.dtype for k, v in mixer.state_dict(keep_vars=True).items()}
+    mixer.load_state_dict({k: moved[k].to(dtypes[k]) for k in params}, assign=True)
+    mixer.eval()
+    mixer.value_groups = student_arch.gdn_kv_heads // student_arch.num_kv_heads if strategy.values_repeat_kv else 1
+    return mixer, [None if c is None else moved[f"candidate.{i}"] for i, c in enumerate(candidates)]
+
+
+def _to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`; to a GPU the CPU ones travel packed, one pinned buffer per dtype
+    (one host-to-device copy instead of one per tensor, none waiting for the device)."""
+    if device.type != "cuda":
+        return {k: _to_device(v, device) for k, v in tensors.items()}
+    return pack_to(tensors, device, pin=True)
+
+
+def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
+    """`tensors` with every CPU one moved to `device` through one buffer per dtype (pinned:
+    `pin`, non-blocking); the values come back as views of it, shapes and dtypes unchanged."""
+    out = dict(tensors)
+    groups: dict[torch.dtype, list[str]] = {}
+    for key, value in tensors.items():
+        if value.device.type == "cpu":
+            groups.setdefault(value.dtype, []).append(key)
+    for keys in groups.values():
+        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+        moved = (flat.pin_memory() if pin else flat).to(device, non_blocking=pin)
+        for key, piece in zip(keys, moved.split([tensors[k].numel() for k in keys])):
+            out[key] = piece.view(tensors[key].shape)
+    return {k: _to_device(v, device) for k, v in out.items()}
+
+
+def build_readout_mixers(
+    stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
+) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
+    """For every strategy needing readout sums: per layer, `readout_mixer`."""
+    return {name: {index: readout_mixer(strategy, stats, model, student_arch, index, seed) for index in stats.layers}
+            for name, strategy in readout_closed_forms(strategies).items()}
+
+
+def teacher_heads(mixer: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                  heads: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention's per-head output y [B, H, T, D] on x [B, T, hidden]: a view of `heads` [B, T,
+    H*D] (what the forward fed o_proj, kept by sweep 1) when given, else recomputed (the same
+    q/k/v projection and attention call as the forward's: the same values)."""
+    if heads is not None:
+        b, t, _ = heads.shape
+        return heads.view(b, t, mixer.num_heads, mixer.head_dim).transpose(1, 2)
+    q, k, v = mixer.project_qkv(x, position_ids)
+    idx = torch.arange(x.shape[1], device=x.device)
+    return mixer.attend(q, k, v, idx, idx, doc_ids)
