@@ -24,6 +24,10 @@ from megatron_tc.bench.generate import bench_decode, student_model, teacher_mode
 from megatron_tc.bench.models import PRESETS  # noqa: E402
 
 
+OOM_SKIP = ("skipped: this role ran out of memory in an earlier case of this process, after which its compiled "
+            "step cannot run again; measure this case in a process of its own (--roles ROLE --batches B)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m")
@@ -60,14 +64,19 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = {"cache_implementation": "static"}
             cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
             cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
+            out_of_memory = False
             for batch, prompt in cases:
                 t0 = time.perf_counter()
-                try:
-                    row = bench_decode(model, kwargs, batch, prompt, args.new_tokens, args.repeats,
-                                       args.warmup_steps, arch.vocab_size, device, args.profile)
-                except torch.OutOfMemoryError as exc:
-                    row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
-                    torch.cuda.empty_cache()
+                if out_of_memory:  # a compiled step's CUDA-graph pool is unusable after an OOM inside it
+                    row = {"batch": batch, "prompt": prompt, "error": OOM_SKIP}
+                else:
+                    try:
+                        row = bench_decode(model, kwargs, batch, prompt, args.new_tokens, args.repeats,
+                                           args.warmup_steps, arch.vocab_size, device, args.profile)
+                    except torch.OutOfMemoryError as exc:
+                        row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
+                        out_of_memory = True
+                        torch.cuda.empty_cache()
                 row.update(model=name, role=role, wall_s=round(time.perf_counter() - t0, 1))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
