@@ -6,9 +6,11 @@ column of docs/results/step_model.json.
 
 Minimax relative error: the constants that make the largest |model / measured - 1| over the
 fitted points smallest, ties (a constant only one point determines) broken by the smallest sum
-of errors, so such a point is met exactly. Given which side of `max(device, fixed)` each point
-is on, the step is linear in (1 / efficiency, ms per 10^9 parameters, eager and compiled ms per
-layer), so each assignment of sides is a linear program; the fit is the best over all of them.
+of errors, so such a point is met exactly, and then by the lowest eager efficiency (when no eager
+point is bound by its device work, the data only bound it from below: the fit takes that bound).
+Given which side of `max(device, fixed)` each point is on, the step is linear in (1 / eager and
+1 / compiled efficiency, ms per 10^9 parameters, eager and compiled ms per layer), so each
+assignment of sides is a linear program; the fit is the best over all of them.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
     from megatron_tc.parallel.memory_plan import PlanInput
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "step_model.json"
-_UNIT = sm.Fitted(1.0, 1.0, 1.0, 1.0)
+_UNIT = sm.Fitted(1.0, 1.0, 1.0, 1.0, 1.0)
+_VARS = 6  # x, xc (1 / efficiency, eager and compiled), P, L, Lc, t; then one error per point
 
 
 def point_plan(point: dict[str, Any]) -> "PlanInput":
@@ -56,48 +59,57 @@ def coefficients(point: dict[str, Any]) -> dict[str, Any]:
             "rest": (terms["communication"] + terms["host_optimizer"]) * 1e3}
 
 
-def _program(coefs: list[dict], measured: list[float], sides: tuple[int, ...], t_max: float | None):
+def _program(coefs: list[dict], measured: list[float], sides: tuple[int, ...], stage: tuple[float, float] | None):
     """The linear program of one assignment of sides (1: device-bound) over variables
-    [x, P, L, Lc, t, e_1..e_n]: minimise t, or with t <= t_max the sum of the e_i."""
+    [x, xc, P, L, Lc, t, e_1..e_n]. stage None: minimise t; (t_max, None): minimise the sum of
+    the e_i under t <= t_max; (t_max, sum_max): maximise x (the lowest eager efficiency) under both."""
     n = len(coefs)
+    width = _VARS + n
     rows, bounds_ub = [], []
     for i, (c, ms, device) in enumerate(zip(coefs, measured, sides)):
-        layer = 3 if c["compiled"] else 2
-        lin, const = np.zeros(5 + n), c["rest"]
-        lin[1] = c["billions"]
+        inverse, layer = (1, 4) if c["compiled"] else (0, 3)
+        lin, const = np.zeros(width), c["rest"]
+        lin[2] = c["billions"]
         if device:
-            lin[0], const = c["matmul"], const + c["gdn"]
+            lin[inverse], const = c["matmul"], const + c["gdn"]
         else:
             lin[layer] = c["layers"]
         for sign in (1, -1):  # sign * (model / measured - 1) <= e_i
             row = sign * lin / ms
-            row[5 + i] = -1
+            row[_VARS + i] = -1
             rows.append(row)
             bounds_ub.append(sign * (1 - const / ms))
-        side = np.zeros(5 + n)  # the side's max: device >= fixed or fixed >= device
-        side[0], side[layer] = c["matmul"], -c["layers"]
+        side = np.zeros(width)  # the side's max: device >= fixed or fixed >= device
+        side[inverse], side[layer] = c["matmul"], -c["layers"]
         rows.append(-side if device else side)
         bounds_ub.append(c["gdn"] if device else -c["gdn"])
-        row = np.zeros(5 + n)  # e_i <= t
-        row[5 + i], row[4] = 1, -1
+        row = np.zeros(width)  # e_i <= t
+        row[_VARS + i], row[5] = 1, -1
         rows.append(row)
         bounds_ub.append(0.0)
-    objective = np.zeros(5 + n)
-    if t_max is None:
-        objective[4] = 1
+    objective = np.zeros(width)
+    t_max = None
+    if stage is None:
+        objective[5] = 1
+    elif stage[1] is None:
+        t_max, objective[_VARS:] = stage[0], 1
     else:
-        objective[5:] = 1
-    bounds = [(1, None), (0, None), (0, None), (0, None), (0, t_max)] + [(0, None)] * n
+        t_max, objective[0] = stage[0], -1
+        row = np.zeros(width)  # sum of e_i <= sum_max
+        row[_VARS:] = 1
+        rows.append(row)
+        bounds_ub.append(stage[1])
+    bounds = [(1, None), (1, None), (0, None), (0, None), (0, None), (0, t_max)] + [(0, None)] * n
     return objective, np.array(rows), np.array(bounds_ub), bounds
 
 
-def _best(coefs: list[dict], measured: list[float], t_max: float | None):
+def _best(coefs: list[dict], measured: list[float], stage: tuple[float, float] | None):
     """The best solution over every assignment of sides (scipy's linprog)."""
     from scipy.optimize import linprog
 
     best = None
     for sides in itertools.product((0, 1), repeat=len(coefs)):
-        objective, a_ub, b_ub, bounds = _program(coefs, measured, sides, t_max)
+        objective, a_ub, b_ub, bounds = _program(coefs, measured, sides, stage)
         res = linprog(objective, A_ub=a_ub, b_ub=b_ub, bounds=bounds)
         if res.status == 0 and (best is None or res.fun < best.fun):
             best = res
@@ -108,8 +120,10 @@ def fit(points: list[dict[str, Any]]) -> tuple[sm.Fitted, float]:
     """The minimax constants for `points` (each with measured_ms) and their largest relative error."""
     coefs, measured = [coefficients(p) for p in points], [p["measured_ms"] for p in points]
     largest = _best(coefs, measured, None).fun
-    x = _best(coefs, measured, largest * (1 + 1e-9) + 1e-12).x
-    return sm.Fitted(*(float(v) for v in (1 / x[0], x[1], x[2], x[3]))), float(max(x[5:]))
+    t_max = largest * (1 + 1e-9) + 1e-12
+    total = _best(coefs, measured, (t_max, None)).fun
+    x = _best(coefs, measured, (t_max, total * (1 + 1e-9) + 1e-12)).x
+    return sm.Fitted(*(float(v) for v in (1 / x[0], 1 / x[1], x[2], x[3], x[4]))), float(max(x[_VARS:]))
 
 
 def model_columns(point: dict[str, Any], fitted: sm.Fitted = sm.FITTED) -> tuple[str, str, float]:
