@@ -13,7 +13,6 @@ from megatron_tc.parallel import step_fit
 from megatron_tc.parallel import step_model as sm
 
 
-
 def point(model: str, batch: int, seq: int, zero: int, compile: str = "auto", ckpt: bool = False) -> dict:
     return {"model": model, "micro_batch": batch, "seq_len": seq, "zero_stage": zero, "dp": 1,
             "checkpointing": ckpt, "compile": compile, "role": "fit", "label": model}
