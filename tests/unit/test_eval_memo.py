@@ -3,14 +3,15 @@ table equals the one a fresh process computes from the checkpoints alone."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_tc.distill.eval_memo import EvalMemo, computes_like_eval_stage
-from tests.unit.test_pipeline_cli import launch, tiny_assets  # noqa: F401 (a fixture)
+from megatron_tc.testing import run_distributed
+from tests._scripts import distill_main, rank_logs
+from tests.unit.test_pipeline_cli import ROOT, tiny_assets  # noqa: F401 (a fixture)
 
 
 def test_rows_key_tells_apart_tokens_batch_size_and_rank_share():
@@ -52,24 +53,29 @@ def test_only_fp32_eager_whole_models_compute_like_the_eval_stage():
     assert computes_like_eval_stage(Engine(model)) and not computes_like_eval_stage(Engine(model.double()))
 
 
-def _launch(assets: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    out = launch(assets, run_dir, "run.stages=[convert,select,stats,init,stage2,eval]", *extra)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
+def _run(assets: Path, run_dir: Path, *extra: str) -> str:
+    """The pipeline on 2 gloo ranks, each a fresh process (the launcher itself: test_pipeline_cli);
+    returns both ranks' output."""
+    log = str(run_dir.parent / f"{run_dir.name}-{len(extra)}")
+    argv = [str(ROOT / "configs" / "tiny.yaml"), f"model.teacher={assets / 'teacher'}",
+            f"data.source.paths=[{assets / 'text'}]", "data.source.split_by=file", f"run.run_dir={run_dir}",
+            "logging.log_interval=2", "run.stages=[convert,select,stats,init,stage2,eval]", *extra]
+    run_distributed(distill_main, 2, argv, log, timeout=400)
+    return rank_logs(log, 2)
 
 
 @pytest.mark.slow
 def test_eval_stage_reuses_stage2_scores_and_matches_a_fresh_evaluation(tiny_assets, tmp_path):
     run_dir = tmp_path / "run"
-    first = _launch(tiny_assets, run_dir)  # ZeRO-3 over 2 ranks (tiny.yaml), eval batch 2
-    reused = [line for line in (first.stdout + first.stderr).splitlines() if "the scores stage 2 computed" in line]
+    first = _run(tiny_assets, run_dir)  # ZeRO-3 over 2 ranks (tiny.yaml), eval batch 2
+    reused = [line for line in first.splitlines() if "the scores stage 2 computed" in line]
     assert len(reused) == 2 and "taylor_calibrate zero-shot" in reused[0] and "after distillation" in reused[1]
     table = json.loads((run_dir / "eval/results.json").read_text())
     evals = [json.loads(line) for line in (run_dir / "eval_log.jsonl").read_text().splitlines()]
     assert table["rows"][2]["ppl"] == evals[0]["ppl"] and table["rows"][3]["ppl"] == evals[-1]["ppl"]
 
-    second = _launch(tiny_assets, run_dir, "--force", "eval")  # a new process: every model scored from its checkpoint
-    assert "the scores stage 2 computed" not in second.stdout + second.stderr
+    second = _run(tiny_assets, run_dir, "--force", "eval")  # new processes: every model scored from its checkpoint
+    assert "the scores stage 2 computed" not in second and "stage eval: done in" in second, second[-3000:]
     fresh = json.loads((run_dir / "eval/results.json").read_text())
     assert [r["model"] for r in fresh["rows"]] == ["teacher", "naive zero-shot", "taylor_calibrate zero-shot",
                                                     "after distillation"]
