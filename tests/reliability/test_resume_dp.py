@@ -6,29 +6,26 @@ follow the uninterrupted single-rank run up to the summation order of the data-p
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.reliability._rundir import (ROOT, STEPS, Job, checkpoints, child_env, clone, final_student, records,
-                                       train_log)
+from megatron_tc.testing import run_distributed
+from tests._scripts import distill_main, rank_logs
+from tests.reliability._rundir import STEPS, checkpoints, clone, final_student, records, train_log
 
 STOP = 6
 
 
-def two_ranks(base, *args: str) -> subprocess.CompletedProcess:
-    env = child_env()
-    env.update(NPROC="2", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "distill.sh"), str(base / "run.yaml"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc
-
-
-def one_rank(base, *args: str) -> str:
-    return Job(base, *args, name=f"one_rank{len(args)}").finished_ok().output()
+def ranks(world_size: int):
+    """tools/distill.py's CLI on `world_size` gloo ranks, each a fresh process forked from the test
+    harness's server (a requeued job on an allocation of that size, without the launcher's and the
+    interpreters' start-up: the launcher has its own tests); returns the ranks' output."""
+    def run(base, *args: str) -> str:
+        log = str(base / f"dp{world_size}-{len(args)}")
+        run_distributed(distill_main, world_size, [str(base / "run.yaml"), *args], log, timeout=400)
+        return rank_logs(log, world_size)
+    return run
 
 
 @pytest.mark.parametrize("first, second, zero", [("dp2", "dp1", 3), ("dp1", "dp2", 3), ("dp2", "dp1", 2),
@@ -37,7 +34,7 @@ def test_a_checkpoint_resumes_on_another_data_parallel_size(reference, template,
     """ZeRO-1/2/3 partitions go through the universal checkpoint; ZeRO-0 states are whole and load as
     they are. The reference run uses ZeRO-3 (the stage changes no arithmetic)."""
     base = clone(template, tmp_path, parallel={"zero_stage": zero})
-    run = {"dp1": one_rank, "dp2": lambda b, *a: (lambda p: p.stdout + p.stderr)(two_ranks(b, *a))}
+    run = {"dp1": ranks(1), "dp2": ranks(2)}
     run[first](base, "--stop-after", str(STOP))
     written = (checkpoints(base) / f"step_{STOP:08d}" / "state.json").read_text()
     assert f'"dp": {first[-1]}' in written, written
