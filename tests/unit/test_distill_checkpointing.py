@@ -1,6 +1,6 @@
 """Checkpoints of the distillation stages: atomic writes, a kill while writing, resume, pruning.
 
-The kill test runs real processes: a one-rank DeepSpeed ZeRO-3 job saves at steps 2, 4 and 6 and
+The kill test runs real processes (forked gloo ranks): a one-rank DeepSpeed ZeRO-3 job saves at steps 2, 4 and 6 and
 is SIGKILLed (fault injection) while writing step 4, after the engine files and state.json are in
 the temporary directory but before the rename. The restarted job must ignore and delete that
 directory, resume from step 2 and end with the weights of a job that was never killed.
@@ -8,26 +8,22 @@ directory, resume from step 2 and end with the weights of a job that was never k
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from megatron_tc.distill.checkpointing import CheckpointError, CheckpointManager, TrainState, atomic_write_text
-from megatron_tc.testing import free_port
+from megatron_tc.testing import run_distributed
 
-JOB = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
-    from megatron_tc.parallel.deepspeed_engine import avoid_cpu_shm_build
+def checkpoint_job(rank: int, world_size: int, root: str) -> None:
+    """One rank of a ZeRO-3 job that checkpoints at steps 2, 4 and 6 (resuming from `root` when it
+    holds one); writes its losses and final weights to <root>.result.json."""
     import deepspeed
+    import torch
 
-    root, port = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    from megatron_tc.parallel.deepspeed_engine import avoid_cpu_shm_build
+
     avoid_cpu_shm_build()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
@@ -50,37 +46,29 @@ JOB = textwrap.dedent("""
             manager.save(engine, state)
     from deepspeed.utils import safe_get_full_fp32_param
     weights = [safe_get_full_fp32_param(p).flatten().tolist() for p in engine.module.parameters()]
-    print("RESULT " + json.dumps({"losses": losses, "weights": weights}), flush=True)
-    dist.destroy_process_group()  # a gloo group left to interpreter exit can abort it ("terminate called ...")
-""")
+    Path(f"{root}.result.json").write_text(json.dumps({"losses": losses, "weights": weights}))
 
 
-def run_job(root: Path, faults: str = "") -> subprocess.CompletedProcess:
+def run_job(root: Path, monkeypatch, faults: str = "") -> dict:
+    """The job on one gloo rank of the test harness: a real process (forked from its server), so a
+    SIGKILL fault kills it like any run; returns its result."""
     root.parent.mkdir(parents=True, exist_ok=True)
-    script = root.parent / "job.py"
-    script.write_text(JOB)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_TC_FAULTS=faults, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    return subprocess.run([sys.executable, str(script), str(root), str(free_port())], env=env,
-                          capture_output=True, text=True, timeout=240)
+    monkeypatch.setenv("MEGATRON_TC_FAULTS", faults)
+    run_distributed(checkpoint_job, 1, str(root), timeout=240)
+    return json.loads(Path(f"{root}.result.json").read_text())
 
 
-def result(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
-
-
-def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
-    straight = result(run_job(tmp_path / "straight" / "ckpt"))
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, monkeypatch):
+    straight = run_job(tmp_path / "straight" / "ckpt", monkeypatch)
 
     root = tmp_path / "killed" / "ckpt"
-    killed = run_job(root, faults="kill@checkpoint:4")
-    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
+    with pytest.raises(AssertionError, match=rf"rank 0 exited with code -{int(signal.SIGKILL)} without"):
+        run_job(root, monkeypatch, faults="kill@checkpoint:4")
     assert (root / "latest").read_text().strip() == "step_00000002"
     half = root / ".tmp-step_00000004"
     assert (half / "state.json").is_file() and not (root / "step_00000004").exists()
 
-    resumed = result(run_job(root))
+    resumed = run_job(root, monkeypatch)
     assert not half.exists()  # the half-written checkpoint was cleaned up
     assert resumed["losses"] == straight["losses"][2:]  # steps 3..6, bit for bit
     assert resumed["weights"] == straight["weights"]
@@ -89,9 +77,10 @@ def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path)
     # a damaged partition is named, and refused before the engine loads anything
     optim = next((root / "step_00000006" / "engine").glob("*optim_states.pt"))
     optim.write_bytes(optim.read_bytes()[:-100])
-    damaged = run_job(root)
-    assert damaged.returncode != 0
-    assert "CheckpointError" in damaged.stderr and f"{optim} has" in damaged.stderr and "truncated" in damaged.stderr
+    with pytest.raises(AssertionError, match="rank 0 raised") as damaged:
+        run_job(root, monkeypatch)
+    report = str(damaged.value)
+    assert "CheckpointError" in report and f"{optim} has" in report and "truncated" in report
 
 
 def test_latest_pointing_at_an_incomplete_checkpoint_is_refused_with_the_file_named(tmp_path):
