@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_tc.model.gdn import GatedDeltaNet
+from megatron_tc.model.ops.gated_delta_rule import PackedRows
 from megatron_tc.parallel.comm import all_gather
 
 from .capture import LayerIO, capture_layers, merge_layer_io
@@ -198,7 +199,9 @@ def collect_readout_stats(
     Consecutive kept batches are concatenated into calls of up to `readout_group_tokens` tokens
     (`capture.merge_layer_io`): a few calls per layer instead of one per batch (the pipeline's
     batches are single rows). The sums are those of the batch-by-batch order up to the fp64
-    summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count.
+    summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count. Packed
+    documents: each group's rows are the same at every layer, so their `PackedRows` (fla's segment
+    layout, a host read) are made at the first layer and serve all of them.
 
     defaults: {layer: its `default_gdn_state(student_arch, layer, seed)`} made ahead (taken out
     of the dict as used); a layer not in it gets its own here."""
@@ -234,7 +237,8 @@ def collect_readout_stats(
         closed form's candidates (`counts` of them)."""
         mixer, students = modules[0], modules[1:]
         x, position_ids, out, doc_ids, heads = tensors[:5]
-        y = teacher_heads(mixer, x, position_ids, doc_ids, heads)
+        raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
+        y = teacher_heads(mixer, x, position_ids, raw_doc_ids, heads)
         result, start = {}, 5
         for name, student, count in zip(names, students, counts):
             got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids)
@@ -262,13 +266,16 @@ def collect_readout_stats(
         # device) after queueing layer l's sums, so the device works on those meanwhile; one thread,
         # so the host's kernel launches never contend with a second thread for the interpreter
         layers = list(stats.layers)
+        layouts: list[PackedRows | None] = []  # per group of merged rows: the same rows at every layer
         for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
             if position == 0:
                 build(index)
                 merge = readout_group_tokens(arch, max(len(mixers[name][index][1]) for name in names))
             if index in mine:  # the kept batches in groups of up to `merge` tokens: fewer, larger calls
-                for io in merge_layer_io([kept[index] for kept in layer_io], merge):
-                    on_layer(index, io)
+                for group, io in enumerate(merge_layer_io([kept[index] for kept in layer_io], merge)):
+                    if group == len(layouts):  # fla's segment layout read on the host once, not per layer
+                        layouts.append(None if io.doc_ids is None else PackedRows.of(io.doc_ids))
+                    on_layer(index, io if layouts[group] is None else dataclasses.replace(io, doc_ids=layouts[group]))
             if position + 1 < len(layers):
                 build(layers[position + 1], reuse=True)  # under TP a collective: every rank in the same order
             teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made

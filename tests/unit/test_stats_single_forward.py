@@ -3,7 +3,7 @@ attention heads sweep 1 kept (consecutive batches merged into one call), and its
 of a second teacher forward batch by batch up to the fp64 summation order."""
 import torch
 
-from megatron_tc.calibrate.stats import collect_stats, layer_io_bytes
+from megatron_tc.calibrate.stats import collect_stats, layer_io_bytes, readout_closed_forms
 from megatron_tc.calibrate.strategies import get_strategy
 from tests.parallel._workers_stats import READOUT, row_batches, tiny_teacher_and_rows
 
@@ -109,6 +109,22 @@ def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch)
                         lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
     stats_and_forwards(None)
     assert made == LAYERS and sweep_2 == [LAYERS]
+
+
+def test_sweep_2_reads_the_document_layout_once_and_every_layer_gets_it(monkeypatch):
+    """Packed rows: fla's segment layout (a host read) is made once per group of merged rows, not
+    per layer, and each layer's readout mixer runs on it."""
+    from megatron_tc.calibrate import readout
+    from megatron_tc.model.ops.gated_delta_rule import PackedRows
+
+    made, read = [], []
+    real_of, real_read = PackedRows.of, readout.student_read
+    monkeypatch.setattr(PackedRows, "of", classmethod(lambda cls, d: made.append(d.shape) or real_of(d)))
+    monkeypatch.setattr(readout, "student_read", lambda mixer, x, docs: read.append(docs) or real_read(mixer, x, docs))
+    stats_and_forwards(None)
+    assert made == [(4, 24)]  # the four one-row batches merged into one group
+    closed_forms = len(readout_closed_forms([get_strategy(name) for name in READOUT]))
+    assert len(read) == len(LAYERS) * closed_forms and all(isinstance(docs, PackedRows) and docs is read[0] for docs in read)
 
 
 def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
