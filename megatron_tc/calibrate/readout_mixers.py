@@ -101,14 +101,6 @@ def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool
     return {k: _to_device(v, device) for k, v in out.items()}
 
 
-def build_readout_mixers(
-    stats: TaylorStats, model: nn.Module, strategies: Sequence[Strategy], student_arch, seed: int = 0
-) -> dict[str, dict[int, tuple[GatedDeltaNet, list]]]:
-    """For every strategy needing readout sums: per layer, `readout_mixer`."""
-    return {name: {index: readout_mixer(strategy, stats, model, student_arch, index, seed) for index in stats.layers}
-            for name, strategy in readout_closed_forms(strategies).items()}
-
-
 def teacher_heads(mixer: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None,
                   heads: torch.Tensor | None = None) -> torch.Tensor:
     """The attention's per-head output y [B, H, T, D] on x [B, T, hidden]: a view of `heads` [B, T,

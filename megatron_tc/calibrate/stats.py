@@ -41,8 +41,8 @@ from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
-from .readout_mixers import (  # noqa: F401 (pack_to, build_readout_mixers: the pass's API)
-    build_readout_mixers, model_device, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
+from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
+    model_device, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
 )
 from .statsfile import TaylorStats
 from .strategies import Strategy, default_gdn_state
