@@ -177,3 +177,20 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
         for key, value in fresh.state_dict().items():
             assert torch.equal(reused.state_dict()[key], value), (name, key)
         assert [c is None or torch.equal(c, w) for c, w in zip(got, want)] == [True] * len(want)
+
+
+def test_finished_sums_come_to_the_cpu_exactly_and_each_in_its_own_storage():
+    from megatron_tc.calibrate.stats import _to_cpu
+    from megatron_tc.calibrate.statsfile import TaylorStats
+
+    g = torch.Generator().manual_seed(0)
+    sums = {"layers.0.count": torch.tensor(7.0, dtype=torch.float64), "layers.0.k_sq": torch.randn(2, 3, 3, generator=g,
+            dtype=torch.float64), "layers.1.y_sum": torch.randn(4, 5, generator=g, dtype=torch.float64),
+            "readout.x.idx": torch.arange(6, dtype=torch.int64).view(2, 3), "readout.x.w": torch.randn(3, generator=g)}
+    expected = {k: v.clone() for k, v in sums.items()}
+    out = _to_cpu(TaylorStats({}, dict(sums))).sums
+    assert list(out) == list(expected)
+    for key, value in expected.items():
+        assert out[key].dtype == value.dtype and out[key].shape == value.shape and out[key].device.type == "cpu"
+        assert torch.equal(out[key], value), key
+        assert out[key].untyped_storage().nbytes() == value.numel() * value.element_size(), key
