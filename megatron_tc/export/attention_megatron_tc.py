@@ -20,6 +20,10 @@ from .configuration_megatron_tc import MegatronTCConfig
 # Masked attention on CUDA avoids cuDNN's kernel: it builds a plan per key length (milliseconds of
 # host time per call while the cache grows), and that planning cannot be captured in a CUDA graph.
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Causal prompts: flash first. cuDNN (torch's first choice on Hopper) builds a plan for every new
+# sequence length, about 50 ms on an H200: more than a whole 4k-token prefill of a small model.
+CAUSAL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.MATH]
 
 
 class Batch:
@@ -197,7 +201,8 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, batch.offset, batch.slots, batch.kv_len)
         group = self.heads // self.kv_heads
         if batch.key_valid is None and self.window is None and k.shape[2] == t:  # no padding, no past
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+            with sdpa_kernel(CAUSAL_SDPA_BACKENDS, set_priority=True) if x.is_cuda else nullcontext():
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
         elif t == 1:
             length = k.shape[2]
             bias = batch.shared(("decode_bias", length, self.window), lambda: self.decode_bias(batch, length, x.device))

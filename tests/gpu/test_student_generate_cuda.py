@@ -94,3 +94,28 @@ def test_repeated_prefill_shape_replays_a_captured_graph_fp32():
         assert torch.equal(captured.sequences, eager.sequences)
         diff = (torch.stack(captured.logits) - torch.stack(eager.logits)).abs().max().item()
         assert diff <= 1e-4, f"replayed vs eager prefill logits differ by {diff}"
+
+
+def test_causal_prefill_takes_the_flash_kernel_not_cudnn():
+    """cuDNN plans every new sequence length (tens of milliseconds): a prompt's causal attention must
+    not reach it. Logits equal the math kernel's within bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    model = student(torch.bfloat16)
+    ids = torch.randint(3, 512, (1, 300), device="cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(ids).logits
+    ops = {e.key for e in prof.key_averages()}
+    assert not any("cudnn_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
+    assert any("flash_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
+    import megatron_tc.export.attention_megatron_tc as attention
+
+    saved = attention.CAUSAL_SDPA_BACKENDS
+    attention.CAUSAL_SDPA_BACKENDS = [SDPBackend.MATH]
+    try:
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            reference = model(ids).logits
+    finally:
+        attention.CAUSAL_SDPA_BACKENDS = saved
+    torch.testing.assert_close(logits.float(), reference.float(), rtol=0.05, atol=0.05)
