@@ -98,13 +98,15 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         if attention_mask is not None and tuple(attention_mask.shape) != (b, offset + t):
             raise ValueError(f"attention_mask must be [B, cached + new tokens] = {[b, offset + t]}, got "
                              f"{list(attention_mask.shape)} (a 2D mask of ones and zeros; zeros mark padding)")
-        logits = None
+        logits, padded = None, None
         if self._can_replay(cache, input_ids, position_ids, labels):
             logits = self._graph_step(input_ids, attention_mask, cache)
-        elif self._can_capture_prefill(cache, input_ids, attention_mask, position_ids, labels, logits_to_keep):
-            logits = self._prefills.run(self, cache, input_ids, logits_to_keep)
+        else:  # one look at the mask (a wait for the device) serves both paths below
+            padded = attention_mask is not None and not bool(attention_mask.all())
+            if self._can_capture_prefill(cache, input_ids, padded, position_ids, labels, logits_to_keep):
+                logits = self._prefills.run(self, cache, input_ids, logits_to_keep)
         if logits is None:
-            logits = self._eager(input_ids, attention_mask, position_ids, cache, offset, logits_to_keep)
+            logits = self._eager(input_ids, attention_mask, position_ids, cache, offset, logits_to_keep, padded)
         if cache is not None:
             cache.seen += t
         loss = None
@@ -112,9 +114,10 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_KEY: cache})
 
-    def _eager(self, input_ids, attention_mask, position_ids, cache, offset, logits_to_keep):
+    def _eager(self, input_ids, attention_mask, position_ids, cache, offset, logits_to_keep, padded=None):
         t, device = input_ids.shape[1], input_ids.device
-        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded is None:
+            padded = attention_mask is not None and not bool(attention_mask.all())
         if position_ids is None:
             if padded:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
@@ -132,7 +135,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
                 and not torch.is_grad_enabled() and not cache.is_recording_past()
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _can_capture_prefill(self, cache, input_ids, attention_mask, position_ids, labels, logits_to_keep) -> bool:
+    def _can_capture_prefill(self, cache, input_ids, padded, position_ids, labels, logits_to_keep) -> bool:
         """A prefill (empty static cache, unpadded prompts) small enough to be host-bound, keeping the
         last token's logits (generate's; all of them would make the graph hold [B, T, vocab])."""
         return (0 < input_ids.numel() <= self.prefill_graph_tokens and input_ids.shape[1] > 1
@@ -140,7 +143,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
                 and cache.seen == 0 and input_ids.is_cuda and position_ids is None and labels is None
                 and not torch.is_grad_enabled() and not cache.is_recording_past()
                 and not torch.cuda.is_current_stream_capturing()
-                and (attention_mask is None or bool(attention_mask.all())))
+                and not padded)
 
     def _graph_step(self, input_ids, attention_mask, cache) -> torch.Tensor:
         if cache.seen + 1 > cache.static_len:
