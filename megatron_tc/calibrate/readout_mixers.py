@@ -88,17 +88,24 @@ def _to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) ->
 def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
     """`tensors` with every CPU one moved to `device` through one buffer per dtype (pinned:
     `pin`, non-blocking); the values come back as views of it, shapes and dtypes unchanged."""
-    out = dict(tensors)
+    on_cpu = {k: v for k, v in tensors.items() if v.device.type == "cpu"}
+    out = dict(tensors) | move_packed(on_cpu, device, pin)
+    return {k: _to_device(v, device) for k, v in out.items()}
+
+
+def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
+    """`tensors` on `device` through one flat buffer per dtype: one copy per dtype, not one per
+    tensor (pinned and non-blocking with `pin`, for CPU tensors); views of that buffer."""
     groups: dict[torch.dtype, list[str]] = {}
     for key, value in tensors.items():
-        if value.device.type == "cpu":
-            groups.setdefault(value.dtype, []).append(key)
+        groups.setdefault(value.dtype, []).append(key)
+    out = {}
     for keys in groups.values():
         flat = torch.cat([tensors[k].reshape(-1) for k in keys])
         moved = (flat.pin_memory() if pin else flat).to(device, non_blocking=pin)
         for key, piece in zip(keys, moved.split([tensors[k].numel() for k in keys])):
             out[key] = piece.view(tensors[key].shape)
-    return {k: _to_device(v, device) for k, v in out.items()}
+    return out
 
 
 def teacher_heads(mixer: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None,

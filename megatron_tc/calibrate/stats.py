@@ -42,7 +42,7 @@ from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
 from .readout import empty_readout_sums, readout_sums
 from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
-    model_device, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
+    model_device, move_packed, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
 )
 from .statsfile import TaylorStats
 from .strategies import Strategy, default_gdn_state
@@ -81,16 +81,8 @@ def _graphs_allowed(tp_group: dist.ProcessGroup | None) -> bool | None:
 def _to_cpu(stats: TaylorStats) -> TaylorStats:
     """A finished pass hands out CPU tensors (as `TaylorStats.load` does): one copy per dtype of
     all sums flattened together, not one wait for the device per sum (800 of them for SmolLM2)."""
-    groups: dict[torch.dtype, list[str]] = {}
-    for key, value in stats.sums.items():
-        groups.setdefault(value.dtype, []).append(key)
-    sums = {}
-    for keys in groups.values():
-        values = [stats.sums[k] for k in keys]
-        flat = torch.cat([v.reshape(-1) for v in values]).cpu()
-        for key, value, part in zip(keys, values, flat.split([v.numel() for v in values])):
-            sums[key] = part.view(value.shape).clone()  # own storage each: files never share one
-    stats.sums = {k: sums[k] for k in stats.sums}
+    moved = move_packed(stats.sums, torch.device("cpu"))
+    stats.sums = {k: v.clone() for k, v in moved.items()}  # own storage each: files never share one
     return stats
 
 
