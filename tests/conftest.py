@@ -1,11 +1,12 @@
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: it reads this once
 
-from megatron_tc.testing import fork_gloo_ranks_from
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from megatron_tc.testing import fork_gloo_ranks_from  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
