@@ -47,6 +47,15 @@ def peer_failed(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
 
 
+def forget_frames(err: BaseException) -> None:
+    """Drop the tracebacks of `err` and the exceptions chained to it, so the frames' locals die."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
+
+
 def _rank() -> str:
     import os
 
@@ -65,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     from megatron_tc.distill.runner import StoppedBySignal, run_pipeline
-    from megatron_tc.parallel.state import shutdown_distributed
+    from megatron_tc.parallel.state import leave_after_error, mark_stopping, shutdown_distributed
 
     force = [s.strip() for s in args.force.split(",") if s.strip()]
     try:
@@ -75,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except user_errors() as err:  # the other ranks learn of it as a peer gone (below)
         print(f"error on rank {_rank()}: {err}", file=sys.stderr, flush=True)
+        forget_frames(err)  # they hold the run's process groups, which leaving must close
+        leave_after_error()
         return 2
     except RuntimeError as err:
         if not peer_failed(err):
             raise
         print(f"rank {_rank()}: stopped because another rank failed (its error is above)", file=sys.stderr,
               flush=True)
+        mark_stopping()
         # launchers report the first rank to exit non-zero: let the failing rank, already exiting
         # when its peers learn of it, go first so its code (2 for bad input) is the job's
         time.sleep(PEER_EXIT_GRACE_S)

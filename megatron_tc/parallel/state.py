@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,6 +72,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> N
         raise RuntimeError(
             f"cannot join the process group: environment variables {missing} are not set; start the "
             "job through launch/distill.sh (deepspeed or srun), or torchrun")
+    # Imported before the group exists: their functions' `group=...WORLD` defaults are read at
+    # import and would otherwise hold the default group for good (`leave_after_error` frees it).
+    import deepspeed.comm.torch  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401
+
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -161,6 +167,45 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # groups held in reference cycles die now, not during interpreter finalization
+
+
+STOPPING_KEY = "stopping_after_error/{rank}"
+
+
+def leave_after_error(timeout_s: float = 10.0) -> None:
+    """On a rank whose error ends the job: let the ranks waiting on it hear of it first.
+
+    Launchers (DeepSpeed's, torchrun, srun) stop every rank as soon as one exits, which can cut
+    off the ranks still waiting in a collective before they say why they stop. With gloo, leaving
+    the process groups closes this rank's connections while it lives, so those ranks fail their
+    collective at once, say so and mark it in the store (`mark_stopping`); this marks itself too
+    (several ranks may fail at once) and waits for every rank's mark, at most `timeout_s` (a rank
+    busy outside any collective is left to the launcher). NCCL groups are not touched: destroying
+    a communicator that peers still wait on can block, and there the launcher's stop is the peers'
+    only news."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+        return
+    store = dist.distributed_c10d._get_default_store()  # outlives the groups; rank 0's process serves it
+    world = dist.get_world_size()
+    mark_stopping()
+    shutdown_distributed()
+    keys = [STOPPING_KEY.format(rank=r) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if store.check(keys):
+                return
+        except RuntimeError:  # the store's host (rank 0) has exited
+            return
+        time.sleep(0.02)
+
+
+def mark_stopping() -> None:
+    """Tell the store this rank is stopping after an error, its own or a peer's (`leave_after_error`)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(STOPPING_KEY.format(rank=dist.get_rank()), "1")
+    except (RuntimeError, ValueError):  # no group, or the store's host has exited: nobody waits
+        pass
 
 
 class DeepSpeedMPU:

@@ -33,3 +33,29 @@ def shutdown_leaves_no_group(rank: int, world_size: int) -> None:
     shutdown_distributed()
     assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
     shutdown_distributed()  # a second call (nothing left) is harmless
+
+
+def leave_after_error_wakes_the_waiting_rank(rank: int, world_size: int) -> None:
+    """Rank 0 fails; rank 1, waiting in a barrier of megatron-core's groups' world, must hear of it
+    while rank 0 still lives (rank 0 waits for its mark), not when rank 0's process ends."""
+    import time
+
+    from megatron_tc.distill.cli import peer_failed
+    from megatron_tc.parallel.state import init_parallel, leave_after_error, mark_stopping
+
+    init_parallel(tp=1, pp=1)
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 is in its barrier by now
+        start = time.monotonic()
+        leave_after_error(timeout_s=20.0)
+        waited = time.monotonic() - start
+        assert not dist.is_initialized()
+        assert waited < 15.0, f"rank 1 did not hear of the failure within {waited:.1f} s"
+    else:
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            assert peer_failed(err), err
+            mark_stopping()
+        else:
+            raise AssertionError("the barrier passed, though rank 0 left the group")
