@@ -45,12 +45,32 @@ def avoid_cpu_shm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+# Notices DeepSpeed prints on every rank of every run that ask nothing of the user: its ZeRO
+# all-gather calls an API torch 2.13 deprecates, and the empty leaf-module list stage 2 passes on
+# purpose (distill/stage2_setup.py) is reported as matching no module.
+_DEPRECATED_ALL_GATHER = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+_EMPTY_LEAF_LIST = "ZeRO leaf module configuration did not match any modules"
+
+
+def quiet_deepspeed_notices() -> None:
+    """Filter the two notices above (idempotent)."""
+    from deepspeed.utils import logger
+
+    warnings.filterwarnings("ignore", message=_DEPRECATED_ALL_GATHER, category=FutureWarning)
+    if not any(getattr(f, "megatron_tc", False) for f in logger.filters):
+        def drop(record) -> bool:
+            return not str(record.msg).startswith(_EMPTY_LEAF_LIST)
+        drop.megatron_tc = True
+        logger.addFilter(drop)
+
+
 def init_deepspeed_comm() -> None:
     """Point deepspeed.comm at the already-initialized torch.distributed group (same backend)."""
     import deepspeed
     import torch.distributed as dist
 
     avoid_cpu_shm_build()
+    quiet_deepspeed_notices()
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call parallel.state.init_parallel first")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
