@@ -58,6 +58,36 @@ def _kl_grad(zs: Tensor, zt: Tensor, lse_s: Tensor, lse_t: Tensor, scale: Tensor
     return ((p_s - p_t) * scale[:, None]).to(out_dtype)
 
 
+def _scaled(z: Tensor, dtype: torch.dtype, inv_t: float) -> Tensor:
+    """z * inv_t in `dtype`; z itself when that changes nothing (no copy)."""
+    return z if z.dtype == dtype and inv_t == 1.0 else z.to(dtype) * inv_t
+
+
+def _kl_sums_lean(zs: Tensor, zt: Tensor, m_s: Tensor, m_t: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`_kl_sums` for eager runs (CPU): the same operations, bit for bit, on two [r, V] temporaries
+    updated in place. Unfused, each fresh temporary is another pass and, on a CPU, new pages."""
+    dtype = m_s.dtype
+    ys, yt = _scaled(zs, dtype, inv_t), _scaled(zt, dtype, inv_t)
+    e_t = torch.sub(yt, m_t[:, None]).exp_()
+    s_t = e_t.sum(-1)
+    cross = torch.sub(yt, ys).mul_(e_t)
+    cross = cross.masked_fill_((e_t > 0).logical_not_(), 0.0).sum(-1)  # as where(e_t > 0, ..., 0)
+    s_s = torch.sub(ys, m_s[:, None], out=e_t).exp_().sum(-1)
+    return s_s, s_t, cross
+
+
+def _kl_grad_lean(out: Tensor, zs: Tensor, zt: Tensor, lse_s: Tensor, lse_t: Tensor, scale: Tensor,
+                  inv_t: float) -> None:
+    """`_kl_grad` for eager runs (CPU), written into `out` [r, V] with one temporary (bit for bit)."""
+    dtype = lse_s.dtype
+    p_s = out if out.dtype == dtype else torch.empty(out.shape, dtype=dtype, device=out.device)
+    torch.sub(_scaled(zs, dtype, inv_t), lse_s[:, None], out=p_s).exp_()
+    p_t = torch.sub(_scaled(zt, dtype, inv_t), lse_t[:, None]).exp_()
+    p_s.sub_(p_t).mul_(scale[:, None])
+    if p_s is not out:
+        out.copy_(p_s)
+
+
 def _ce_sum(z: Tensor, m: Tensor) -> Tensor:
     return torch.exp(z.to(m.dtype) - m[:, None]).sum(-1)
 
@@ -70,12 +100,12 @@ def _ce_grad(z: Tensor, lse: Tensor, scale: Tensor, out_dtype: torch.dtype) -> T
 _COMPILED: dict[str, object] = {}
 
 
-def _kernel(name: str, fn, on_cuda: bool):
-    """torch.compile(fn) (cached) on CUDA, fn itself on CPU. MEGATRON_TC_COMPILE_LOSS=0: never
-    compile; =force: compile on CPU too (tests of the compiled path)."""
+def _kernel(name: str, fn, on_cuda: bool, eager=None):
+    """torch.compile(fn) (cached) on CUDA; on CPU, `eager` (its in-place twin) or fn itself.
+    MEGATRON_TC_COMPILE_LOSS=0: never compile; =force: compile on CPU too (tests of the compiled path)."""
     mode = os.environ.get("MEGATRON_TC_COMPILE_LOSS", "1")
     if mode == "0" or (not on_cuda and mode != "force"):
-        return fn
+        return eager if eager is not None else fn
     if name not in _COMPILED:
         _COMPILED[name] = with_eager_fallback(torch.compile(fn, dynamic=False, fullgraph=True), fn,
                                              f"the chunked loss {name}")
@@ -106,7 +136,7 @@ class _ChunkedKL(torch.autograd.Function):
         zt_all = _real_columns(teacher.reshape(-1, width), vocab_size, group)
         n, dtype = zs_all.shape[0], _fp32_or_wider(student[..., :0]).dtype
         inv_t = 1.0 / temperature
-        sums = _kernel("kl_sums", _kl_sums, student.is_cuda)
+        sums = _kernel("kl_sums", _kl_sums, student.is_cuda, _kl_sums_lean)
         lse_s, lse_t, kl = (torch.empty(n, dtype=dtype, device=student.device) for _ in range(3))
         rows = _rows_per_chunk(width, n)
         for a in range(0, n, rows):
@@ -135,12 +165,17 @@ class _ChunkedKL(torch.autograd.Function):
         grad = torch.empty((n, width), dtype=student.dtype, device=student.device)
         if real < width:
             grad[:, real:] = 0
-        kernel = _kernel("kl_grad", _kl_grad, student.is_cuda)
+        kernel = _kernel("kl_grad", _kl_grad, student.is_cuda, _kl_grad_lean)
         rows = _rows_per_chunk(width, n)
         for a in range(0, n, rows):
-            if real:
-                grad[a:a + rows, :real] = kernel(zs_all[a:a + rows], zt_all[a:a + rows], lse_s[a:a + rows],
-                                                 lse_t[a:a + rows], scale[a:a + rows], 1.0 / temperature, student.dtype)
+            if not real:
+                continue
+            args = (zs_all[a:a + rows], zt_all[a:a + rows], lse_s[a:a + rows], lse_t[a:a + rows], scale[a:a + rows],
+                    1.0 / temperature)
+            if kernel is _kl_grad_lean:
+                kernel(grad[a:a + rows, :real], *args)
+            else:
+                grad[a:a + rows, :real] = kernel(*args, student.dtype)
         return grad.view(student.shape), None, None, None, None
 
 

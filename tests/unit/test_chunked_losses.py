@@ -38,6 +38,26 @@ def test_rows_per_chunk_splits_evenly():
     assert chunked_losses._rows_per_chunk(WIDTH, 2) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_eager_in_place_kl_arithmetic_equals_the_compiled_form_bit_for_bit(dtype, temperature):
+    """CPU runs the in-place twins of the per-chunk functions torch.compile fuses on CUDA."""
+    inv_t = 1.0 / temperature
+    zs, zt = logits(dtype, 5).view(14, WIDTH), logits(dtype, 6).view(14, WIDTH)
+    zt[0, :4] = -torch.inf
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    m_s, m_t = zs.amax(-1).to(compute) * inv_t, zt.amax(-1).to(compute) * inv_t
+    sums = chunked_losses._kl_sums(zs, zt, m_s, m_t, inv_t)
+    for got, want in zip(chunked_losses._kl_sums_lean(zs, zt, m_s, m_t, inv_t), sums):
+        assert torch.equal(got, want)
+    lse_s, lse_t = m_s + sums[0].log(), m_t + sums[1].log()
+    scale = torch.linspace(0.5, 1.5, 14, dtype=compute)
+    want = chunked_losses._kl_grad(zs, zt, lse_s, lse_t, scale, inv_t, dtype)
+    got = torch.full_like(want, torch.nan)
+    chunked_losses._kl_grad_lean(got, zs, zt, lse_s, lse_t, scale, inv_t)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)], ids=["fp64", "fp32"])
 def test_kl_matches_reference(dtype, tol, temperature):
