@@ -183,12 +183,14 @@ def teacher_deepspeed_config(student_config: dict) -> dict:
 
 # ---- engines ------------------------------------------------------------------------------------
 def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext,
-                         params: Iterable[nn.Parameter] | None = None, lr_scheduler: Any = None):
+                         params: Iterable[nn.Parameter] | None = None, lr_scheduler: Any = None,
+                         streamline: bool = True):
     """`deepspeed.initialize` the student over the DP group with TP groups from `ctx`.
 
     params: the trainable parameters (default: those with requires_grad). Returns the engine;
-    its `.optimizer` and `.lr_scheduler` are DeepSpeed's. On CUDA a ZeRO-1/2 optimizer step runs
-    without its per-tensor host work (`parallel.zero_step.streamline_zero_step`).
+    its `.optimizer` and `.lr_scheduler` are DeepSpeed's. A ZeRO-1/2 optimizer step runs without
+    its per-tensor host work and gradient copies (`parallel.zero_step.streamline_zero_step`; not
+    with streamline=False, DeepSpeed's step as shipped).
     """
     import deepspeed
 
@@ -201,7 +203,7 @@ def build_student_engine(model: nn.Module, ds_config: dict, ctx: ParallelContext
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                       mpu=DeepSpeedMPU(ctx), lr_scheduler=lr_scheduler,
                                       dist_init_required=False)
-    if torch.device(engine.device).type == "cuda":
+    if streamline:
         from .zero_step import streamline_zero_step
 
         streamline_zero_step(engine)

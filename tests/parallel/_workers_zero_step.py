@@ -19,7 +19,7 @@ LR, CLIP = 2e-3, 0.05  # a small clip: every step is clipped, so the norm decide
 def _engine(student, ctx, streamlined: bool):
     cfg = dse.build_deepspeed_config(zero_stage=1, micro_batch_size=1, global_batch_size=2, dp_size=ctx.dp_size,
                                      lr=LR, grad_clip=CLIP, base=deepspeed_template_path(1))
-    engine = dse.build_student_engine(copy.deepcopy(student), cfg, ctx)
+    engine = dse.build_student_engine(copy.deepcopy(student), cfg, ctx, streamline=False)
     # the bf16 default (fp32 here): DeepSpeed scans every gradient for NaN/inf before the step
     engine.optimizer.check_grad_overflow = True
     if streamlined:
