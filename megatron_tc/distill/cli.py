@@ -65,22 +65,25 @@ def _rank() -> str:
 def main(argv: list[str] | None = None) -> int:
     import megatron_tc.calibrate.strategies  # noqa: F401  (registers every init, ablations included, before the check)
     from megatron_tc.config import ConfigError, load_config, split_cli_args
+    from megatron_tc.parallel.state import leave_after_error, mark_stopping, shutdown_distributed
 
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         path, overrides = split_cli_args(rest)
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        leave_after_error()  # every rank refuses the same config: each prints its line before any exits
         return 2
     from megatron_tc.distill.runner import StoppedBySignal, run_pipeline
-    from megatron_tc.parallel.state import leave_after_error, mark_stopping, shutdown_distributed
 
     force = [s.strip() for s in args.force.split(",") if s.strip()]
     try:
         run_pipeline(cfg, force=force, stop_after=args.stop_after)
     except ConfigError as err:  # checks that need the world size or the teacher
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        forget_frames(err)
+        leave_after_error()
         return 2
     except user_errors() as err:  # the other ranks learn of it as a peer gone (below)
         print(f"error on rank {_rank()}: {err}", file=sys.stderr, flush=True)

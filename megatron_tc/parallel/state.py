@@ -173,22 +173,30 @@ STOPPING_KEY = "stopping_after_error/{rank}"
 
 
 def leave_after_error(timeout_s: float = 10.0) -> None:
-    """On a rank whose error ends the job: let the ranks waiting on it hear of it first.
+    """On a rank whose error ends the job: let the other ranks say why they stop before it exits.
 
     Launchers (DeepSpeed's, torchrun, srun) stop every rank as soon as one exits, which can cut
-    off the ranks still waiting in a collective before they say why they stop. With gloo, leaving
-    the process groups closes this rank's connections while it lives, so those ranks fail their
-    collective at once, say so and mark it in the store (`mark_stopping`); this marks itself too
-    (several ranks may fail at once) and waits for every rank's mark, at most `timeout_s` (a rank
-    busy outside any collective is left to the launcher). NCCL groups are not touched: destroying
-    a communicator that peers still wait on can block, and there the launcher's stop is the peers'
-    only news."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+    off a rank before it prints its line. With gloo, leaving the process groups closes this rank's
+    connections while it lives, so the ranks waiting in a collective fail it at once, say so and
+    mark it in the store (`mark_stopping`); this marks itself too (several ranks may fail at once)
+    and waits for every rank's mark, at most `timeout_s` (a rank busy outside any collective is
+    left to the launcher). Before any process group exists (bad input every rank refuses alike),
+    the ranks meet in a store of their own at MASTER_ADDR:MASTER_PORT instead. NCCL groups are not
+    touched: destroying a communicator that peers still wait on can block, and there the
+    launcher's stop is the peers' only news."""
+    if not dist.is_initialized():
+        _wait_for_peers_without_groups(timeout_s)
+        return
+    if dist.get_world_size() == 1 or dist.get_backend() != "gloo":
         return
     store = dist.distributed_c10d._get_default_store()  # outlives the groups; rank 0's process serves it
     world = dist.get_world_size()
     mark_stopping()
     shutdown_distributed()
+    _wait_for_marks(store, world, timeout_s)
+
+
+def _wait_for_marks(store: Any, world: int, timeout_s: float) -> None:
     keys = [STOPPING_KEY.format(rank=r) for r in range(world)]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -198,6 +206,25 @@ def leave_after_error(timeout_s: float = 10.0) -> None:
         except RuntimeError:  # the store's host (rank 0) has exited
             return
         time.sleep(0.02)
+
+
+def _wait_for_peers_without_groups(timeout_s: float) -> None:
+    """`leave_after_error` for an error raised before the default group exists, in a launch of
+    several ranks: rank 0 serves a store at MASTER_ADDR:MASTER_PORT (the one the group would have
+    used), every rank marks itself there and waits for the others' marks. A peer that does not
+    fail the same way (it joins the group's rendezvous instead) costs at most `timeout_s`."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world == 1 or not all(k in env for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return
+    rank = int(env["RANK"])
+    try:
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=rank == 0,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store.set(STOPPING_KEY.format(rank=rank), "1")
+    except (RuntimeError, OSError, ValueError):  # port taken, or rank 0 never served it: nobody to wait for
+        return
+    _wait_for_marks(store, world, timeout_s)
 
 
 def mark_stopping() -> None:

@@ -1,5 +1,6 @@
 """A rank whose error ends the job leaves its gloo groups while it lives (parallel.state.leave_after_error),
-so the ranks waiting on it learn of it before a launcher stops them; see also
+so the ranks waiting on it learn of it before a launcher stops them; before any group exists, the
+ranks that refuse the same input wait for each other in a store of their own. See also
 tests/reliability/test_rank_errors.py for the whole launch."""
 from __future__ import annotations
 
@@ -38,3 +39,30 @@ def test_no_module_pins_the_default_group_when_init_distributed_made_it():
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_before_any_group_a_rank_leaves_only_once_every_rank_has_reported(late_rank):
+    """Each rank "reports" (its timestamp) then calls leave_after_error; the late one reports 2 s
+    after the other. Neither may return before the late rank has reported: a launcher stops every
+    rank when the first one exits, which would cut the late rank off before its line."""
+    script = textwrap.dedent(f"""
+        import os, time
+        from megatron_tc.parallel.state import leave_after_error
+        if os.environ["RANK"] == "{late_rank}":
+            time.sleep(2.0)
+        print("reported", time.monotonic(), flush=True)
+        leave_after_error(timeout_s=30.0)
+        print("left", time.monotonic(), flush=True)
+        """)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port))
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    times = [dict(line.split() for line in out.splitlines()) for out, _ in outs]
+    late_report = float(times[late_rank]["reported"])
+    for rank, t in enumerate(times):
+        assert late_report <= float(t["left"]) < late_report + 20, (rank, times)

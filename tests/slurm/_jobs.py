@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "distill.sbatch"
 # The options that fit the script's 2 x 8 GPU job onto one node of a CPU partition.
 CPU_OPTIONS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+# A job still under way: SIGNALING is a running job while slurmctld's signal to it (the time limit's
+# USR1 warning among them) is being delivered.
+LIVE = ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING")
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from tests.reliability._rundir import ROOT, assert_same_run, build_template, child_env, clone, records
-from tests.slurm._jobs import CPU_OPTIONS, job_env, job_info, scontrol, submit, wait_finished
+from tests.slurm._jobs import CPU_OPTIONS, LIVE, job_env, job_info, scontrol, submit, wait_finished
 
 STEPS = 100
 PACE = 0.4  # seconds each step of the job's first run sleeps: Slurm's limit checks run every ~30 s
@@ -42,14 +42,14 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_to_the_uninterrupted
     train_log = base / "run/stage2/train_log.jsonl"
     deadline = time.monotonic() + 120
     while not (train_log.is_file() and len(train_log.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and job_info(job)["JobState"] in ("PENDING", "RUNNING"), log.read_text()
+        assert time.monotonic() < deadline and job_info(job)["JobState"] in LIVE, log.read_text()
         time.sleep(0.2)
     # a limit 40-100 s ahead: the script's warning (USR1, 180 s before it) is due at once, and Slurm's
     # next limit check (every ~30 s) sends it before the limit itself is reached
     scontrol("update", f"JobId={job}", f"TimeLimit={math.ceil((run_seconds(job_info(job)) + 40) / 60)}")
     stop = re.compile(r"stage2: SIGUSR1 received: checkpoint at step (\d+), then stop")
     while not stop.search(log.read_text()):
-        assert time.monotonic() < deadline + 60 and job_info(job)["JobState"] in ("RUNNING", "COMPLETING"), \
+        assert time.monotonic() < deadline + 60 and job_info(job)["JobState"] in LIVE, \
             log.read_text()[-4000:]
         time.sleep(0.2)
     stopped_at = int(stop.search(log.read_text()).group(1))
