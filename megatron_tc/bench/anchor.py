@@ -106,8 +106,7 @@ class PlainLoop:
         self.model = copy.deepcopy(student).to(device).train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         cuda = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                           fused=cuda, foreach=None if cuda else True)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
         self.ddp = None
         if ctx is not None and ctx.dp_size > 1:
             self.ddp = nn.parallel.DistributedDataParallel(self.model, process_group=ctx.dp_group)

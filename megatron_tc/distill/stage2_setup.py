@@ -70,10 +70,13 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
                     "trains the same way without them")
     optimizer = ds.get("optimizer", {})
     params = optimizer.setdefault("params", {})
-    if (device.type == "cuda" and params.get("torch_adam") and optimizer.get("type", "").lower() in ("adam", "adamw")
+    if (params.get("torch_adam") and optimizer.get("type", "").lower() in ("adam", "adamw")
             and "fused" not in params and "foreach" not in params
             and ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") == "none"):
-        # PyTorch's fused AdamW: one kernel over ZeRO's flat fp32 partition instead of a dozen passes
+        # PyTorch's fused AdamW: one pass over ZeRO's flat fp32 partition instead of a dozen. On a
+        # CPU the other paths also make full-size temporaries, fresh memory every step: 0.04 s
+        # against 0.25 s (foreach) for a 67M-element partition on one core. Its values differ from
+        # theirs by fp32 rounding (a few 1e-7 after a step).
         params["fused"] = True
     if tensorboard_dir is not None:
         ds["tensorboard"] = {"enabled": True, "output_path": str(tensorboard_dir), "job_name": "deepspeed"}

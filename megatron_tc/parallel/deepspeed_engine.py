@@ -128,10 +128,6 @@ def build_deepspeed_config(
     for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps), ("weight_decay", weight_decay),
                        ("torch_adam", True)):
         _fill(params, key, value)
-    if device_type == "cpu":
-        # torch's AdamW runs tensor by tensor on CPU unless told otherwise; its foreach kernels give
-        # the same values bit for bit with fewer full-size temporaries (ZeRO hands it one flat tensor)
-        _fill(params, "foreach", True)
     _check_batch_sizes(cfg, dp_size)
     if pipeline and zero["stage"] > 1:
         raise ValueError(f"the DeepSpeed JSON asks for ZeRO stage {zero['stage']}, but DeepSpeed's pipeline engine "

@@ -70,32 +70,32 @@ def test_concrete_bucket_sizes_in_the_users_json_win(tmp_path):
         assert zero["reduce_bucket_size"] == 123456 and zero["stage3_prefetch_bucket_size"] == auto
 
 
-def test_cpu_runs_get_torch_adamw_with_foreach_kernels():
-    """On CPU torch's AdamW would go tensor by tensor; foreach gives the same values with fewer temporaries."""
-    cfg = load_config(TINY, ["data.global_batch_size=8", "data.micro_batch_size=2"])
-    cpu = stage2_deepspeed_config(cfg, context(2), torch.device("cpu"), None)["optimizer"]["params"]
-    gpu = stage2_deepspeed_config(cfg, context(2), torch.device("cuda"), None)["optimizer"]["params"]
-    assert cpu["torch_adam"] and cpu["foreach"] is True
-    assert "foreach" not in gpu  # torch's own choice on GPUs
-    param = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
-    finals = []
-    for foreach in (False, True):
-        p = torch.nn.Parameter(param.detach().clone())
-        opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            p.grad = torch.randn(1000, generator=gen)
-            opt.step()
-        finals.append(p.detach())
-    assert torch.equal(*finals)
+def test_fused_cpu_adamw_matches_an_fp64_adamw_written_out():
+    """The fused kernel the CPU step gets (below), against AdamW's update in fp64: fp32 rounding only."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=gen)
+    grads = [torch.randn(4096, generator=gen) for _ in range(5)]
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.1
+    p = torch.nn.Parameter(start.clone())
+    opt = torch.optim.AdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, fused=True)
+    ref, m, v = start.double(), torch.zeros(4096, dtype=torch.float64), torch.zeros(4096, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        p.grad = g.clone()
+        opt.step()
+        ref = ref * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g.double()
+        v = b2 * v + (1 - b2) * g.double() ** 2
+        ref = ref - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+    torch.testing.assert_close(p.detach().double(), ref, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(p.detach(), start)
 
 
 @pytest.mark.parametrize("device, user_params, offload, fused", [
-    ("cuda", {}, None, True), ("cpu", {}, None, None), ("cuda", {"foreach": True}, None, None),
+    ("cuda", {}, None, True), ("cpu", {}, None, True), ("cuda", {"foreach": True}, None, None),
     ("cuda", {"fused": False}, None, False), ("cuda", {}, "cpu", None)])
-def test_pytorch_adamw_is_fused_on_cuda_unless_the_json_decides(device, user_params, offload, fused, tmp_path):
-    """One fused AdamW kernel over ZeRO's flat partition on CUDA; the CPU step, a JSON that names
-    foreach or fused, and an optimizer offloaded to the CPU stay as they are."""
+def test_pytorch_adamw_is_fused_unless_the_json_decides(device, user_params, offload, fused, tmp_path):
+    """One fused AdamW pass over ZeRO's flat partition, on CUDA and on CPU; a JSON that names foreach
+    or fused, and an optimizer offloaded to the CPU stay as they are."""
     import json
 
     from megatron_tc.config import deepspeed_template_path
