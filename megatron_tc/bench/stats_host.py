@@ -84,7 +84,8 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     @torch.no_grad()
     def sums():  # what collect_readout_stats runs for one layer and batch (the attention's heads kept)
         y = teacher_heads(attention, io.x, io.position_ids, None, io.heads)
-        return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None)
+        return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None,
+                            closed_form.readout_products)
 
     return default, build, sums
 

@@ -188,6 +188,7 @@ def calibrate_main(argv=None) -> int:
     bos_id = _bos_id(args, teacher)
     batches = _batches(source, teacher, args, bos_id)
     stats = TaylorStats.load(args.stats, teacher_sha256=teacher.sha256) if args.stats else None
+    strategy.check_stats(stats)
     _refuse_overlap(args, source, stats)
     heldout = None
     if not args.no_align and strategy.align is not None and strategy.align.best_on == "heldout":

@@ -173,10 +173,16 @@ def greedy_addition(
 
 def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit-closed") -> Selection:
     """The attention output energy the initialized recurrence cannot explain, relative to
-    the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales."""
+    the residual stream: (|Y|^2 - r^T a) / |h|^2 with a the joint least-squares scales. `strategy`:
+    a fitted-gate strategy (its readout sums hold the sums after o_proj G, r, YY)."""
+    chosen = get_strategy(strategy)
+    if not chosen.readout_products:
+        raise ValueError(f"readout_gap reads the sums after o_proj (G, r, YY) of a fitted-gate strategy such as "
+                         f"taylor_fit-closed; the statistics pass does not make them for {strategy!r}")
+    stats.check_readout_products(chosen.readout_name, strategy, "readout_gap")
     scores = {}
     for layer in stats.layers:
-        readout = stats.readout(get_strategy(strategy).readout_name, layer)
+        readout = stats.readout(chosen.readout_name, layer)
         explained = readout["uy"].pow(2) / readout["uu"].clamp_min(1e-30)
         h = readout["uy"].shape[1]
         index = explained.argmax(dim=0) * h + torch.arange(h)

@@ -22,17 +22,24 @@ F64 = torch.float64
 VALUE_SCALE_GRID = torch.logspace(-1.0, 1.0, 81, dtype=F64)
 
 
+# the sums of the candidates' reads mapped through o_proj (the [U; Y] products): only the
+# fitted-gate strategies read them, and they are the largest device work and memory of sweep 2
+PRODUCT_KEYS = ("G", "r", "YY")
+
+
 def empty_readout_sums(
-    num_candidates: int, num_heads: int, head_dim: int, device: torch.device | str | None = None
+    num_candidates: int, num_heads: int, head_dim: int, device: torch.device | str | None = None,
+    products: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Zero fp64 readout sums of one layer on `device` (the teacher's)."""
+    """Zero fp64 readout sums of one layer on `device` (the teacher's); without `products`, no
+    PRODUCT_KEYS (as `readout_sums` returns them)."""
     c, h = num_candidates, num_heads
-    zeros = lambda *shape: torch.zeros(*shape, dtype=F64, device=device)  # noqa: E731
-    return {
-        "G": zeros(c * h, c * h), "r": zeros(c * h), "uy": zeros(c, h), "uu": zeros(c, h), "yy": zeros(h),
-        "YY": zeros(()), "beta": zeros(h), "g": zeros(h), "count": zeros(()),
-        "ry": zeros(h), "rr": zeros(h), "vgrid": zeros(h, len(VALUE_SCALE_GRID)),
+    shapes = {
+        "G": (c * h, c * h), "r": (c * h,), "uy": (c, h), "uu": (c, h), "yy": (h,), "YY": (), "beta": (h,),
+        "g": (h,), "count": (), "ry": (h,), "rr": (h,), "vgrid": (h, len(VALUE_SCALE_GRID)),
     }
+    return {k: torch.zeros(shape, dtype=F64, device=device) for k, shape in shapes.items()
+            if products or k not in PRODUCT_KEYS}
 
 
 @torch.no_grad()
@@ -124,6 +131,7 @@ def readout_sums(
     out: torch.Tensor,
     o_weight: torch.Tensor,
     doc_ids: torch.Tensor | None = None,
+    products: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Sums of one layer over one batch.
 
@@ -131,41 +139,28 @@ def readout_sums(
     o_proj are not used). candidates: g_proj weights [H*D, hidden] of the output-gate candidates,
     None for "no gate" (gate = 1). x [B, T, hidden] teacher mixer input; y [B, H, T, D] teacher
     head outputs before o_proj; out [B, T, hidden] teacher attention output after o_proj;
-    o_weight [hidden, H*D] the o_proj the candidates are mapped through.
+    o_weight [hidden, H*D] the o_proj the candidates are mapped through. products: also the
+    sums after o_proj (PRODUCT_KEYS, `o_proj_products`); without them those keys are absent and
+    every other sum is the same, bit for bit.
 
     Every candidate is handled at once (one gate matmul, one o_proj matmul) and the fp64 sums
     come from three reductions: the kernel count per layer and batch does not grow with the
     candidates.
     """
     b, t, _ = x.shape
-    h, d, n = mixer.num_heads, mixer.head_dim, len(candidates)
+    n = len(candidates)
     x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
     raw, g, beta = student_read(mixer, x, doc_ids)
     yt = y.float().transpose(1, 2)  # [B, T, H, D]
     # [C + 2, B, T, H, D]: the gated read of every candidate, the raw read, the teacher's heads
     reads = torch.cat(gated_reads(mixer.o_norm(raw), x, candidates) + [raw[None], yt[None]])
-    # U_{c,t,h} = O_h u_{c,t,h} as one batched matmul over heads, [H, C*BT, D] @ [H, D, hidden];
-    # its rows are head-major (h*C + c), the sums' order is candidate-major (c*H + h)
-    o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
-    hidden = o_weight.shape[0]
-    # [U; Y]: U [H*C, BT*hidden] and Y its last row, written in place (no concatenation copy)
-    V = torch.empty(h * n + 1, b * t * hidden, dtype=torch.float32, device=x.device)
-    torch.bmm(reads[:n].view(n * b * t, h, d).transpose(0, 1), o_heads, out=V[:h * n].view(h, n * b * t, hidden))
-    Y = V[h * n]
-    Y.copy_(out.reshape(-1))  # [BT*hidden] fp32
-    gram, r = long_products(V, hidden, rows=b)
-    if n > 1:
-        gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
-        r = r.view(h, n).t().reshape(-1)
+    sums = o_proj_products(reads[:n], out, o_weight) if products else {}
     # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
     # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
     with_y = _sum64(reads * yt, (1, 2, 4))  # [C + 2, H]: u.y per candidate, raw.y, y.y
     squares = _sum64(reads[:n + 1].square(), (1, 2, 4))  # [C + 1, H]: u.u per candidate, raw.raw
-    return {
-        "G": gram,
-        "r": r,
+    return sums | {
         "uy": with_y[:n], "uu": squares[:n], "yy": with_y[n + 1],
-        "YY": _sum64(Y.square(), None),
         "beta": _sum64(beta.float(), (0, 1)),
         "g": _sum64(g.float(), (0, 1)),
         "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
@@ -173,6 +168,27 @@ def readout_sums(
         "ry": with_y[n], "rr": squares[n],
         "vgrid": value_silu_grid(mixer, x),
     }
+
+
+def o_proj_products(gated: torch.Tensor, out: torch.Tensor, o_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"G" [C*H, C*H], "r" [C*H], "YY" []} fp64 for the gated reads u [C, B, T, H, D] fp32 (contiguous)
+    mapped through o_proj, U_{c,t,h} = O_h u_{c,t,h}: G = sum U U^T, r = sum U.Y, YY = sum |Y|^2 with
+    Y = out [B, T, hidden], o_weight [hidden, H*D]. Candidate-major order (index c*H + h)."""
+    n, b, t, h, d = gated.shape
+    # U as one batched matmul over heads, [H, C*BT, D] @ [H, D, hidden]; its rows are head-major
+    # (h*C + c), the sums' order is candidate-major (c*H + h)
+    o_heads = o_weight.float().view(o_weight.shape[0], h, d).permute(1, 2, 0)  # [H, D, hidden]
+    hidden = o_weight.shape[0]
+    # [U; Y]: U [H*C, BT*hidden] and Y its last row, written in place (no concatenation copy)
+    V = torch.empty(h * n + 1, b * t * hidden, dtype=torch.float32, device=gated.device)
+    torch.bmm(gated.view(n * b * t, h, d).transpose(0, 1), o_heads, out=V[:h * n].view(h, n * b * t, hidden))
+    Y = V[h * n]
+    Y.copy_(out.reshape(-1))  # [BT*hidden] fp32
+    gram, r = long_products(V, hidden, rows=b)
+    if n > 1:
+        gram = gram.view(h, n, h, n).permute(1, 0, 3, 2).reshape(n * h, n * h)
+        r = r.view(h, n).t().reshape(-1)
+    return {"G": gram, "r": r, "YY": _sum64(Y.square(), None)}
 
 
 PRODUCT_TOKENS = 32  # tokens per fp32 partial product of `long_products`

@@ -210,6 +210,9 @@ def collect_readout_stats(
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
+    # the sums after o_proj only where a strategy reads them (the sums of a readout name serve
+    # every strategy sharing it: its closed form's strategy decides)
+    products = {name: strategy.readout_products for name, strategy in closed_forms.items()}
     arch, device = model.arch, model_device(model)
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     mine = {index for i, index in enumerate(stats.layers) if i % tp == (dist.get_rank(tp_group) if tp > 1 else 0)}
@@ -226,7 +229,8 @@ def collect_readout_stats(
             shell = next(reversed(mixers[name].values()))[0] if reuse and mixers[name] else None
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
                                                 teacher_mixers[index], default, into=shell)
-            empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device)
+            empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device,
+                                       products[name])
             part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
         if index not in mine:
             del teacher_mixers[index]
@@ -243,7 +247,8 @@ def collect_readout_stats(
         y = teacher_heads(mixer, x, position_ids, raw_doc_ids, heads)
         result, start = {}, 5
         for name, student, count in zip(names, students, counts):
-            got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids)
+            got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids,
+                               products[name])
             result.update({(name, key): value for key, value in got.items()})
             start += count
         return result
@@ -272,7 +277,7 @@ def collect_readout_stats(
         for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
             if position == 0:
                 build(index)
-                merge = readout_group_tokens(arch, max(len(mixers[name][index][1]) for name in names))
+                merge = min(readout_group_tokens(arch, len(mixers[name][index][1]), products[name]) for name in names)
             if index in mine:  # the kept batches in groups of up to `merge` tokens: fewer, larger calls
                 for group, io in enumerate(merge_layer_io([kept[index] for kept in layer_io], merge)):
                     if group == len(layouts):  # fla's segment layout read on the host once, not per layer
@@ -295,7 +300,7 @@ def collect_readout_stats(
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
     for name, per_layer in mixers.items():
-        stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1])}
+        stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1]), "products": products[name]}
     return stats
 
 
@@ -351,11 +356,12 @@ def collect_stats(
 READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most
 
 
-def readout_group_tokens(arch, candidates: int) -> int:
+def readout_group_tokens(arch, candidates: int, products: bool = True) -> int:
     """Tokens of kept batches sweep 2 merges into one readout_sums call: its largest fp32
-    temporaries (U [H*C, tokens*hidden], the reads [C + 2, tokens, H, D]) within
+    temporaries (with `products` U [H*C, tokens*hidden]; the reads [C + 2, tokens, H, D]) within
     READOUT_GROUP_BYTES (a batch larger than that is never split: it costs what it did alone)."""
-    per_token = 4 * arch.num_heads * (candidates * arch.hidden_size + (candidates + 2) * arch.head_dim)
+    per_head = (candidates * arch.hidden_size if products else 0) + (candidates + 2) * arch.head_dim
+    per_token = 4 * arch.num_heads * per_head
     return READOUT_GROUP_BYTES // per_token
 
 

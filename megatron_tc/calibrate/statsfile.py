@@ -69,6 +69,20 @@ class TaylorStats:
             )
         return out
 
+    def check_readout_products(self, name: str, strategy: str, reader: str | None = None) -> None:
+        """Raise StatsMismatchError unless the readout sums of `name` hold the sums after o_proj
+        (G, r, YY) that `reader` (default: `strategy`, whose statistics pass would make them) reads.
+        Sweep 2 makes them only for the closed forms whose strategy reads them; a file that does not
+        say (written before that choice) has them."""
+        if self.meta.get("readout", {}).get(name, {}).get("products", True):
+            return
+        raise StatsMismatchError(
+            f"the readout sums of {name!r} in these stats lack the sums after o_proj (G, r, YY) that "
+            f"{reader or strategy} reads (they were made for a strategy that does not read them); rerun the "
+            f"statistics pass with {strategy} in `readout_strategies` (tools/stats.py --readout {strategy}; "
+            f"in the pipeline, calibrate.init={strategy})"
+        )
+
     def mean(self, index: int, key: str) -> torch.Tensor:
         """Per-head mean of an attention statistic (sum / its token count)."""
         sums = self.layer(index)

@@ -150,6 +150,17 @@ class Strategy:
     def readout_name(self) -> str:
         return self.readout_key or self.name
 
+    @property
+    def readout_products(self) -> bool:
+        """Whether `finish` reads the readout sums after o_proj (G, r, YY): sweep 2 computes them
+        only for closed forms whose strategy says so (the largest part of its work)."""
+        return False
+
+    def check_stats(self, stats: TaylorStats | None) -> None:
+        """Raise StatsMismatchError, before any work, when `stats` lack readout sums `finish` reads."""
+        if self.needs_readout and self.readout_products and stats is not None:
+            stats.check_readout_products(self.readout_name, self.name)
+
     def closed_form(self, ctx: LayerContext) -> State:
         return copy_teacher(ctx)
 
@@ -160,6 +171,7 @@ class Strategy:
         return params
 
     def init_layer(self, ctx: LayerContext) -> State:
+        self.check_stats(ctx.stats)
         params = self.closed_form(ctx)
         if self.needs_readout:
             params = self.finish(ctx, params, _stats(ctx).readout(self.readout_name, ctx.index))
@@ -329,6 +341,10 @@ class TaylorFit(Strategy):
     mean_gate: bool = True  # near-constant candidates γ·1 x̄ᵀ/|x̄|² among the output gates (with gate_fit)
     description: str = ("b_proj bias = logit(target); sink-free timescale/concentration; the paper's damped "
                         "output gate with a per-head OLS value scale; aligned, best step on held-out tokens")
+
+    @property
+    def readout_products(self) -> bool:
+        return self.gate_fit  # the joint least squares after o_proj; the damped gate's OLS reads uy, uu
 
     def target_half_life(self, ctx: LayerContext) -> torch.Tensor:
         key = "dist_nosink" if self.sink_free else "dist"

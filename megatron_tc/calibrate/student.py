@@ -125,6 +125,7 @@ def calibrate_student(
     every one of them must hold every calibration row and the same teacher outputs.
     Returns (student, report)."""
     strategy = get_strategy(init) if isinstance(init, str) else init
+    strategy.check_stats(stats)
     pattern = pattern_from_keep(teacher.arch.num_layers, keep)
     converted = converted_layers(pattern)
     report: dict = {"init": strategy.name, "pattern": pattern, "keep": sorted(keep)}

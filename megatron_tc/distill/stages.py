@@ -286,6 +286,7 @@ def run_init(ctx: RunContext) -> dict[str, Any]:
         if not ctx.paths.stats.is_file():
             run_stats(ctx)  # the stats stage was not listed: compute them the same (DP-sharded) way
         stats = TaylorStats.load(ctx.paths.stats, teacher_sha256=teacher.sha256, converted_layers=converted)
+        strategy.check_stats(stats)
     settings = _align_settings(cfg, strategy)
     # alignment sees every calibration row on every rank (ranks align different layers), so the
     # result does not depend on the data-parallel size

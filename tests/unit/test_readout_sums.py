@@ -137,3 +137,39 @@ def test_value_grid_once_per_group_of_repeated_value_heads_equals_every_head():
     mixer.value_groups = 2
     torch.testing.assert_close(value_silu_grid(mixer, x), every, rtol=1e-12, atol=0)
     assert every.shape == (4, len(VALUE_SCALE_GRID))
+
+
+def test_without_products_every_other_sum_is_the_same_bit_for_bit():
+    """products=False leaves out the sums after o_proj (no key, not zeros) and changes no other sum;
+    the empty accumulators have the same keys and shapes as the sums."""
+    from megatron_tc.calibrate.readout import PRODUCT_KEYS, empty_readout_sums
+
+    torch.manual_seed(3)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=20, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=6, intermediate_size=32, layer_pattern="G", gdn_chunk_size=8)
+    mixer = GatedDeltaNet(arch, 0).eval()
+    b, t, h, d = 2, 9, 2, 6
+    x, o_weight, y, out = torch.randn(b, t, 20), torch.randn(20, h * d), torch.randn(b, h, t, d), torch.randn(b, t, 20)
+    candidates = [None, torch.randn(h * d, 20) * 0.3, torch.randn(h * d, 20)]
+    doc_ids = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    full = readout_sums(mixer, candidates, x, y, out, o_weight, doc_ids)
+    lean = readout_sums(mixer, candidates, x, y, out, o_weight, doc_ids, products=False)
+    assert set(PRODUCT_KEYS) <= set(full) and not set(PRODUCT_KEYS) & set(lean)
+    assert set(lean) == set(full) - set(PRODUCT_KEYS)
+    for key, value in lean.items():
+        assert torch.equal(value, full[key]), key
+    for products, sums in ((True, full), (False, lean)):
+        empty = empty_readout_sums(len(candidates), h, d, products=products)
+        assert {k: v.shape for k, v in empty.items()} == {k: v.shape for k, v in sums.items()}
+
+
+def test_readout_groups_without_products_count_only_the_reads():
+    """Without the products the U buffer [H*C, tokens*hidden] is not made: more tokens merge per call, the
+    reads [C + 2, tokens, H, D] fp32 still within READOUT_GROUP_BYTES."""
+    from megatron_tc.calibrate.stats import READOUT_GROUP_BYTES, readout_group_tokens
+
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+                      head_dim=64, intermediate_size=32)
+    with_products, without = readout_group_tokens(arch, 8), readout_group_tokens(arch, 8, products=False)
+    assert with_products == READOUT_GROUP_BYTES // (4 * 9 * (8 * 576 + 10 * 64))
+    assert without == READOUT_GROUP_BYTES // (4 * 9 * 10 * 64) > with_products
