@@ -3,6 +3,8 @@ only the values that are read (docs/method.md section 4: the GDN-only parameters
 at their default)."""
 from __future__ import annotations
 
+import math
+import threading
 from typing import Mapping
 
 import torch
@@ -14,7 +16,8 @@ from megatron_tc.model.gdn import GatedDeltaNet
 def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> "DefaultGDNState":
     """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
     generator seeded by (seed, index) so it does not depend on which other layers exist. Always
-    drawn on the CPU (the same numbers whatever device the teacher is on). See DefaultGDNState."""
+    drawn on the CPU (the same numbers whatever device the teacher is on), from a generator of its
+    own (never the global one: states may be made on another thread). See DefaultGDNState."""
     return DefaultGDNState(arch, index, seed, init_std)
 
 
@@ -35,24 +38,24 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
         with torch.device("meta"):  # the structure only: no allocation, no draws
             mixer = GatedDeltaNet(arch, index, init=False)
         self._std, self._pending = init_std, {}
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
-            torch.manual_seed(seed * 100003 + index)
+        generator = torch.Generator().manual_seed(seed * 100003 + index)  # as torch.manual_seed would seed
+        with torch.device("cpu"), torch.no_grad():
             mixer.to_empty(device="cpu", recurse=False)  # A_log, dt_bias: written below
             for child in mixer.children():  # the constructor's draws, in its order
                 if isinstance(child, torch.nn.Linear):
                     for param in child.parameters():  # kaiming_uniform_ of the weight, uniform_ of the bias
-                        _skip_uniform(param)
+                        _skip_uniform(param, generator)
                 else:
                     child.to_empty(device="cpu")
-                    child.reset_parameters()
-            mixer.reset_gdn_parameters()  # A_log, dt_bias (their zeros are overwritten here)
+                    _reset_child(child, generator)
+            mixer.reset_gdn_parameters(generator)  # A_log, dt_bias (their zeros are overwritten here)
             for name, module in mixer.named_modules():
                 if isinstance(module, torch.nn.Linear):
-                    self._pending[f"{name}.weight"] = torch.random.get_rng_state()
-                    _skip_normal(module.weight)
+                    self._pending[f"{name}.weight"] = generator.get_state()
+                    _skip_normal(module.weight, generator)
                     if module.bias is not None:
                         module.bias = torch.nn.Parameter(torch.zeros_like(module.bias, device="cpu"))
-            mixer.reset_gdn_parameters()
+            mixer.reset_gdn_parameters(generator)
         self._state = mixer.state_dict()  # detached; the module is ours, no copies
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -79,40 +82,52 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
         return len(self._state)
 
 
-def _skip_uniform(param: torch.Tensor) -> None:
-    """Move the default CPU generator on as `uniform_` on `param` does: one 32-bit draw per fp32
-    element (checked in the tests); another dtype is drawn."""
+def _reset_child(child: torch.nn.Module, generator: torch.Generator) -> None:
+    """`child.reset_parameters()` drawing from `generator`: a Conv1d's init (kaiming_uniform_ with
+    a = sqrt(5), as nn.Conv1d.reset_parameters; its bias, none here, is refused), or a module
+    that draws nothing (RMSNorm)."""
+    if isinstance(child, torch.nn.Conv1d):
+        if child.bias is not None:
+            raise NotImplementedError("a GDN short convolution with a bias has no default-init replay")
+        torch.nn.init.kaiming_uniform_(child.weight, a=math.sqrt(5), generator=generator)
+    else:
+        child.reset_parameters()
+
+
+def _skip_uniform(param: torch.Tensor, generator: torch.Generator) -> None:
+    """Move `generator` (CPU) on as `uniform_` on `param` does: one 32-bit draw per fp32 element
+    (checked in the tests); another dtype is drawn."""
     if param.dtype == torch.float32:
-        _skip_draws(param.numel())
+        _skip_draws(param.numel(), generator)
     else:
-        torch.empty(param.shape, dtype=param.dtype, device="cpu").uniform_()
+        torch.empty(param.shape, dtype=param.dtype, device="cpu").uniform_(generator=generator)
 
 
-def _skip_normal(weight: torch.Tensor) -> None:
-    """Move the default CPU generator on as `normal_` on `weight` does. A contiguous fp32 tensor
-    whose size is a multiple of 16 takes one 32-bit draw per element (checked in the tests); any
-    other is drawn."""
+def _skip_normal(weight: torch.Tensor, generator: torch.Generator) -> None:
+    """Move `generator` (CPU) on as `normal_` on `weight` does. A contiguous fp32 tensor whose size
+    is a multiple of 16 takes one 32-bit draw per element (checked in the tests); any other is drawn."""
     if weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() % 16 == 0:
-        _skip_draws(weight.numel())
+        _skip_draws(weight.numel(), generator)
     else:
-        torch.empty(weight.shape, dtype=weight.dtype, device="cpu").normal_()
+        torch.empty(weight.shape, dtype=weight.dtype, device="cpu").normal_(generator=generator)
 
 
 SKIP_CHUNK = 1 << 18  # 64-bit draws per call of `_skip_draws` at most (2 MB: stays in cache)
-_SKIP_BUFFER: list[torch.Tensor] = []  # one reused buffer: a fresh 8 MB tensor per call cost as much in page faults
+# one reused buffer per thread: a fresh 8 MB tensor per call cost as much in page faults
+_SKIP_BUFFER = threading.local()
 
 
-def _skip_draws(words: int) -> None:
-    """Move the default CPU generator on by `words` 32-bit draws, as fp32 uniform_ draws of
-    `words` elements do, without their values: one 64-bit integer takes two draws (about half
-    the time of two fp32 uniform draws), written into one buffer reused by every call."""
-    if not _SKIP_BUFFER or _SKIP_BUFFER[0].numel() != SKIP_CHUNK:
-        _SKIP_BUFFER[:] = [torch.empty(SKIP_CHUNK, dtype=torch.int64)]
-    buffer = _SKIP_BUFFER[0]
+def _skip_draws(words: int, generator: torch.Generator) -> None:
+    """Move `generator` (CPU) on by `words` 32-bit draws, as fp32 uniform_ draws of `words`
+    elements do, without their values: one 64-bit integer takes two draws (about half the time
+    of two fp32 uniform draws), written into one buffer reused by every call of the thread."""
+    buffer = getattr(_SKIP_BUFFER, "buffer", None)
+    if buffer is None or buffer.numel() != SKIP_CHUNK:
+        buffer = _SKIP_BUFFER.buffer = torch.empty(SKIP_CHUNK, dtype=torch.int64)
     pairs = words // 2
     while pairs:
         take = min(pairs, SKIP_CHUNK)
-        buffer[:take].random_()
+        buffer[:take].random_(generator=generator)
         pairs -= take
     if words % 2:
-        torch.empty(1).uniform_()
+        torch.empty(1).uniform_(generator=generator)

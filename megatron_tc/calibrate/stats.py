@@ -14,19 +14,21 @@ the same forward; it needs only each layer's input, output and attention heads (
 fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. The default GDN init each closed form starts from (CPU math that does
-not depend on the statistics) is made during sweep 1, after each layer's sums are queued. Reading
-kept layers, sweep 2 goes layer by layer, so the host's work on the next layer's closed form
-overlaps the device's sums of this one: that work never waits for the device (no copies to the
-CPU, pinned copies to it).
-It all runs on the calling thread: with the closed forms on a second host thread the one-forward
-pass measured twice as slow on an H200 as the two-forward one. Each sweep's work for one layer
-and batch goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
+the same sums bit for bit. The default GDN init each closed form starts from (CPU draws that do
+not depend on the statistics) is made during sweep 1: on a GPU on a worker thread (drawing releases
+the interpreter lock), on a CPU after each layer's sums. Reading kept layers, sweep 2 goes layer by
+layer, so the host's work on the next layer's closed form overlaps the device's sums of this one:
+that work never waits for the device (no copies to the CPU, pinned copies to it).
+The closed forms run on the calling thread: on a second host thread (many small operators, each
+taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
+two-forward one. Each sweep's work for one layer and batch goes through `graphs.LayerGraphs`
+(eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -341,16 +343,32 @@ def collect_stats(
         if readout_strategies and index not in defaults:
             defaults[index] = default_gdn_state(student_arch, index, seed).draw_read_values()
 
-    stats = collect_attention_stats(
-        model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-        num_batches=len(batches), progress=progress, keep_io=keep, after_layer=default_ahead,
-    )
+    worker = ThreadPoolExecutor(1, thread_name_prefix="default-init") \
+        if readout_strategies and defaults_on_worker(model_device(model)) else None
+    drawn = worker.submit(lambda: [default_ahead(index) for index in sorted(layers)]) if worker else None
+    try:
+        stats = collect_attention_stats(
+            model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
+            num_batches=len(batches), progress=progress, keep_io=keep, after_layer=None if worker else default_ahead,
+        )
+        if drawn is not None:
+            drawn.result()
+    finally:
+        if worker is not None:
+            worker.shutdown(cancel_futures=True)
     if readout_strategies:
         stats = collect_readout_stats(
             stats, model, batches, readout_strategies, student_arch, seed=seed, dp_group=dp_group,
             tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep, defaults=defaults,
         )
     return stats
+
+
+def defaults_on_worker(device: torch.device) -> bool:
+    """Whether the default inits are drawn on a worker thread during sweep 1: on a GPU, whose host
+    is the bound of sweep 1 (kernel launches) and whose draws release the interpreter lock. On a
+    CPU they would only take cores from the sums, so they run between layers (`after_layer`)."""
+    return device.type == "cuda"
 
 
 READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most

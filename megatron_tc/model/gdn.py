@@ -81,11 +81,13 @@ class GatedDeltaNet(nn.Module):
         if init:
             self.reset_gdn_parameters()
 
-    def reset_gdn_parameters(self) -> None:
-        """fla's defaults: A uniform in (0, 16), dt log-uniform in (1e-3, 0.1) via inverse softplus."""
+    def reset_gdn_parameters(self, generator: torch.Generator | None = None) -> None:
+        """fla's defaults: A uniform in (0, 16), dt log-uniform in (1e-3, 0.1) via inverse softplus,
+        drawn from `generator` (default: the global one)."""
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
-            dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16, generator=generator).log())
+            uniform = torch.empty_like(self.dt_bias).uniform_(generator=generator)
+            dt = torch.exp(uniform * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             dt = dt.clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             if self.b_proj.bias is not None:

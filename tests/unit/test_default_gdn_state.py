@@ -65,10 +65,9 @@ def test_a_float64_default_dtype_draws_the_same_sequence():
 def test_skipping_a_uniform_draw_moves_the_generator_as_the_draw(dtype):
     torch.manual_seed(4)
     torch.empty(10, 3, dtype=dtype).uniform_()
-    want = torch.random.get_rng_state()
-    torch.manual_seed(4)
-    default_init._skip_uniform(torch.empty(10, 3, dtype=dtype))
-    assert torch.equal(torch.random.get_rng_state(), want)
+    generator = torch.Generator().manual_seed(4)
+    default_init._skip_uniform(torch.empty(10, 3, dtype=dtype), generator)
+    assert torch.equal(generator.get_state(), torch.random.get_rng_state())
 
 
 def test_the_caller_generators_are_untouched():
@@ -85,20 +84,30 @@ def test_skipping_draws_moves_the_generator_as_uniform_draws(words, monkeypatch)
     monkeypatch.setattr(default_init, "SKIP_CHUNK", 3)  # several chunks
     torch.manual_seed(5)
     torch.empty(words).uniform_()
-    want = torch.random.get_rng_state()
-    torch.manual_seed(5)
-    default_init._skip_draws(words)
-    assert torch.equal(torch.random.get_rng_state(), want)
+    generator = torch.Generator().manual_seed(5)
+    default_init._skip_draws(words, generator)
+    assert torch.equal(generator.get_state(), torch.random.get_rng_state())
 
 
 @pytest.mark.parametrize("shape", [(16,), (4, 32), (5,), (3, 7), (48, 3)])
 def test_skipping_a_normal_draw_moves_the_generator_as_the_draw(shape):
     torch.manual_seed(9)
     torch.empty(shape).normal_()
-    want = torch.random.get_rng_state()
-    torch.manual_seed(9)
-    default_init._skip_normal(torch.empty(shape))
-    assert torch.equal(torch.random.get_rng_state(), want)
+    generator = torch.Generator().manual_seed(9)
+    default_init._skip_normal(torch.empty(shape), generator)
+    assert torch.equal(generator.get_state(), torch.random.get_rng_state())
+
+
+def test_states_made_on_threads_at_once_equal_those_made_one_by_one():
+    """The statistics pass makes default states on a worker thread while the main one runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    arch, keys = ARCHS["short_conv"], ("A_log", "dt_bias", "b_proj.weight", "q_conv1d.weight", "g_proj.weight")
+    want = [{k: default_gdn_state(arch, i, 1)[k] for k in keys} for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: {k: default_gdn_state(arch, i, 1)[k] for k in keys}, range(4)))
+    for one, other in zip(got, want):
+        assert all(torch.equal(one[k], other[k]) for k in keys)
 
 
 def test_copying_the_teacher_never_draws_the_projections_it_replaces():

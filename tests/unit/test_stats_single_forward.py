@@ -111,6 +111,30 @@ def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch)
     assert made == LAYERS and sweep_2 == [LAYERS]
 
 
+def test_default_inits_drawn_on_a_worker_thread_give_the_same_sums(monkeypatch):
+    """As on a GPU: the default inits on a worker thread during sweep 1, each once, all before
+    sweep 2, the sums bit for bit those of the draws between layers."""
+    import threading
+
+    from megatron_tc.calibrate import stats as stats_module
+
+    between = stats_and_forwards(None)[0]
+    made, sweep_2 = [], []
+    real = stats_module.default_gdn_state
+    monkeypatch.setattr(stats_module, "defaults_on_worker", lambda device: True)
+    monkeypatch.setattr(stats_module, "default_gdn_state",
+                        lambda *a, **k: made.append((a[1], threading.current_thread().name)) or real(*a, **k))
+    real_readout = stats_module.collect_readout_stats
+    monkeypatch.setattr(stats_module, "collect_readout_stats",
+                        lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
+    worker = stats_and_forwards(None)[0]
+    assert [index for index, _ in made] == LAYERS and sweep_2 == [made]
+    assert all(name.startswith("default-init") for _, name in made)
+    assert worker.sums.keys() == between.sums.keys()
+    for key, value in between.sums.items():
+        assert torch.equal(worker.sums[key], value), key
+
+
 def test_sweep_2_reads_the_document_layout_once_and_every_layer_gets_it(monkeypatch):
     """Packed rows: fla's segment layout (a host read) is made once per group of merged rows, not
     per layer, and each layer's readout mixer runs on it."""
