@@ -9,7 +9,6 @@ form (prefill) or the step-by-step recurrence (a few tokens) computes the same t
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import warnings
@@ -67,25 +66,6 @@ def fla_op(name: str, *args, **kwargs):
 
 
 _BROKEN: set[str] = set()
-_GRAPH_WORK = [0]  # > 0 while a CUDA graph is warmed up and captured
-
-
-@contextlib.contextmanager
-def graph_work():
-    """Inside: the forward becomes a CUDA graph (its warm-up and capture), where fla's fused small
-    kernels (residual add + RMSNorm, SwiGLU) pay. Run eagerly, their Python wrappers take more host
-    time than PyTorch's two kernels: a host-bound 4k-token prefill of a SmolLM2-sized student
-    measured 23% faster with PyTorch's. The warm-up runs them first, outside the capture."""
-    _GRAPH_WORK[0] += 1
-    try:
-        yield
-    finally:
-        _GRAPH_WORK[0] -= 1
-
-
-def fused_small_kernels(x: torch.Tensor) -> bool:
-    """Whether inference on x takes fla's fused small kernels: on CUDA, within `graph_work`."""
-    return _GRAPH_WORK[0] > 0 and x.is_cuda and not torch.is_grad_enabled()
 
 
 def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None, gate: torch.Tensor,

@@ -1,11 +1,10 @@
-"""CUDA graphs of an exported student (torch only): the decoding step over a static cache, and
-prefills of any prompt length as pieces of power-of-two lengths.
+"""CUDA graphs of an exported student over a static cache (torch only): the decoding step, and the
+prefill of a prompt shape that repeats.
 
 A forward of a small model over a few thousand tokens is host-bound: launching its kernels (fla's
 Triton kernels above all) takes several times the GPU's work. A captured graph replays every
-kernel with one launch. The decoding graph reads and writes the cache's buffers in place, so it is
-valid while the cache keeps its addresses (generate reuses a static cache of the same size); the
-prefill pieces work in a scratch cache of their own and copy the prompt's entries out.
+kernel with one launch. Both graphs read and write the cache's buffers in place, so they are
+valid while the cache keeps its addresses (generate reuses a static cache of the same size).
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import torch
 
 from .attention_megatron_tc import Batch
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
-from .gated_delta_megatron_tc import graph_work
 
 
 def cache_pointers(cache: MegatronTCCache) -> list[int]:
@@ -32,22 +30,20 @@ def weight_pointers(model) -> tuple[int, ...]:
 
 def capture(graph: torch.cuda.CUDAGraph, run, pool=None):
     """`run()` once on a side stream (kernels compiled and autotuned, buffers allocated outside the
-    capture), then captured into `graph`, both within `graph_work` (fla's fused small kernels);
-    returns what the captured call returned (its buffers). capture_begin/end rather than
-    torch.cuda.graph(), which empties PyTorch's CUDA memory cache first: the next prefill would
-    then allocate all of its memory from the driver."""
+    capture), then captured into `graph`; returns what the captured call returned (its buffers).
+    capture_begin/end rather than torch.cuda.graph(), which empties PyTorch's CUDA memory cache
+    first: the next prefill would then allocate all of its memory from the driver."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with graph_work():
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
-            try:
-                out = run()
-            finally:
-                graph.capture_end()
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return out
 
@@ -105,132 +101,74 @@ class DecodeGraph:
         return self.logits.clone()
 
 
-# tokens per row of the largest prefill piece (a power of two): a prompt is cut into powers of two,
-# largest first, so prompts of every length replay the same dozen graphs
-LARGEST_PIECE = 2048
+class PrefillGraph:
+    """The prefill of B unpadded prompts of T tokens into an empty static cache, captured: the
+    prompt is copied into a fixed buffer, the graph writes the cache (keys and values of slots
+    0..T-1, the GDN states and convolution tails) and the last `logits_to_keep` logits. A prefill
+    starts from an empty cache and overwrites what it stores, so the warm-up changes nothing."""
 
-
-def piece_lengths(tokens: int, largest: int) -> list[int]:
-    """`tokens` as a sum of powers of two of at most `largest` (a power of two), largest first:
-    4090 -> [2048, 1024, 512, 256, 128, 64, 32, 16, 8, 2]."""
-    pieces, rest = [largest] * (tokens // largest), tokens % largest
-    while rest:
-        pieces.append(1 << (rest.bit_length() - 1))
-        rest -= pieces[-1]
-    return pieces
-
-
-class PrefillPiece:
-    """`length` tokens of each of B rows at any position of the prompt (staged into fixed buffers),
-    continuing the scratch cache's GDN states and attending to its earlier slots, captured in a
-    CUDA graph (run eagerly where `graph` is False: the same computation, for CPU tests)."""
-
-    def __init__(self, model, scratch: MegatronTCCache, rows: int, length: int, pool, graph: bool = True) -> None:
-        device = next(model.parameters()).device
-        self.ids = torch.zeros(rows, length, dtype=torch.long, device=device)
-        self.steps = torch.arange(length, device=device)
-        self.slots = torch.zeros(length, dtype=torch.long, device=device)
-        positions = self.slots.expand(rows, length)
+    def __init__(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int, pool) -> None:
+        b, t = input_ids.shape
+        self.cache, self.ids = cache, input_ids.clone()
+        self.slots = torch.arange(t, device=input_ids.device)
+        self.positions = self.slots.expand(b, t)
 
         def forward() -> torch.Tensor:
-            # offset 1 means "earlier tokens are cached": GDN layers read their state and convolution
-            # inputs from the scratch cache, attention masks its slots by position (all of them)
-            return model.model(self.ids, positions, Batch(1, self.slots, None, None, None), scratch, 1)
+            return model.model(self.ids, self.positions, Batch(0, self.slots, None, None, t), cache, logits_to_keep)
 
-        self.forward, self.graph = forward, None
-        if graph:
-            self.graph = torch.cuda.CUDAGraph()
-            self.logits = capture(self.graph, forward, pool)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # shared with later captures
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits = capture(self.graph, forward, self.pool)
+        self.pointers, self.weights = cache_pointers(cache), weight_pointers(model)
 
-    def run(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """The last token's logits [B, 1, vocab] of input_ids [B, length] at positions start..."""
-        self.ids.copy_(input_ids)
-        torch.add(self.steps, start, out=self.slots)
-        if self.graph is None:
-            return self.forward()
-        self.graph.replay()
-        return self.logits
-
-
-class ChunkedPrefill:
-    """Prefills of B unpadded rows of up to `capacity` tokens, of any length, as pieces of
-    power-of-two lengths (`piece_lengths`), each replaying its captured graph over a scratch cache
-    of its own; the prompt's keys and values, GDN states and convolution inputs are then copied
-    into the caller's cache. One set of graphs serves every prompt length and every cache, so a
-    prompt length seen once replays too. graph=False runs the pieces eagerly (CPU tests)."""
-
-    def __init__(self, model, rows: int, capacity: int, pool=None, graph: bool = True) -> None:
-        device = next(model.parameters()).device
-        self.rows, self.capacity, self.weights = rows, capacity, weight_pointers(model)
-        self.scratch = MegatronTCCache(model.config, static_len=capacity)
-        ids = torch.zeros(rows, 2, dtype=torch.long, device=device)
-        slots = torch.arange(2, device=device)
-        model.model(ids, slots.expand(rows, 2), Batch(0, slots, None, None, 2), self.scratch, 1)  # its buffers
-        self.states = [x for layer in self.scratch.layers if isinstance(layer, GDNLayerCache)
-                       for x in layer.tensors().values()]
-        self.slots = torch.arange(capacity, device=device)
-        # a piece at offset 1 must fit the scratch cache's bound check: at most capacity - 1 tokens
-        self.largest = min(LARGEST_PIECE, 1 << ((capacity - 1).bit_length() - 1))
-        self.pool = pool if pool is not None or not graph else torch.cuda.graph_pool_handle()
-        lengths = [1 << i for i in reversed(range(self.largest.bit_length()))]
-        self.pieces = {n: PrefillPiece(model, self.scratch, rows, n, self.pool, graph) for n in lengths}
-
-    def fits(self, model, input_ids: torch.Tensor) -> bool:
-        return (input_ids.shape[0] == self.rows and input_ids.shape[1] <= self.capacity
+    def fits(self, model, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
+        return (cache is self.cache and input_ids.shape == self.ids.shape and cache_pointers(cache) == self.pointers
                 and weight_pointers(model) == self.weights)
 
-    def run(self, input_ids: torch.Tensor, cache: MegatronTCCache) -> torch.Tensor:
-        """The last token's logits [B, 1, vocab] of the prompt input_ids [B, T]; `cache` (empty,
-        static) then holds the prompt as an eager prefill would have stored it."""
-        t = input_ids.shape[1]
-        torch._foreach_zero_(self.states)  # a prompt starts from zero states and convolution inputs
-        start = 0
-        for length in piece_lengths(t, self.largest):
-            logits = self.pieces[length].run(input_ids[:, start:start + length], start)
-            start += length
-        for src, dst in zip(self.scratch.layers, cache.layers):
-            if isinstance(src, GDNLayerCache):
-                dst.store(src.state, src.conv)
-            else:
-                dst.update(src.keys[:, :, :t], src.values[:, :, :t], 0, self.slots[:t], None)
-        return logits.clone()
+    def replay(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(input_ids)
+        self.graph.replay()
+        return self.logits.clone()
 
 
-class ChunkedPrefills:
-    """The model's chunked prefills, one per batch size (at most `keep`, least recently used
-    dropped), sharing one memory pool (one prefill runs at a time). A batch size's graphs are
-    captured the second time a prefill of that batch size comes: a single prefill never pays for
-    the captures (about a dozen warm-up forwards and captures)."""
+class PrefillGraphs:
+    """Captured prefills per (batch, prompt length, cache length, logits kept), at most `keep` of
+    them (least recently used dropped), sharing one memory pool (one prefill runs at a time).
 
-    def __init__(self, keep: int = 2) -> None:
-        self.keep, self.sets, self.counts, self.pool = keep, OrderedDict(), {}, None
+    A shape is captured the second time it comes, over a cache that already holds buffers of its
+    batch size (a static cache generate reuses): a one-off prompt length runs eagerly and never pays
+    for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
 
     def clear(self) -> None:
         """Drop every graph (and with the last of them, their memory pool)."""
-        self.sets.clear()
+        self.graphs.clear()
         self.pool = None
 
-    def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, tokens: int) -> torch.Tensor | None:
-        """Logits of the prefill from captured pieces, or None: the caller runs it eagerly. tokens:
-        the largest prefill (batch x prompt) served; a batch size's scratch cache holds tokens / B."""
-        rows = input_ids.shape[0]
-        prefill = self.sets.get(rows)
-        if prefill is not None and prefill.fits(model, input_ids):
-            self.sets.move_to_end(rows)
-            return prefill.run(input_ids, cache)
-        self.counts[rows] = self.counts.get(rows, 0) + 1
-        if self.counts[rows] < 2 or tokens // rows < max(2, input_ids.shape[1]):
+    def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
+        """Logits of the prefill from a captured graph, or None: the caller runs it eagerly."""
+        key = (*input_ids.shape, cache.static_len, logits_to_keep)
+        graph = self.graphs.get(key)
+        if graph is not None and graph.fits(model, cache, input_ids):
+            self.graphs.move_to_end(key)
+            return graph.replay(input_ids)
+        if len(self.counts) > 256:  # shapes seen once each, many of them: forget them
+            self.counts.clear()
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.counts[key] < 2 or cache.batch_size != input_ids.shape[0]:
             return None
-        self.sets.pop(rows, None)
-        while len(self.sets) >= self.keep:
-            self.sets.popitem(last=False)
+        self.graphs.pop(key, None)
+        while len(self.graphs) >= self.keep:
+            self.graphs.popitem(last=False)
         try:
-            prefill = self.sets[rows] = ChunkedPrefill(model, rows, tokens // rows, self.pool)
-            self.pool = prefill.pool
+            graph = self.graphs[key] = PrefillGraph(model, cache, input_ids, logits_to_keep, self.pool)
+            self.pool = graph.pool
         except Exception as exc:  # noqa: BLE001 - the prefill stays correct, only slower
             warnings.warn(f"capturing the prefill failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "prefilling eagerly", RuntimeWarning, stacklevel=3)
             model.prefill_graph_tokens = 0
             self.clear()
             return None
-        return prefill.run(input_ids, cache)
+        return graph.replay(input_ids)

@@ -14,7 +14,7 @@ from torch import nn
 from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, fused_small_kernels, gated_delta_rule
+from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, gated_delta_rule
 
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
 class GatedDeltaNet(nn.Module):
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, pending, positions, batch, cache):
         """x [B, T, hidden] and the previous layer's MLP branch `pending` (None in the first layer),
-        added here so that the add and this layer's input norm are one fla kernel in a captured graph
+        added here so that the add and this layer's input norm are one kernel where fla has it
         -> (x, this layer's MLP branch)."""
         normed, x = add_norm(x, pending, self.input_norm)
         h = self.mixer(normed, positions, batch, cache)
@@ -158,10 +158,11 @@ class DecoderLayer(nn.Module):
 
 
 def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel in a captured graph."""
+    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel for inference on CUDA."""
     if h is None:
         return norm(x), x
-    if fused_small_kernels(x) and not norm.unit_offset and x.dtype == h.dtype == norm.weight.dtype:
+    if (x.is_cuda and not norm.unit_offset and not torch.is_grad_enabled()
+            and x.dtype == h.dtype == norm.weight.dtype):
         fused = fla_op("rms_norm", h, norm.weight, None, residual=x, eps=norm.eps, prenorm=True)
         if fused is not None:
             return fused
@@ -181,7 +182,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation != "silu":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        act = fla_op("swiglu", gate, up) if fused_small_kernels(x) else None
+        act = fla_op("swiglu", gate, up) if x.is_cuda and not torch.is_grad_enabled() else None
         return self.down_proj(act if act is not None else F.silu(gate) * up)
 
 

@@ -9,10 +9,9 @@ Padding is exact: a pad position is hidden from attention and leaves the GDN sta
 convolution inputs unchanged.
 
 Decoding on CUDA with a static cache (`generate(..., cache_implementation="static")`, the
-default there) captures one decoding step in a CUDA graph and replays it for every later token.
-A short prefill (up to PREFILL_GRAPH_TOKENS tokens) runs as pieces of power-of-two lengths replayed
-from graphs captured the second time a prefill of its batch size comes, whatever the prompt
-length (graphs_megatron_tc.py).
+default there) captures one decoding step in a CUDA graph and replays it for every later token,
+and captures a short prefill (up to PREFILL_GRAPH_TOKENS tokens) the second time its shape comes
+over the reused cache (graphs_megatron_tc.py).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
 from .attention_megatron_tc import Batch, Rotary
-from .graphs_megatron_tc import ChunkedPrefills, DecodeGraph, weight_pointers
+from .graphs_megatron_tc import DecodeGraph, PrefillGraphs, weight_pointers
 from .layers_megatron_tc import GatedDeltaNet, HybridModel
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model kwargs and outputs)
@@ -36,9 +35,9 @@ CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ el
 # static caches on CUDA are sized in steps of this many tokens, so that generations of similar
 # lengths share one cache and its captured decoding step
 STATIC_ROUND = 256
-# prefills of at most this many tokens (batch x prompt) into a static cache replay captured pieces:
-# below it a forward is host-bound (launching kernels takes longer than the GPU's work), above it
-# the graphs' memory would buy little
+# prefills of at most this many tokens (batch x prompt) into a reused static cache are captured
+# when their shape repeats: below it a forward is host-bound (launching kernels takes longer than
+# the GPU's work), above it the graph's memory would buy little
 PREFILL_GRAPH_TOKENS = 8192
 
 
@@ -65,7 +64,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         self.decode_graphs = True  # capture the decoding step on CUDA with a static cache
         self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS  # 0: never capture a prefill
         self._graph: DecodeGraph | None = None
-        self._prefills = ChunkedPrefills()
+        self._prefills = PrefillGraphs()
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -105,7 +104,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         else:  # one look at the mask (a wait for the device) serves both paths below
             padded = attention_mask is not None and not bool(attention_mask.all())
             if self._can_capture_prefill(cache, input_ids, padded, position_ids, labels, logits_to_keep):
-                logits = self._prefills.run(self, cache, input_ids, self.prefill_graph_tokens)
+                logits = self._prefills.run(self, cache, input_ids, logits_to_keep)
         if logits is None:
             logits = self._eager(input_ids, attention_mask, position_ids, cache, offset, logits_to_keep, padded)
         if cache is not None:
@@ -138,7 +137,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
 
     def _can_capture_prefill(self, cache, input_ids, padded, position_ids, labels, logits_to_keep) -> bool:
         """A prefill (empty static cache, unpadded prompts) small enough to be host-bound, keeping the
-        last token's logits (generate's; all of them would make the graphs hold [B, T, vocab])."""
+        last token's logits (generate's; all of them would make the graph hold [B, T, vocab])."""
         return (0 < input_ids.numel() <= self.prefill_graph_tokens and input_ids.shape[1] > 1
                 and isinstance(logits_to_keep, int) and logits_to_keep == 1 and cache is not None and cache.is_static
                 and cache.seen == 0 and input_ids.is_cuda and position_ids is None and labels is None
@@ -198,6 +197,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
             previous.reset()
             return previous
         self._graph = None  # frees the graph and the buffers it was captured over
+        self._prefills.clear()
         return MegatronTCCache(self.config, static_len=length)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,

@@ -1,131 +1,75 @@
-"""The exported student's chunked prefill (graphs_megatron_tc.ChunkedPrefill) on CPU, its pieces
-run eagerly instead of replayed: a prompt cut into power-of-two pieces over the scratch cache gives
-the eager prefill's logits and leaves the caller's cache as the eager prefill does (decoding
-continues identically), and the policy of `ChunkedPrefills` (built the second time a batch size
-comes, reused for every length, rebuilt over replaced weights). Replayed graphs on CUDA:
-tests/gpu/test_student_generate_cuda.py."""
+"""When the exported student captures a prefill (the policy of graphs_megatron_tc.PrefillGraphs), on
+CPU with the CUDA capture replaced by a stand-in that runs the eager forward: the second prefill
+of a shape over a reused cache is captured, later ones replay it, one-off shapes and fresh caches
+never are, at most `keep` shapes are held, and replaced weights make a graph stale. Replayed
+graphs on CUDA: tests/gpu/test_student_generate_cuda.py."""
 from __future__ import annotations
 
-import functools
-
-import pytest
 import torch
 
 from megatron_tc.convert.hf_student import MegatronTCCache, MegatronTCConfig, MegatronTCForCausalLM
 from megatron_tc.export import graphs_megatron_tc as graphs
+from megatron_tc.export.attention_megatron_tc import Batch
 from tests.converters.helpers import tiny_arch
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 31, 4090, 4096, 5000])
-def test_piece_lengths_are_powers_of_two_largest_first(tokens):
-    pieces = graphs.piece_lengths(tokens, 2048)
-    assert sum(pieces) == tokens
-    assert all(p & (p - 1) == 0 and p <= 2048 for p in pieces)
-    assert pieces == sorted(pieces, reverse=True)
-    assert len(set(pieces) - {2048}) == len(pieces) - pieces.count(2048)  # one piece per smaller power
+class EagerStandIn:
+    """PrefillGraph's interface; `replay` runs the eager forward into the same cache."""
+
+    built = 0
+
+    def __init__(self, model, cache, input_ids, logits_to_keep, pool) -> None:
+        type(self).built += 1
+        self.model, self.cache, self.shape, self.keep = model, cache, input_ids.shape, logits_to_keep
+        self.pointers, self.weights, self.pool = graphs.cache_pointers(cache), graphs.weight_pointers(model), None
+
+    def fits(self, model, cache, input_ids) -> bool:
+        return (cache is self.cache and input_ids.shape == self.shape and graphs.cache_pointers(cache) == self.pointers
+                and graphs.weight_pointers(model) == self.weights)
+
+    def replay(self, input_ids):
+        t = input_ids.shape[1]
+        positions = torch.arange(t).expand(input_ids.shape)
+        return self.model.model(input_ids, positions, Batch(0, torch.arange(t), None, None, t), self.cache, self.keep)
 
 
-def test_piece_lengths_of_a_4k_prompt():
-    assert graphs.piece_lengths(4090, 2048) == [2048, 1024, 512, 256, 128, 64, 32, 16, 8, 2]
+def prefill(model, graph_set, cache, ids):
+    """What the model's forward does for a prefill: the graph set, else the eager forward."""
+    cache.reset()
+    logits = graph_set.run(model, cache, ids, 1)
+    if logits is None:
+        t = ids.shape[1]
+        logits = model.model(ids, torch.arange(t).expand(ids.shape), Batch(0, torch.arange(t), None, None, t), cache, 1)
+    cache.seen = ids.shape[1]
+    return logits
 
 
-def student(pattern: str = "AGGG", seed: int = 0) -> MegatronTCForCausalLM:
-    torch.manual_seed(seed)
-    return MegatronTCForCausalLM(MegatronTCConfig.from_arch(tiny_arch(pattern))).eval()
-
-
-def eager_prefill(model, ids: torch.Tensor, static_len: int) -> tuple[torch.Tensor, MegatronTCCache]:
-    cache = MegatronTCCache(model.config, static_len=static_len)
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    return logits, cache
-
-
-def decode(model, cache: MegatronTCCache, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of feeding `tokens` [B, N] one at a time after the cached prompt."""
-    return torch.cat([model(input_ids=tokens[:, i:i + 1], cache=cache, use_cache=True).logits
-                      for i in range(tokens.shape[1])], 1)
-
-
-@pytest.mark.parametrize("pattern", ["AGGG", "GAGA"])
-@pytest.mark.parametrize("length", [2, 3, 23, 32])
-def test_chunked_prefill_equals_the_eager_prefill_and_decoding_continues_alike(pattern, length):
-    model = student(pattern)
-    ids = torch.randint(3, 300, (2, length))
-    follow = torch.randint(3, 300, (2, 4))
+def test_second_prefill_of_a_shape_over_a_reused_cache_is_captured(monkeypatch):
+    monkeypatch.setattr(graphs, "PrefillGraph", EagerStandIn)
+    EagerStandIn.built = 0
+    torch.manual_seed(0)
+    model = MegatronTCForCausalLM(MegatronTCConfig.from_arch(tiny_arch("AGGG"))).eval()
+    graph_set, cache = graphs.PrefillGraphs(keep=2), MegatronTCCache(model.config, static_len=32)
+    ids = [torch.randint(3, 300, (2, 12)) for _ in range(3)]
     with torch.no_grad():
-        want, eager_cache = eager_prefill(model, ids, static_len=40)
-        prefill = graphs.ChunkedPrefill(model, rows=2, capacity=33, graph=False)
-        assert prefill.largest == 32
-        cache = MegatronTCCache(model.config, static_len=40)
-        got = prefill.run(ids, cache)
-        cache.seen = length
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(decode(model, cache, follow), decode(model, eager_cache, follow),
-                                   rtol=1e-5, atol=1e-5)
-
-
-def test_a_second_prompt_starts_from_empty_states():
-    """The scratch cache's GDN states and convolution inputs are zeroed per prompt: a prompt after
-    another gives what it gives alone."""
-    model = student()
-    first, second = torch.randint(3, 300, (1, 19)), torch.randint(3, 300, (1, 11))
-    with torch.no_grad():
-        prefill = graphs.ChunkedPrefill(model, rows=1, capacity=24, graph=False)
-        prefill.run(first, MegatronTCCache(model.config, static_len=24))
-        got = prefill.run(second, MegatronTCCache(model.config, static_len=24))
-        want, _ = eager_prefill(model, second, static_len=24)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_a_prompt_longer_than_the_callers_cache_is_refused():
-    model = student()
-    with torch.no_grad():
-        prefill = graphs.ChunkedPrefill(model, rows=1, capacity=24, graph=False)
-        with pytest.raises(ValueError, match="static cache holds 8 tokens"):
-            prefill.run(torch.randint(3, 300, (1, 12)), MegatronTCCache(model.config, static_len=8))
-
-
-def test_pieces_are_built_at_the_second_prefill_of_a_batch_size_and_serve_every_length(monkeypatch):
-    built, chunked = [], graphs.ChunkedPrefill
-
-    def eager_pieces(model, rows, capacity, pool):
-        built.append((rows, capacity))
-        return chunked(model, rows, capacity, pool, graph=False)
-
-    monkeypatch.setattr(graphs, "ChunkedPrefill", eager_pieces)
-    model = student()
-    sets = graphs.ChunkedPrefills(keep=2)
-
-    def prefill(ids):
-        return sets.run(model, MegatronTCCache(model.config, static_len=64), ids, tokens=64)
-
-    with torch.no_grad():
-        assert prefill(torch.randint(3, 300, (2, 12))) is None  # the first of its batch size: eager
-        ids = torch.randint(3, 300, (2, 9))
-        got = prefill(ids)
-        assert built == [(2, 32)]
-        torch.testing.assert_close(got, eager_prefill(model, ids, 64)[0], rtol=1e-5, atol=1e-5)
-        for length in (5, 17, 32):  # every later length of that batch size: the same pieces
-            assert prefill(torch.randint(3, 300, (2, length))) is not None
-        assert built == [(2, 32)]
-        assert prefill(torch.randint(3, 300, (1, 40))) is None  # another batch size counts apart
-        assert prefill(torch.randint(3, 300, (1, 40))) is not None and built[-1] == (1, 64)
-        assert prefill(torch.randint(3, 300, (4, 8))) is None
-        assert prefill(torch.randint(3, 300, (4, 8))) is not None
-        assert list(sets.sets) == [1, 4], "the least recently used batch size was not dropped"
+        reference = [prefill(model, graphs.PrefillGraphs(), MegatronTCCache(model.config, static_len=32), x)
+                     for x in ids]
+        out = [prefill(model, graph_set, cache, x) for x in ids]
+        assert EagerStandIn.built == 1 and len(graph_set.graphs) == 1  # at the second, replayed at the third
+        for got, want in zip(out, reference):
+            assert torch.equal(got, want)
+        fresh = MegatronTCCache(model.config, static_len=32)  # no buffers yet: never captured
+        prefill(model, graph_set, fresh, ids[0])
+        assert EagerStandIn.built == 1
+        prefill(model, graph_set, cache, ids[0][:, :11])  # a length seen once: eager
+        assert EagerStandIn.built == 1
+        for t in (10, 9):  # two more shapes, each twice: the least recently used one is dropped
+            prefill(model, graph_set, cache, ids[0][:, :t])
+            prefill(model, graph_set, cache, ids[0][:, :t])
+        assert EagerStandIn.built == 3
+        assert [key[1] for key in graph_set.graphs] == [10, 9]
+        prefill(model, graph_set, cache, ids[0][:, :9])
+        assert EagerStandIn.built == 3  # replayed
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-        ids = torch.randint(3, 300, (4, 8))
-        got = prefill(ids)
-        assert built[-1] == (4, 16) and len(built) == 4, "pieces over replaced weights were replayed"
-        torch.testing.assert_close(got, eager_prefill(model, ids, 64)[0], rtol=1e-5, atol=1e-5)
-
-
-def test_capacity_too_small_for_the_prompt_runs_eagerly(monkeypatch):
-    monkeypatch.setattr(graphs, "ChunkedPrefill", functools.partial(graphs.ChunkedPrefill, graph=False))
-    model = student()
-    sets = graphs.ChunkedPrefills()
-    with torch.no_grad():
-        for _ in range(3):
-            assert sets.run(model, MegatronTCCache(model.config, static_len=64), torch.randint(3, 300, (2, 20)),
-                            tokens=32) is None
-    assert not sets.sets
+        assert torch.equal(prefill(model, graph_set, cache, ids[0]), reference[0])
+        assert EagerStandIn.built == 4, "a graph over replaced weights was replayed"
