@@ -151,6 +151,9 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
            "prefill_ms": spread([r["prefill_ms"] for r in runs]),
            "prefill_forward_ms": time_prefill_forward(model, ids, prompt + new_tokens, repeats),
            "prefill_new_length_ms": time_prefill_forward(model, unseen, prompt + new_tokens, 0)["median"],
+           # generate's prefill of a length new to the process (a student replays its bucket's graph)
+           "prefill_new_length_generate_ms": one_generate(model, ids[:, 2:].contiguous(), new_tokens, 0,
+                                                          **kwargs)["prefill_ms"],
            "captured_step": getattr(model, "_graph", None) is not None}
     if profile:
         row["prefill_profile"] = profile_rows(lambda: prefill_forward(model, ids, prompt + new_tokens), device)

@@ -28,14 +28,17 @@ CAUSAL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 class Batch:
     """What every layer needs to know about one forward: offset (tokens already cached), slots
-    [T] (their cache positions), valid [B, T] (False at padding, or None), key_valid [B, L] (or None).
+    [T] (their cache positions), valid [B, T] (False at padding, or None), key_valid [B, L] (or None),
+    end ([1] long on the device, or None): the prompt's real tokens end there and padding follows
+    (a captured prefill's bucket); the cache keeps the state at `end`, the logits are those before it.
 
     `memo` holds what all layers of one kind share in this forward (RoPE tables, the decoding
     step's attention bias), computed by the first layer that needs it instead of once per layer."""
 
     def __init__(self, offset: int, slots: torch.Tensor, valid: torch.Tensor | None,
-                 key_valid: torch.Tensor | None, kv_len: int | None) -> None:
+                 key_valid: torch.Tensor | None, kv_len: int | None, end: torch.Tensor | None = None) -> None:
         self.offset, self.slots, self.valid, self.key_valid, self.kv_len = offset, slots, valid, key_valid, kv_len
+        self.end = end
         self.memo: dict = {}
 
     def shared(self, key, make):

@@ -9,6 +9,7 @@ form (prefill) or the step-by-step recurrence (a few tokens) computes the same t
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import warnings
@@ -66,6 +67,27 @@ def fla_op(name: str, *args, **kwargs):
 
 
 _BROKEN: set[str] = set()
+_GRAPH_WORK = [0]  # > 0 while a forward is warmed up and captured as a CUDA graph
+
+
+@contextlib.contextmanager
+def graph_work():
+    """Inside: the forward becomes a CUDA graph (its warm-up, then its capture), where fla's fused
+    small kernels pay: the replay launches nothing from the host. The warm-up runs them first,
+    outside the capture (Triton compiles and autotunes there)."""
+    _GRAPH_WORK[0] += 1
+    try:
+        yield
+    finally:
+        _GRAPH_WORK[0] -= 1
+
+
+def fused_small_kernels(x: torch.Tensor) -> bool:
+    """Whether inference on x [B, T, ...] takes fla's fused residual-add + RMSNorm and SwiGLU: on
+    CUDA inside `graph_work`, and for decoding steps (T = 1), whose eager and captured forms then
+    run the same kernels. An eager prefill takes PyTorch's: there fla's Python wrappers cost more
+    host time than PyTorch's two kernels, and a host-bound prefill pays for every launch."""
+    return x.is_cuda and not torch.is_grad_enabled() and (_GRAPH_WORK[0] > 0 or x.shape[1] == 1)
 
 
 def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None, gate: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 
 from .attention_megatron_tc import Batch
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
+from .gated_delta_megatron_tc import graph_work
 
 
 def cache_pointers(cache: MegatronTCCache) -> list[int]:
@@ -101,45 +102,84 @@ class DecodeGraph:
         return self.logits.clone()
 
 
-class PrefillGraph:
-    """The prefill of B unpadded prompts of T tokens into an empty static cache, captured: the
-    prompt is copied into a fixed buffer, the graph writes the cache (keys and values of slots
-    0..T-1, the GDN states and convolution tails) and the last `logits_to_keep` logits. A prefill
-    starts from an empty cache and overwrites what it stores, so the warm-up changes nothing."""
+# a captured prefill serves every prompt length up to a multiple of this many tokens: a prompt is
+# padded on the right to its bucket (exactly: see `padded_prefill`)
+PREFILL_BUCKET = 256
 
-    def __init__(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int, pool) -> None:
-        b, t = input_ids.shape
-        self.cache, self.ids = cache, input_ids.clone()
-        self.slots = torch.arange(t, device=input_ids.device)
-        self.positions = self.slots.expand(b, t)
+
+def prefill_bucket(length: int, static_len: int) -> int:
+    """The padded length a prompt of `length` tokens is prefilled at: the next multiple of
+    PREFILL_BUCKET, within the cache's `static_len` slots (past it: the prompt's own length)."""
+    bucket = -(-length // PREFILL_BUCKET) * PREFILL_BUCKET
+    return bucket if bucket <= static_len else length
+
+
+def padded_prefill(model, ids: torch.Tensor, end: torch.Tensor, cache: MegatronTCCache,
+                   logits_to_keep: int) -> torch.Tensor:
+    """The prefill of ids [B, T'] into an empty cache where only the first `end` ([1] long on the
+    device) tokens are the prompt and the rest is padding: logits of the last `logits_to_keep`
+    prompt tokens. Exact: the padding comes after the prompt, so causal attention and the causal
+    convolutions of the prompt never see it; it passes the GDN states unchanged (decay 1, no
+    write); the cache keeps the convolution inputs before `end`; the keys and values it writes past
+    `end` lie in slots a decoding step overwrites before any query can see them."""
+    b, t = ids.shape
+    slots = torch.arange(t, device=ids.device)
+    valid = (slots < end).expand(b, t)
+    return model.model(ids, slots.expand(b, t), Batch(0, slots, valid, None, t, end=end), cache, logits_to_keep)
+
+
+class PrefillGraph:
+    """The prefill of B unpadded prompts of up to T' tokens (a bucket) into an empty static cache,
+    captured: each prompt is copied into a fixed buffer of T' tokens and its length into another, the
+    graph writes the cache (keys and values, the GDN states and convolution tails) and the last
+    `logits_to_keep` logits of the prompt (`padded_prefill`). A prefill starts from an empty cache and
+    overwrites what it stores, so the warm-up changes nothing."""
+
+    def __init__(self, model, cache: MegatronTCCache, batch: int, bucket: int, logits_to_keep: int, pool,
+                 device: torch.device) -> None:
+        self.cache, self.bucket = cache, bucket
+        self.ids = torch.zeros(batch, bucket, dtype=torch.long, device=device)
+        self.end = torch.full((1,), bucket, dtype=torch.long, device=device)
 
         def forward() -> torch.Tensor:
-            return model.model(self.ids, self.positions, Batch(0, self.slots, None, None, t), cache, logits_to_keep)
+            return padded_prefill(model, self.ids, self.end, cache, logits_to_keep)
 
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # shared with later captures
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits = capture(self.graph, forward, self.pool)
+        self.pool = pool
+        self.graph, self.logits = self.record(forward)
         self.pointers, self.weights = cache_pointers(cache), weight_pointers(model)
 
+    def record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, the logits buffer it writes): `forward` warmed up and captured in the memory
+        pool shared with the other prefills (made here for the first)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with graph_work():
+            return graph, capture(graph, forward, self.pool)
+
     def fits(self, model, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
-        return (cache is self.cache and input_ids.shape == self.ids.shape and cache_pointers(cache) == self.pointers
-                and weight_pointers(model) == self.weights)
+        return (cache is self.cache and input_ids.shape[0] == self.ids.shape[0] and input_ids.shape[1] <= self.bucket
+                and cache_pointers(cache) == self.pointers and weight_pointers(model) == self.weights)
 
     def replay(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(input_ids)
+        t = input_ids.shape[1]
+        self.ids[:, :t].copy_(input_ids)
+        self.ids[:, t:].zero_()
+        self.end.fill_(t)
         self.graph.replay()
         return self.logits.clone()
 
 
 class PrefillGraphs:
-    """Captured prefills per (batch, prompt length, cache length, logits kept), at most `keep` of
-    them (least recently used dropped), sharing one memory pool (one prefill runs at a time).
+    """Captured prefills per (batch, bucket of prompt lengths, cache length, logits kept), at most
+    `keep` of them (least recently used dropped), sharing one memory pool (one prefill runs at a time).
 
-    A shape is captured the second time it comes, over a cache that already holds buffers of its
-    batch size (a static cache generate reuses): a one-off prompt length runs eagerly and never pays
-    for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
+    A bucket is captured the second time a prompt of it comes, over a cache that already holds
+    buffers of its batch size (a static cache generate reuses); from then on every prompt length of
+    the bucket replays it, lengths never seen before included. A bucket seen once runs eagerly and
+    never pays for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 8) -> None:
         self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
 
     def clear(self) -> None:
@@ -149,21 +189,26 @@ class PrefillGraphs:
 
     def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         """Logits of the prefill from a captured graph, or None: the caller runs it eagerly."""
-        key = (*input_ids.shape, cache.static_len, logits_to_keep)
+        b, t = input_ids.shape
+        bucket = prefill_bucket(t, cache.static_len)
+        if t < logits_to_keep:  # the kept logits would reach into the padding
+            return None
+        key = (b, bucket, cache.static_len, logits_to_keep)
         graph = self.graphs.get(key)
         if graph is not None and graph.fits(model, cache, input_ids):
             self.graphs.move_to_end(key)
             return graph.replay(input_ids)
-        if len(self.counts) > 256:  # shapes seen once each, many of them: forget them
+        if len(self.counts) > 256:  # buckets seen once each, many of them: forget them
             self.counts.clear()
         self.counts[key] = self.counts.get(key, 0) + 1
-        if self.counts[key] < 2 or cache.batch_size != input_ids.shape[0]:
+        if self.counts[key] < 2 or cache.batch_size != b:
             return None
         self.graphs.pop(key, None)
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)
         try:
-            graph = self.graphs[key] = PrefillGraph(model, cache, input_ids, logits_to_keep, self.pool)
+            graph = self.graphs[key] = PrefillGraph(model, cache, b, bucket, logits_to_keep, self.pool,
+                                                    input_ids.device)
             self.pool = graph.pool
         except Exception as exc:  # noqa: BLE001 - the prefill stays correct, only slower
             warnings.warn(f"capturing the prefill failed ({type(exc).__name__}: {str(exc)[:200]}); "

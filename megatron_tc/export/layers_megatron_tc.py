@@ -14,7 +14,7 @@ from torch import nn
 from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, gated_delta_rule
+from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, fused_small_kernels, gated_delta_rule
 
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
 class GatedDeltaNet(nn.Module):
@@ -75,8 +75,7 @@ class GatedDeltaNet(nn.Module):
             cache.remember({"qkv": torch.cat(conv_inputs, 1)} if conv_inputs else {}, k, v, g, beta)
         o, final = gated_delta_rule(q, k, v, g, beta, self.head_dim**-0.5, state, self.chunk, self.backend)
         if cache is not None:
-            width = self.conv_size - 1
-            tails = [c[:, :, c.shape[2] - width:] for c in conv_inputs]
+            tails = [conv_tail(c, self.conv_size - 1, batch.end) for c in conv_inputs]
             cache.store(final, {"qkv": torch.cat(tails, 1)} if tails else {})
         return self.o_proj(self.gated_norm(o, self.g_proj(x).view(b, t, self.heads, self.head_dim)))
 
@@ -133,6 +132,15 @@ class GatedDeltaNet(nn.Module):
         return (self.o_norm(o.float()) * F.silu(gate.float())).to(gate.dtype).reshape(b, t, -1)
 
 
+def conv_tail(inputs: torch.Tensor, width: int, end: torch.Tensor | None) -> torch.Tensor:
+    """The last `width` convolution inputs [B, C, width] the cache keeps, of inputs [B, C, width + T]
+    (the `width` before the forward first): the last ones, or with `end` ([1] long, the real tokens
+    of a right-padded prompt) the `width` before position `end`."""
+    if end is None:
+        return inputs[:, :, inputs.shape[2] - width:]
+    return inputs.index_select(2, end + torch.arange(width, device=inputs.device))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: MegatronTCConfig, layer_idx: int) -> None:
         super().__init__()
@@ -148,8 +156,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, pending, positions, batch, cache):
         """x [B, T, hidden] and the previous layer's MLP branch `pending` (None in the first layer),
-        added here so that the add and this layer's input norm are one kernel where fla has it
-        -> (x, this layer's MLP branch)."""
+        added here so that the add and this layer's input norm are one fla kernel where that pays
+        (`fused_small_kernels`) -> (x, this layer's MLP branch)."""
         normed, x = add_norm(x, pending, self.input_norm)
         h = self.mixer(normed, positions, batch, cache)
         normed, x = add_norm(x, h if self.post_attn_norm is None else self.post_attn_norm(h), self.pre_mlp_norm)
@@ -158,11 +166,10 @@ class DecoderLayer(nn.Module):
 
 
 def add_norm(x: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel for inference on CUDA."""
+    """(norm(x + h), x + h), or (norm(x), x) when h is None; one fla kernel where that pays."""
     if h is None:
         return norm(x), x
-    if (x.is_cuda and not norm.unit_offset and not torch.is_grad_enabled()
-            and x.dtype == h.dtype == norm.weight.dtype):
+    if fused_small_kernels(x) and not norm.unit_offset and x.dtype == h.dtype == norm.weight.dtype:
         fused = fla_op("rms_norm", h, norm.weight, None, residual=x, eps=norm.eps, prenorm=True)
         if fused is not None:
             return fused
@@ -182,7 +189,7 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation != "silu":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        act = fla_op("swiglu", gate, up) if x.is_cuda and not torch.is_grad_enabled() else None
+        act = fla_op("swiglu", gate, up) if fused_small_kernels(x) else None
         return self.down_proj(act if act is not None else F.silu(gate) * up)
 
 
@@ -207,8 +214,11 @@ class HybridModel(nn.Module):
         pending = None
         for i, layer in enumerate(self.layers):
             x, pending = layer(x, pending, positions, batch, cache.layers[i] if cache is not None else None)
-        if logits_to_keep:
+        if logits_to_keep and batch.end is None:
             x, pending = x[:, -logits_to_keep:], pending[:, -logits_to_keep:]
+        elif logits_to_keep:  # right padding: the last real tokens, wherever `end` puts them
+            keep = batch.end - logits_to_keep + torch.arange(logits_to_keep, device=x.device)
+            x, pending = x.index_select(1, keep), pending.index_select(1, keep)
         x, _ = add_norm(x, pending, self.norm)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = x @ weight[: self.vocab_size].t()

@@ -10,8 +10,9 @@ convolution inputs unchanged.
 
 Decoding on CUDA with a static cache (`generate(..., cache_implementation="static")`, the
 default there) captures one decoding step in a CUDA graph and replays it for every later token,
-and captures a short prefill (up to PREFILL_GRAPH_TOKENS tokens) the second time its shape comes
-over the reused cache (graphs_megatron_tc.py).
+and captures a short prefill (up to PREFILL_GRAPH_TOKENS tokens) the second time a prompt of its
+bucket (lengths rounded up to a multiple of 256, padded exactly) comes over the reused cache; every
+later prompt of the bucket replays it (graphs_megatron_tc.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ el
 # lengths share one cache and its captured decoding step
 STATIC_ROUND = 256
 # prefills of at most this many tokens (batch x prompt) into a reused static cache are captured
-# when their shape repeats: below it a forward is host-bound (launching kernels takes longer than
+# when their bucket repeats: below it a forward is host-bound (launching kernels takes longer than
 # the GPU's work), above it the graph's memory would buy little
 PREFILL_GRAPH_TOKENS = 8192
 

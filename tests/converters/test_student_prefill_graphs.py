@@ -1,36 +1,54 @@
-"""When the exported student captures a prefill (the policy of graphs_megatron_tc.PrefillGraphs), on
-CPU with the CUDA capture replaced by a stand-in that runs the eager forward: the second prefill
-of a shape over a reused cache is captured, later ones replay it, one-off shapes and fresh caches
-never are, at most `keep` shapes are held, and replaced weights make a graph stale. Replayed
-graphs on CUDA: tests/gpu/test_student_generate_cuda.py."""
+"""Captured prefills of the exported student, on CPU: a prompt padded on the right to its bucket
+gives the unpadded prefill's logits and cache (`padded_prefill`, what a captured graph runs), and
+the capture policy of graphs_megatron_tc.PrefillGraphs with the CUDA capture replaced by a stand-in
+that runs the same padded forward: the second prompt of a bucket over a reused cache is captured,
+every later length of the bucket replays it, one-off buckets and fresh caches never are, at most
+`keep` buckets are held, and replaced weights make a graph stale. Replayed graphs on CUDA:
+tests/gpu/test_student_generate_cuda.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_tc.convert.hf_student import MegatronTCCache, MegatronTCConfig, MegatronTCForCausalLM
 from megatron_tc.export import graphs_megatron_tc as graphs
 from megatron_tc.export.attention_megatron_tc import Batch
+from megatron_tc.export.cache_megatron_tc import GDNLayerCache
 from tests.converters.helpers import tiny_arch
 
 
-class EagerStandIn:
-    """PrefillGraph's interface; `replay` runs the eager forward into the same cache."""
+class EagerStandIn(graphs.PrefillGraph):
+    """A PrefillGraph whose "capture" keeps the padded forward and whose replay runs it again."""
 
     built = 0
 
-    def __init__(self, model, cache, input_ids, logits_to_keep, pool) -> None:
+    def record(self, forward):
         type(self).built += 1
-        self.model, self.cache, self.shape, self.keep = model, cache, input_ids.shape, logits_to_keep
-        self.pointers, self.weights, self.pool = graphs.cache_pointers(cache), graphs.weight_pointers(model), None
+        logits = forward()
 
-    def fits(self, model, cache, input_ids) -> bool:
-        return (cache is self.cache and input_ids.shape == self.shape and graphs.cache_pointers(cache) == self.pointers
-                and graphs.weight_pointers(model) == self.weights)
+        class Replay:
+            def replay(self) -> None:
+                logits.copy_(forward())
 
-    def replay(self, input_ids):
-        t = input_ids.shape[1]
-        positions = torch.arange(t).expand(input_ids.shape)
-        return self.model.model(input_ids, positions, Batch(0, torch.arange(t), None, None, t), self.cache, self.keep)
+        return Replay(), logits
+
+
+def model_of(pattern: str = "AGGG", **overrides) -> MegatronTCForCausalLM:
+    torch.manual_seed(0)
+    model = MegatronTCForCausalLM(MegatronTCConfig.from_arch(tiny_arch(pattern, **overrides))).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mixer, "A_log"):
+                layer.mixer.A_log.uniform_(0, 2.7)  # decays that matter over a few tokens
+    return model
+
+
+def eager_prefill(model, cache, ids, keep: int = 1) -> torch.Tensor:
+    t = ids.shape[1]
+    cache.reset()
+    logits = model.model(ids, torch.arange(t).expand(ids.shape), Batch(0, torch.arange(t), None, None, t), cache, keep)
+    cache.seen = t
+    return logits
 
 
 def prefill(model, graph_set, cache, ids):
@@ -38,38 +56,91 @@ def prefill(model, graph_set, cache, ids):
     cache.reset()
     logits = graph_set.run(model, cache, ids, 1)
     if logits is None:
-        t = ids.shape[1]
-        logits = model.model(ids, torch.arange(t).expand(ids.shape), Batch(0, torch.arange(t), None, None, t), cache, 1)
+        return eager_prefill(model, cache, ids)
     cache.seen = ids.shape[1]
     return logits
 
 
-def test_second_prefill_of_a_shape_over_a_reused_cache_is_captured(monkeypatch):
+def decode(model, cache, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Eager decoding steps after a prefill: logits of each token of tokens [B, N]."""
+    out = []
+    for i in range(tokens.shape[1]):
+        seen = cache.seen
+        slot = torch.tensor([seen])
+        batch = Batch(seen, slot, None, None, seen + 1)
+        out.append(model.model(tokens[:, i:i + 1], slot.expand(tokens.shape[0], 1), batch, cache, 1))
+        cache.seen += 1
+    return out
+
+
+@pytest.mark.parametrize("pattern,overrides", [("AGGG", {}), ("AGAG", {"sliding_window": 5})])
+def test_a_prompt_padded_on_the_right_prefills_exactly(pattern, overrides):
+    """Logits of the last tokens, GDN states, convolution tails and the prompt's keys and values
+    equal the unpadded prefill's; decoding on from either cache gives the same logits (the padding's
+    keys and values are overwritten before a query can see them)."""
+    model = model_of(pattern, **overrides)
+    ids = torch.randint(3, 300, (2, 13))
+    padded = torch.cat([ids, torch.randint(3, 300, (2, 11))], 1)  # any tokens as padding
+    end = torch.tensor([13])
+    with torch.no_grad():
+        for keep in (1, 3):
+            want_cache, got_cache = (MegatronTCCache(model.config, static_len=32) for _ in range(2))
+            want = eager_prefill(model, want_cache, ids, keep)
+            got = graphs.padded_prefill(model, padded, end, got_cache, keep)
+            got_cache.seen = 13
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_cache.layers, want_cache.layers):
+            if isinstance(a, GDNLayerCache):
+                torch.testing.assert_close(a.state, b.state, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(a.conv["qkv"], b.conv["qkv"], rtol=1e-5, atol=1e-6)
+            else:  # (projections of more rows may take another GEMM: equal to fp32 rounding)
+                torch.testing.assert_close(a.keys[:, :, :13], b.keys[:, :, :13], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(a.values[:, :, :13], b.values[:, :, :13], rtol=1e-5, atol=1e-6)
+        steps = torch.randint(3, 300, (2, 5))
+        for g, w in zip(decode(model, got_cache, steps), decode(model, want_cache, steps)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_bucket():
+    assert graphs.prefill_bucket(1, 1024) == 256 and graphs.prefill_bucket(256, 1024) == 256
+    assert graphs.prefill_bucket(257, 1024) == 512
+    assert graphs.prefill_bucket(300, 400) == 300, "a bucket past the cache's slots: the prompt's own length"
+
+
+def test_the_second_prompt_of_a_bucket_is_captured_and_serves_every_length(monkeypatch):
     monkeypatch.setattr(graphs, "PrefillGraph", EagerStandIn)
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
     EagerStandIn.built = 0
-    torch.manual_seed(0)
-    model = MegatronTCForCausalLM(MegatronTCConfig.from_arch(tiny_arch("AGGG"))).eval()
+    model = model_of()
     graph_set, cache = graphs.PrefillGraphs(keep=2), MegatronTCCache(model.config, static_len=32)
     ids = [torch.randint(3, 300, (2, 12)) for _ in range(3)]
+
+    def reference(x):
+        return eager_prefill(model, MegatronTCCache(model.config, static_len=32), x)
+
     with torch.no_grad():
-        reference = [prefill(model, graphs.PrefillGraphs(), MegatronTCCache(model.config, static_len=32), x)
-                     for x in ids]
         out = [prefill(model, graph_set, cache, x) for x in ids]
         assert EagerStandIn.built == 1 and len(graph_set.graphs) == 1  # at the second, replayed at the third
-        for got, want in zip(out, reference):
-            assert torch.equal(got, want)
+        for got, x in zip(out, ids):
+            torch.testing.assert_close(got, reference(x), rtol=1e-5, atol=1e-5)
         fresh = MegatronTCCache(model.config, static_len=32)  # no buffers yet: never captured
         prefill(model, graph_set, fresh, ids[0])
         assert EagerStandIn.built == 1
-        prefill(model, graph_set, cache, ids[0][:, :11])  # a length seen once: eager
+        for t in (11, 9, 16):  # lengths never seen, in the captured bucket (9..16): replayed
+            got = prefill(model, graph_set, cache, ids[0][:, :t] if t <= 12 else torch.cat([ids[0], ids[1][:, :4]], 1))
+            assert EagerStandIn.built == 1
+            torch.testing.assert_close(got, reference(ids[0][:, :t] if t <= 12 else
+                                                      torch.cat([ids[0], ids[1][:, :4]], 1)), rtol=1e-5, atol=1e-5)
+        prefill(model, graph_set, cache, ids[0][:, :5])  # a bucket seen once: eager
         assert EagerStandIn.built == 1
-        for t in (10, 9):  # two more shapes, each twice: the least recently used one is dropped
-            prefill(model, graph_set, cache, ids[0][:, :t])
-            prefill(model, graph_set, cache, ids[0][:, :t])
+        prefill(model, graph_set, cache, ids[0][:, :3])  # its second prompt: captured
+        assert EagerStandIn.built == 2
+        for t in (20, 24):  # a third bucket: the least recently used one is dropped
+            prefill(model, graph_set, cache, torch.cat([ids[0], ids[1]], 1)[:, :t])
         assert EagerStandIn.built == 3
-        assert [key[1] for key in graph_set.graphs] == [10, 9]
-        prefill(model, graph_set, cache, ids[0][:, :9])
+        assert [key[1] for key in graph_set.graphs] == [8, 24]
+        prefill(model, graph_set, cache, ids[0][:, :7])
         assert EagerStandIn.built == 3  # replayed
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-        assert torch.equal(prefill(model, graph_set, cache, ids[0]), reference[0])
+        torch.testing.assert_close(prefill(model, graph_set, cache, ids[0]), reference(ids[0]), rtol=1e-5, atol=1e-5)
         assert EagerStandIn.built == 4, "a graph over replaced weights was replayed"

@@ -41,6 +41,7 @@ def test_captured_decoding_equals_eager_left_padded_fp32():
 def test_decoding_step_is_captured_in_bf16():
     """bf16 takes other SDPA kernels than fp32 (cuDNN's is excluded: its planning cannot be captured)."""
     model = student(torch.bfloat16)
+    model.prefill_graph_tokens = 0  # both prefills eager: a replayed one equals it only to bf16 rounding
     ids = torch.randint(3, 512, (2, 40), device="cuda")
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
     with warnings.catch_warnings():
@@ -77,23 +78,44 @@ def _assert_equals_eager(model, ids, kw, captured) -> None:
     assert diff <= 1e-3, f"captured decoding (fla) vs eager (PyTorch) logits differ by {diff}"
 
 
-def test_repeated_prefill_shape_replays_a_captured_graph_fp32():
-    """The second generate of a prompt shape captures its prefill and later ones replay it (new
-    prompts copied in); tokens and logits equal an eager prefill's, and a one-off shape is never captured."""
+def test_a_prefill_bucket_is_captured_and_serves_new_lengths_fp32():
+    """The second generate of a prompt bucket captures its prefill; later prompts of the bucket
+    replay it, lengths never seen included (padded on the right); tokens and logits equal an eager
+    prefill's."""
     model = student(torch.float32)
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
               return_dict_in_generate=True, cache_implementation="static")
     prompts = [torch.randint(3, 512, (2, 100), device="cuda") for _ in range(3)]
-    outs = [model.generate(p, **kw) for p in prompts]
-    assert len(model._prefills.graphs) == 1, "the repeated prefill shape was not captured"
-    model.generate(prompts[0][:, :99], **kw)  # a new length: eager, no capture
-    assert len(model._prefills.graphs) == 1
+    prompts += [torch.randint(3, 512, (2, 77), device="cuda"), torch.randint(3, 512, (2, 200), device="cuda")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns and prefills eagerly
+        outs = [model.generate(p, **kw) for p in prompts]
+    assert len(model._prefills.graphs) == 1, "the repeated bucket was not captured, or a new length captured again"
     model.prefill_graph_tokens = 0
     for prompt, captured in zip(prompts, outs):
         eager = model.generate(prompt, **kw)
         assert torch.equal(captured.sequences, eager.sequences)
         diff = (torch.stack(captured.logits) - torch.stack(eager.logits)).abs().max().item()
         assert diff <= 1e-4, f"replayed vs eager prefill logits differ by {diff}"
+
+
+def test_replayed_prefill_in_bf16_gives_the_eager_logits():
+    """bf16: the replayed bucket (fla's fused small kernels inside the graph, PyTorch's eagerly)
+    gives the eager prefill's last-token logits within bf16 rounding."""
+    model = student(torch.bfloat16)
+    # two new tokens: a decoding step is captured, and with it the static cache is reused
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static", output_logits=True,
+              return_dict_in_generate=True)
+    prompts = [torch.randint(3, 512, (1, n), device="cuda") for n in (300, 301, 317, 400)]  # one cache size
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        outs = [model.generate(p, **kw).logits[0] for p in prompts]
+    assert len(model._prefills.graphs) == 1
+    model.prefill_graph_tokens = 0
+    for prompt, captured in zip(prompts, outs):
+        eager = model.generate(prompt, **kw).logits[0]
+        diff = (captured - eager).abs().max().item() / eager.abs().max().item()
+        assert diff <= 3e-2, f"replayed vs eager bf16 prefill logits differ by {diff:.3g} of their largest"
 
 
 def test_causal_prefill_takes_the_flash_kernel_not_cudnn():

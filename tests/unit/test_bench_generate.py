@@ -23,7 +23,7 @@ def test_quick_generate_benchmark_reports_teacher_and_student(tmp_path):
         assert 0 < row["decode_ms"]["min"] <= row["decode_ms"]["median"] <= row["decode_ms"]["max"]
         assert row["tokens_per_s"] > 0 and row["prefill_ms"]["median"] > 0
         assert 0 < row["prefill_forward_ms"]["min"] <= row["prefill_forward_ms"]["max"]
-        assert row["prefill_new_length_ms"] > 0
+        assert row["prefill_new_length_ms"] > 0 and row["prefill_new_length_generate_ms"] > 0
         total = row["prefill_profile"][0]
         assert total["op"] == "(all)" and total["calls"] > 0 and total["host_ms"] > 0
     assert rows[("student", 2, 32)]["captured_step"] is False  # CPU: no CUDA graph
