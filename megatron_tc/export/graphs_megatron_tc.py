@@ -1,5 +1,5 @@
 """CUDA graphs of an exported student over a static cache (torch only): the decoding step, and the
-prefill of a prompt shape that repeats.
+prefill of a bucket of prompt lengths that repeats.
 
 A forward of a small model over a few thousand tokens is host-bound: launching its kernels (fla's
 Triton kernels above all) takes several times the GPU's work. A captured graph replays every
