@@ -210,6 +210,20 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
         report.add("rows", row)
 
 
+def bench_phases_rows(teacher, layers, student_arch, args, device, report) -> None:
+    """--phases: `stats_phases.bench_phases` over the benchmark's batches, one row per variant."""
+    from megatron_tc.bench.stats_phases import bench_phases
+
+    batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
+    strategies = [get_strategy(s) for s in args.readout.split(",") if s]
+    meta = {"teacher_sha256": "bench", "seq_len": args.seq}
+    for row in bench_phases(teacher, batches, layers, meta, strategies, student_arch, args.chunk_size, args.phases,
+                            device):
+        flat = {k: (f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" if isinstance(v, dict) else v)
+                for k, v in row.items()}
+        report.add("phases", {**flat, "ratio": round(row["ratio"], 2), "repeats": args.phases})
+
+
 def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
     arch = teacher.arch
     rows = args.calib_tokens // args.calib_seq
@@ -289,6 +303,9 @@ def run(args: Any) -> int:
                                               args.chunk_size))
         except Exception as exc:
             report.error("kernel check", exc)
+    if getattr(args, "phases", 0):
+        bench_phases_rows(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
+        return _finish(report)
     bench_stats(teacher, layers, teacher.arch.with_pattern(pattern), args, device, report)
     if not args.no_calibrate:
         bench_calibrate(teacher, keep, pattern, args, device, report)
@@ -303,6 +320,8 @@ def _finish(report: Report) -> int:
         ("Sweep profiles (self time; all operators, then the heaviest)", "profile",
          ["pass", "op", "calls", "host_ms", "device_ms"]),
         ("Host waits for the device (one warm call, CUDA sync debug mode)", "syncs", ["what", "host_syncs", "where"]),
+        ("Phases of the statistics pass (ms: median (min-max); ratio: median over the forward's)", "phases",
+         ["pass", "ms", "ratio", "sweep 1 ms", "sweep 2 ms", "repeats"]),
         ("Calibration wall time (taylor_calibrate)", "calibrate",
          ["init", "tokens", "seq", "docs", "converted_layers", "align_steps", "warmup_s", "stats_s", "align_s", "wall_s",
           "mean_best_rel_mse", "goal", "met", "note"]),

@@ -119,6 +119,27 @@ def test_bench_stats_quick(tmp_path):
     assert "bench_stats" in summarize(tmp_path)
 
 
+def test_bench_stats_phases(tmp_path):
+    """--phases: one row per variant in one process; the pass's two sweeps are timed inside it (their
+    sum within its total), and the statistics module is left as it was."""
+    from megatron_tc.calibrate import stats as stats_module
+
+    originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
+                 stats_module.defaults_on_worker)
+    data = run("bench_stats", tmp_path, "--phases", "2")
+    rows = {row["pass"]: row for row in data["phases"]}
+    assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, inits between layers", "sweep 1 alone",
+                          "sweep 1, layer I/O kept"]
+    assert not data.get("rows") and not data.get("calibrate")
+    median = lambda cell: float(cell.split(" ")[0])  # noqa: E731 - "median (min-max)"
+    for name in ("collect_stats", "collect_stats, inits between layers"):
+        parts = median(rows[name]["sweep 1 ms"]) + median(rows[name]["sweep 2 ms"])
+        assert 0 < parts <= median(rows[name]["ms"]) * 1.01 + 0.2  # the medians of parts and whole (0.1 ms rounding)
+    assert all(row["repeats"] == 2 and row["ratio"] > 0 for row in rows.values())
+    assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
+            stats_module.defaults_on_worker) == originals
+
+
 def test_bench_stats_calibrate_only(tmp_path):
     data = run("bench_stats", tmp_path, "--calibrate-only")
     (calib,) = data["calibrate"]

@@ -5,7 +5,7 @@ of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
     python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
         [--align-steps N] [--no-calibrate | --calibrate-only] [--packed-docs [MEAN]] [--sweep1-reference]
-        [--profile]
+        [--profile] [--phases [REPEATS]]
 
 Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
@@ -31,6 +31,8 @@ Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibra
 --calib-tokens tokens in rows of --calib-seq, timed wall clock after a warm-up (first uses compile:
 the GDN kernels in fp32 and in the alignment's dtype, then the whole calibration with 2 alignment
 steps); goal <= 60 s on one H200. --calibrate-only times the calibration alone (no checks, no sweep rows).
+--phases times, alternating in one process, where the pipeline's pass spends its time
+(`megatron_tc/bench/stats_phases.py`) and nothing else.
 --packed-docs calibrates on rows of random documents packed with their doc_ids, one row per batch,
 as the pipeline's calibration source gives them (else rows without boundaries, four per batch).
 """
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep1-reference", action="store_true",
                    help="also time sweep 1 with the PyTorch chunks (and check the kernel against them)")
     p.add_argument("--budget-ms", type=float, default=2000.0)
+    p.add_argument("--phases", type=int, nargs="?", const=5, default=0, metavar="REPEATS",
+                   help="only the phases of the pass (stats_phases.py): collect_stats with sweep 1 and sweep 2 timed "
+                        "apart, with the default inits between layers, and sweep 1 alone with and without the layer "
+                        "I/O kept, alternating over REPEATS rounds (default 5) beside a teacher forward")
     p.add_argument("--profile", action="store_true",
                    help="profile one warm call of each sweep (host and device time, heaviest operators) "
                         "and count the host's waits for the device")

@@ -1,0 +1,108 @@
+"""Where the time of the pipeline's statistics pass goes (tools/bench/stats.py --phases): in one
+process, variants timed in turn (alternating, so a drifting machine shifts them alike), each as
+min / median / max over the repeats, beside a plain teacher forward timed in the same loop:
+
+    collect_stats:            the pass as the pipeline runs it, with its two phases timed apart
+                              (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
+    ..., inits between layers: the default GDN inits drawn between sweep 1's layers on the calling
+                              thread instead of ahead on a worker (the CPU's way; on a GPU the worker's);
+    sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
+    sweep 1, layer I/O kept:  the same, keeping each layer's input, output and heads as collect_stats does.
+
+Sweep 1 inside collect_stats against sweep 1 alone tells what running the pass as one costs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from megatron_tc.bench.common import sync, time_once
+from megatron_tc.calibrate import stats as stats_module
+
+PHASES = ("collect_attention_stats", "collect_readout_stats")
+
+
+@contextlib.contextmanager
+def phase_clock(device: torch.device, into: dict[str, float]):
+    """Inside: each call of the statistics module's two sweeps adds its milliseconds (a device sync
+    before and after) to into[name]."""
+    saved = {name: getattr(stats_module, name) for name in PHASES}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            holder = {}
+            into[name] = into.get(name, 0.0) + time_once(lambda: holder.setdefault("out", fn(*args, **kwargs)), device)
+            return holder["out"]
+        return run
+
+    for name, fn in saved.items():
+        setattr(stats_module, name, timed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(stats_module, name, fn)
+
+
+@contextlib.contextmanager
+def inits_between_layers():
+    """Inside: collect_stats draws the default inits between sweep 1's layers (as on a CPU)."""
+    saved = stats_module.defaults_on_worker
+    stats_module.defaults_on_worker = lambda device: False
+    try:
+        yield
+    finally:
+        stats_module.defaults_on_worker = saved
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch, chunk_size: int, repeats: int,
+                 device: torch.device) -> list[dict[str, Any]]:
+    """Rows {pass, ms: spread, ratio: median over the forward's median, [sweep 1 ms, sweep 2 ms]}."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            for batch in batches:
+                teacher(batch["input_ids"])
+
+    def one_pass() -> None:
+        stats_module.collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
+                                   student_arch=student_arch, chunk_size=chunk_size, progress=False)
+
+    def sweep1(keep: bool) -> Callable[[], None]:
+        return lambda: stats_module.collect_attention_stats(teacher, batches, layers, meta, chunk_size=chunk_size,
+                                                            progress=False, keep_io=[] if keep else None)
+
+    def between() -> None:
+        with inits_between_layers():
+            one_pass()
+
+    variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, inits between layers": between,
+                "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    phases: dict[str, list[dict[str, float]]] = {"collect_stats": [], "collect_stats, inits between layers": []}
+    for name, fn in variants.items():  # warm-up: kernels compiled, caches filled
+        fn()
+    sync(device)
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            split: dict[str, float] = {}
+            with phase_clock(device, split) if name in phases else contextlib.nullcontext():
+                times[name].append(time_once(fn, device))
+            if name in phases:
+                phases[name].append(split)
+    base = statistics.median(times["teacher forward"])
+    rows = []
+    for name, values in times.items():
+        row = {"pass": name, "ms": spread(values), "ratio": statistics.median(values) / base}
+        if name in phases:
+            row["sweep 1 ms"] = spread([p["collect_attention_stats"] for p in phases[name]])
+            row["sweep 2 ms"] = spread([p.get("collect_readout_stats", 0.0) for p in phases[name]])
+        rows.append(row)
+    return rows
