@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_tc.bench.common import spread
 from megatron_tc.bench.models import forward_flops
 
 
@@ -249,10 +250,6 @@ def interleaved_runs(steps: dict[str, Callable[[], Any]], device: torch.device, 
             times = [_max_over_ranks(time_step(fn, device)) for _ in range(per_run)]
             out[name].append(statistics.median(times))
     return out
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def result_rows(seconds: dict[str, list[float]], labels: dict[str, str], tokens: int, flops: float,

@@ -33,6 +33,11 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """{min, median, max} of repeated measurements."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

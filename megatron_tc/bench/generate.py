@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megatron_tc.bench.common import profile_rows, sync
+from megatron_tc.bench.common import profile_rows, spread, sync
 from megatron_tc.model.config import ArchConfig
 
 
@@ -117,10 +117,6 @@ def one_generate(model, ids: torch.Tensor, new_tokens: int, warmup_steps: int, *
                    do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0, **kwargs)
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][warmup_steps:]
     return {"prefill_ms": 1e3 * (clock.stamps[0] - start), "decode_ms": 1e3 * statistics.median(steps)}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def time_prefill_forward(model, ids: torch.Tensor, length: int, repeats: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_tc.bench.common import sync, time_once
+from megatron_tc.bench.common import spread, sync, time_once
 from megatron_tc.calibrate import stats as stats_module
 
 PHASES = ("collect_attention_stats", "collect_readout_stats")
@@ -56,10 +56,6 @@ def inits_between_layers():
         yield
     finally:
         stats_module.defaults_on_worker = saved
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch, chunk_size: int, repeats: int,
