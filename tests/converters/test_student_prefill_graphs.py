@@ -126,17 +126,17 @@ def test_the_second_prompt_of_a_bucket_is_captured_and_serves_every_length(monke
         fresh = MegatronTCCache(model.config, static_len=32)  # no buffers yet: never captured
         prefill(model, graph_set, fresh, ids[0])
         assert EagerStandIn.built == 1
+        longer = torch.cat([ids[0], ids[1]], 1)
         for t in (11, 9, 16):  # lengths never seen, in the captured bucket (9..16): replayed
-            got = prefill(model, graph_set, cache, ids[0][:, :t] if t <= 12 else torch.cat([ids[0], ids[1][:, :4]], 1))
+            got = prefill(model, graph_set, cache, longer[:, :t])
             assert EagerStandIn.built == 1
-            torch.testing.assert_close(got, reference(ids[0][:, :t] if t <= 12 else
-                                                      torch.cat([ids[0], ids[1][:, :4]], 1)), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, reference(longer[:, :t]), rtol=1e-5, atol=1e-5)
         prefill(model, graph_set, cache, ids[0][:, :5])  # a bucket seen once: eager
         assert EagerStandIn.built == 1
         prefill(model, graph_set, cache, ids[0][:, :3])  # its second prompt: captured
         assert EagerStandIn.built == 2
         for t in (20, 24):  # a third bucket: the least recently used one is dropped
-            prefill(model, graph_set, cache, torch.cat([ids[0], ids[1]], 1)[:, :t])
+            prefill(model, graph_set, cache, longer[:, :t])
         assert EagerStandIn.built == 3
         assert [key[1] for key in graph_set.graphs] == [8, 24]
         prefill(model, graph_set, cache, ids[0][:, :7])
