@@ -4,10 +4,12 @@ min / median / max over the repeats, beside a plain teacher forward timed in the
 
     collect_stats:            the pass as the pipeline runs it, with its two phases timed apart
                               (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
+    ..., one init thread:     the default GDN inits drawn on one worker thread instead of one per layer;
     ..., inits between layers: the default GDN inits drawn between sweep 1's layers on the calling
-                              thread instead of ahead on a worker (the CPU's way; on a GPU the worker's);
+                              thread instead of ahead on worker threads (the CPU's way; on a GPU the workers');
     sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
-    sweep 1, layer I/O kept:  the same, keeping each layer's input, output and heads as collect_stats does.
+    sweep 1, layer I/O kept:  the same, keeping each layer's input, output and heads as collect_stats does;
+    sweep 1, a call per layer: sweep 1 alone with each layer's sums in a call of its own (not stacked).
 
 Sweep 1 inside collect_stats against sweep 1 alone tells what running the pass as one costs it.
 """
@@ -48,14 +50,15 @@ def phase_clock(device: torch.device, into: dict[str, float]):
 
 
 @contextlib.contextmanager
-def inits_between_layers():
-    """Inside: collect_stats draws the default inits between sweep 1's layers (as on a CPU)."""
-    saved = stats_module.defaults_on_worker
-    stats_module.defaults_on_worker = lambda device: False
+def init_threads(threads: int):
+    """Inside: collect_stats draws the default inits on `threads` worker threads (0: between sweep
+    1's layers on the calling thread, as on a CPU)."""
+    saved = stats_module.default_init_threads
+    stats_module.default_init_threads = lambda device, layers: threads
     try:
         yield
     finally:
-        stats_module.defaults_on_worker = saved
+        stats_module.default_init_threads = saved
 
 
 def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch, chunk_size: int, repeats: int,
@@ -71,18 +74,23 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
         stats_module.collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
                                    student_arch=student_arch, chunk_size=chunk_size, progress=False)
 
-    def sweep1(keep: bool) -> Callable[[], None]:
+    def sweep1(keep: bool, layers_per_call: int | None = None) -> Callable[[], None]:
         return lambda: stats_module.collect_attention_stats(teacher, batches, layers, meta, chunk_size=chunk_size,
-                                                            progress=False, keep_io=[] if keep else None)
+                                                            progress=False, keep_io=[] if keep else None,
+                                                            layers_per_call=layers_per_call)
 
-    def between() -> None:
-        with inits_between_layers():
-            one_pass()
+    def with_threads(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            with init_threads(threads):
+                one_pass()
+        return run
 
-    variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, inits between layers": between,
-                "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True)}
+    variants = {"teacher forward": forward, "collect_stats": one_pass,
+                "collect_stats, one init thread": with_threads(1), "collect_stats, inits between layers": with_threads(0),
+                "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True),
+                "sweep 1, a call per layer": sweep1(False, 1)}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    phases: dict[str, list[dict[str, float]]] = {"collect_stats": [], "collect_stats, inits between layers": []}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants if name.startswith("collect_stats")}
     for name, fn in variants.items():  # warm-up: kernels compiled, caches filled
         fn()
     sync(device)

@@ -294,6 +294,14 @@ def attention_sums(
     return sums, y
 
 
+def split_layers(sums: dict[str, torch.Tensor], layers: int) -> list[dict[str, torch.Tensor]]:
+    """The sums of `attention_sums` over several layers' heads stacked (q [B, L*Hq, T, D], k/v
+    [B, L*Hkv, T, D], o_weight [hidden, L*Hq*D]: every statistic is per head, so stacking layers
+    is stacking heads) as one dict per layer (views of the leading head dimension)."""
+    parts = {key: value.chunk(layers) for key, value in sums.items()}
+    return [{key: chunks[i] for key, chunks in parts.items()} for i in range(layers)]
+
+
 def _first_moments(x64: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_t x_t [H, D], sum_t x_t x_t^T [H, D, D]) over the batch and tokens of fp64 x [B, H, T, D];
     with `groups` > 1 the batch is `groups` stacked tensors and each gets its own sums (a leading

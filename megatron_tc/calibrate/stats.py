@@ -15,14 +15,15 @@ fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_st
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
 the same sums bit for bit. The default GDN init each closed form starts from (CPU draws that do
-not depend on the statistics) is made during sweep 1: on a GPU on a worker thread (drawing releases
-the interpreter lock), on a CPU after each layer's sums. Reading kept layers, sweep 2 goes layer by
+not depend on the statistics) is made during sweep 1: on a GPU on worker threads, a layer each
+(drawing releases the interpreter lock), on a CPU after each layer's sums. Reading kept layers, sweep 2 goes layer by
 layer, so the host's work on the next layer's closed form overlaps the device's sums of this one:
 that work never waits for the device (no copies to the CPU, pinned copies to it).
 The closed forms run on the calling thread: on a second host thread (many small operators, each
 taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
-two-forward one. Each sweep's work for one layer and batch goes through `graphs.LayerGraphs`
-(eager unless $MEGATRON_TC_STATS_GRAPHS=1).
+two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
+larger kernels: the host's launches bound it on a GPU). Each sweep's work for one call and batch
+goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from megatron_tc.parallel.comm import all_gather
 
 from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
-from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums
+from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums, split_layers
 from .readout import empty_readout_sums, readout_sums
 from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
     model_device, move_packed, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
@@ -101,6 +102,7 @@ def collect_attention_stats(
     progress: bool = True,
     keep_io: list[dict[int, LayerIO]] | None = None,
     after_layer: Callable[[int], None] | None = None,
+    layers_per_call: int | None = None,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
@@ -108,7 +110,13 @@ def collect_attention_stats(
     rank measures its own heads and the result holds global heads. after_layer(index): host work
     run once a layer's sums of a batch are queued (on a GPU the device sums meanwhile). keep_io: a list that gets, per
     batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
-    kept without TP), for `collect_readout_stats`."""
+    kept without TP), for `collect_readout_stats`.
+
+    The sums of several layers of a batch run as one call, their heads stacked (`moments.split_layers`):
+    the host issues one layer's operators for several (on a GPU it is the bound: a few hundred small
+    kernels a layer); layers of another kind (a sliding window among full layers) get calls of
+    their own. layers_per_call: at most this many (default `stacked_layers`: as many as fit
+    STACK_BYTES of temporaries); 1 is a call per layer."""
     arch = model.arch
     layers = sorted(layers)
     for index in layers:
@@ -122,20 +130,47 @@ def collect_attention_stats(
     device = model_device(model)
     sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
 
-    def layer_sums(modules, tensors, spec) -> dict[str, torch.Tensor]:
-        """tensors: x, resid, out, position_ids, doc_ids, then q, k, v as the forward made them (or Nones)."""
-        (mixer,), (x, resid, out, position_ids, doc_ids, *qkv) = modules, tensors
-        q, k, v = mixer.project_qkv(x, position_ids) if qkv[0] is None else qkv
-        head_sums, _ = attention_sums(q, k, v, mixer.scale, mixer.o_proj.weight, doc_ids, mixer.sliding_window,
-                                      chunk_size)
-        return head_sums | layer_input_sums(x, resid, out, doc_ids, mixer.sliding_window)
+    def layer_sums(modules, tensors, spec) -> dict[tuple[int, str], torch.Tensor]:
+        """modules: the attention of each layer of a call (one or more, same scale and window);
+        tensors: position_ids, doc_ids, then per layer x, resid, out, q, k, v as the forward made
+        them (or Nones). Returns {(i, key): sum} for the call's i-th layer."""
+        position_ids, doc_ids, per_layer = tensors[0], tensors[1], _per_layer(tensors[2:], len(modules))
+        qkv = [io[3:] if io[3] is not None else mixer.project_qkv(io[0], position_ids)
+               for mixer, io in zip(modules, per_layer)]
+        first = modules[0]
+        o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
+        head_sums, _ = attention_sums(*(_cat_heads([t[i] for t in qkv]) for i in range(3)), first.scale, o_weight,
+                                      doc_ids, first.sliding_window, chunk_size)
+        result = {}
+        for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
+            part |= layer_input_sums(io[0], io[1], io[2], doc_ids, first.sliding_window)
+            result.update({(i, key): value for key, value in part.items()})
+        return result
 
     graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
+    pending: dict[tuple, list[tuple[int, LayerIO]]] = {}  # per kind of call, layers of this batch waiting
+
+    def flush(waiting: list[tuple[int, LayerIO]]) -> None:
+        ios = [io for _, io in waiting]
+        run = graphs if ios[0].doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
+        tensors = [ios[0].position_ids, ios[0].doc_ids]
+        for io in ios:
+            tensors += [io.x, io.resid, io.out, *(io.qkv if io.qkv is not None else (None,) * 3)]
+        got = run([io.mixer for io in ios], tensors)
+        for i, (index, _) in enumerate(waiting):
+            add_into(sums[index], {key: value for (j, key), value in got.items() if j == i})
+        waiting.clear()
 
     def on_layer(index: int, io: LayerIO) -> None:
-        run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        qkv = list(io.qkv) if io.qkv is not None else [None] * 3
-        add_into(sums[index], run([io.mixer], [io.x, io.resid, io.out, io.position_ids, io.doc_ids, *qkv]))
+        waiting = pending.setdefault(_call_kind(io), [])
+        waiting.append((index, io))
+        if len(waiting) >= per_call:
+            flush(waiting)
+        if index == layers[-1]:
+            for rest in pending.values():
+                if rest:
+                    flush(rest)
+            pending.clear()
         if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
             keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None, heads=io.heads if tp == 1 else None)
         if after_layer is not None:
@@ -144,6 +179,7 @@ def collect_attention_stats(
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
         seq_len = max(seq_len, batch["input_ids"].shape[1])
+        per_call = layers_per_call if layers_per_call is not None else stacked_layers(arch, batch["input_ids"].shape, tp)
         if keep_io is not None:
             keep_io.append({})
         capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer, inner=True)
@@ -163,6 +199,35 @@ def collect_attention_stats(
     if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
     return _to_cpu(stats)
+
+
+STACK_BYTES = 2 << 30  # sweep 1's fp32 / fp64 temporaries of one stacked call, at most
+
+
+def stacked_layers(arch, batch_shape: Sequence[int], tp: int = 1) -> int:
+    """Layers whose sweep-1 sums run in one call for a batch of `batch_shape` [B, T]: their per-head
+    temporaries (about 20 bytes per token, head and channel: fp32 outputs, their fp64 copies) within
+    STACK_BYTES, and B x heads within the kernel's grid (65,535 rows of programs)."""
+    heads = arch.num_heads // tp
+    per_layer = 20 * batch_shape[0] * batch_shape[1] * heads * arch.head_dim
+    return max(1, min(STACK_BYTES // per_layer, 65535 // (batch_shape[0] * heads)))
+
+
+def _per_layer(tensors: Sequence, layers: int, width: int = 6) -> list[Sequence]:
+    return [tensors[i * width:(i + 1) * width] for i in range(layers)]
+
+
+def _cat_heads(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
+
+
+def _call_kind(io: LayerIO) -> tuple:
+    """What layers of a batch must share to run in one stacked sweep-1 call: the kind of attention
+    (scale, window, shapes, dtypes), positions and documents (the batch's: the same tensors at every
+    layer), and whether the forward's q/k/v came with them."""
+    mixer, weight = io.mixer, io.mixer.o_proj.weight
+    return (type(mixer), mixer.scale, mixer.sliding_window, tuple(weight.shape), weight.dtype, io.x.dtype,
+            id(io.position_ids), id(io.doc_ids), io.qkv is None)
 
 
 def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
@@ -339,23 +404,24 @@ def collect_stats(
 
     def default_ahead(index: int) -> None:
         """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
-        ms a layer) made on the host while the device runs sweep 1's sums of the layer."""
+        ms a layer) made on the host while the device runs sweep 1's sums."""
         if readout_strategies and index not in defaults:
             defaults[index] = default_gdn_state(student_arch, index, seed).draw_read_values()
 
-    worker = ThreadPoolExecutor(1, thread_name_prefix="default-init") \
-        if readout_strategies and defaults_on_worker(model_device(model)) else None
-    drawn = worker.submit(lambda: [default_ahead(index) for index in sorted(layers)]) if worker else None
+    threads = default_init_threads(model_device(model), len(layers)) if readout_strategies else 0
+    workers = ThreadPoolExecutor(threads, thread_name_prefix="default-init") if threads else None
+    drawn = [workers.submit(default_ahead, index) for index in sorted(layers)] if workers else []
     try:
         stats = collect_attention_stats(
             model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-            num_batches=len(batches), progress=progress, keep_io=keep, after_layer=None if worker else default_ahead,
+            num_batches=len(batches), progress=progress, keep_io=keep,
+            after_layer=None if workers else default_ahead,
         )
-        if drawn is not None:
-            drawn.result()
+        for future in drawn:
+            future.result()
     finally:
-        if worker is not None:
-            worker.shutdown(cancel_futures=True)
+        if workers is not None:
+            workers.shutdown(cancel_futures=True)
     if readout_strategies:
         stats = collect_readout_stats(
             stats, model, batches, readout_strategies, student_arch, seed=seed, dp_group=dp_group,
@@ -364,11 +430,18 @@ def collect_stats(
     return stats
 
 
-def defaults_on_worker(device: torch.device) -> bool:
-    """Whether the default inits are drawn on a worker thread during sweep 1: on a GPU, whose host
-    is the bound of sweep 1 (kernel launches) and whose draws release the interpreter lock. On a
-    CPU they would only take cores from the sums, so they run between layers (`after_layer`)."""
-    return device.type == "cuda"
+DEFAULT_INIT_THREADS = 8  # host threads drawing sweep 2's default inits during sweep 1 on a GPU, at most
+
+
+def default_init_threads(device: torch.device, layers: int) -> int:
+    """Threads drawing the default inits during sweep 1 (0: between its layers, on the calling
+    thread). On a GPU the host's kernel launches bound sweep 1, and the draws (one layer's about
+    20 ms of one core, the interpreter lock released) run beside them, a layer per thread: one
+    thread for every layer took longer than sweep 1 on an H200's host. On a CPU they would only take
+    cores from the sums."""
+    if device.type != "cuda":
+        return 0
+    return max(1, min(layers, DEFAULT_INIT_THREADS, (os.cpu_count() or 2) - 1))
 
 
 READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most

@@ -125,19 +125,20 @@ def test_bench_stats_phases(tmp_path):
     from megatron_tc.calibrate import stats as stats_module
 
     originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-                 stats_module.defaults_on_worker)
+                 stats_module.default_init_threads)
     data = run("bench_stats", tmp_path, "--phases", "2")
     rows = {row["pass"]: row for row in data["phases"]}
-    assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, inits between layers", "sweep 1 alone",
-                          "sweep 1, layer I/O kept"]
+    assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, one init thread",
+                          "collect_stats, inits between layers", "sweep 1 alone",
+                          "sweep 1, layer I/O kept", "sweep 1, a call per layer"]
     assert not data.get("rows") and not data.get("calibrate")
     median = lambda cell: float(cell.split(" ")[0])  # noqa: E731 - "median (min-max)"
-    for name in ("collect_stats", "collect_stats, inits between layers"):
+    for name in ("collect_stats", "collect_stats, one init thread", "collect_stats, inits between layers"):
         parts = median(rows[name]["sweep 1 ms"]) + median(rows[name]["sweep 2 ms"])
         assert 0 < parts <= median(rows[name]["ms"]) * 1.01 + 0.2  # the medians of parts and whole (0.1 ms rounding)
     assert all(row["repeats"] == 2 and row["ratio"] > 0 for row in rows.values())
     assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-            stats_module.defaults_on_worker) == originals
+            stats_module.default_init_threads) == originals
 
 
 def test_bench_stats_calibrate_only(tmp_path):

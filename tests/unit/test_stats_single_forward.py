@@ -1,6 +1,7 @@
 """The statistics pass runs the teacher once per batch: sweep 2 reads the layer inputs, outputs and
 attention heads sweep 1 kept (consecutive batches merged into one call), and its sums equal those
 of a second teacher forward batch by batch up to the fp64 summation order."""
+import pytest
 import torch
 
 from megatron_tc.calibrate.stats import collect_stats, layer_io_bytes, readout_closed_forms
@@ -111,8 +112,9 @@ def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch)
     assert made == LAYERS and sweep_2 == [LAYERS]
 
 
-def test_default_inits_drawn_on_a_worker_thread_give_the_same_sums(monkeypatch):
-    """As on a GPU: the default inits on a worker thread during sweep 1, each once, all before
+@pytest.mark.parametrize("threads", [1, 2])
+def test_default_inits_drawn_on_worker_threads_give_the_same_sums(monkeypatch, threads):
+    """As on a GPU: the default inits on worker threads during sweep 1, each once, all before
     sweep 2, the sums bit for bit those of the draws between layers."""
     import threading
 
@@ -121,15 +123,16 @@ def test_default_inits_drawn_on_a_worker_thread_give_the_same_sums(monkeypatch):
     between = stats_and_forwards(None)[0]
     made, sweep_2 = [], []
     real = stats_module.default_gdn_state
-    monkeypatch.setattr(stats_module, "defaults_on_worker", lambda device: True)
+    monkeypatch.setattr(stats_module, "default_init_threads", lambda device, layers: threads)
     monkeypatch.setattr(stats_module, "default_gdn_state",
                         lambda *a, **k: made.append((a[1], threading.current_thread().name)) or real(*a, **k))
     real_readout = stats_module.collect_readout_stats
     monkeypatch.setattr(stats_module, "collect_readout_stats",
                         lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
     worker = stats_and_forwards(None)[0]
-    assert [index for index, _ in made] == LAYERS and sweep_2 == [made]
+    assert sorted(index for index, _ in made) == LAYERS and sweep_2 == [made]
     assert all(name.startswith("default-init") for _, name in made)
+    assert len({name for _, name in made}) <= threads
     assert worker.sums.keys() == between.sums.keys()
     for key, value in between.sums.items():
         assert torch.equal(worker.sums[key], value), key
