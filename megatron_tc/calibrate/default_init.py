@@ -3,6 +3,7 @@ only the values that are read (docs/method.md section 4: the GDN-only parameters
 at their default)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Mapping
@@ -13,12 +14,14 @@ from megatron_tc.model.config import ArchConfig
 from megatron_tc.model.gdn import GatedDeltaNet
 
 
-def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> "DefaultGDNState":
+def default_gdn_state(arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02,
+                      draw: bool = True) -> "DefaultGDNState":
     """The model's default init of GDN layer `index` (as HybridLM.reset_parameters), drawn from a
     generator seeded by (seed, index) so it does not depend on which other layers exist. Always
     drawn on the CPU (the same numbers whatever device the teacher is on), from a generator of its
-    own (never the global one: states may be made on another thread). See DefaultGDNState."""
-    return DefaultGDNState(arch, index, seed, init_std)
+    own (never the global one: states may be made on another thread). draw=False: the draws are
+    made on first use or by `DefaultGDNState.draw`. See DefaultGDNState."""
+    return DefaultGDNState(arch, index, seed, init_std, draw)
 
 
 class DefaultGDNState(Mapping[str, torch.Tensor]):
@@ -34,12 +37,24 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
     ahead of its use). The other values (short convolutions, gate parameters, norm, zero biases)
     are drawn as the sequence draws them."""
 
-    def __init__(self, arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> None:
+    def __init__(self, arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02, draw: bool = True) -> None:
+        """draw=False: only the layer's structure now (Python work); the draws (`draw`, CPU work
+        that mostly runs with the interpreter lock released) on first use or when asked, on any thread."""
         with torch.device("meta"):  # the structure only: no allocation, no draws
-            mixer = GatedDeltaNet(arch, index, init=False)
-        self._std, self._pending = init_std, {}
-        generator = torch.Generator().manual_seed(seed * 100003 + index)  # as torch.manual_seed would seed
-        with torch.device("cpu"), torch.no_grad():
+            self._mixer = GatedDeltaNet(arch, index, init=False)
+        self._std, self._pending, self._seed = init_std, {}, seed * 100003 + index  # as torch.manual_seed would seed
+        self._state: dict[str, torch.Tensor] | None = None
+        if draw:
+            self.draw()
+
+    def draw(self) -> "DefaultGDNState":
+        """Run the generator's sequence (once): the constructor's draws, in its order, then the redraws."""
+        if self._state is not None:
+            return self
+        mixer, generator = self._mixer, torch.Generator().manual_seed(self._seed)
+        # a process-wide default device (torch.set_default_device) must not move the draws off the CPU
+        on_cpu = contextlib.nullcontext() if torch.get_default_device().type == "cpu" else torch.device("cpu")
+        with on_cpu, torch.no_grad():
             mixer.to_empty(device="cpu", recurse=False)  # A_log, dt_bias: written below
             for child in mixer.children():  # the constructor's draws, in its order
                 if isinstance(child, torch.nn.Linear):
@@ -57,8 +72,11 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
                         module.bias = torch.nn.Parameter(torch.zeros_like(module.bias, device="cpu"))
             mixer.reset_gdn_parameters(generator)
         self._state = mixer.state_dict()  # detached; the module is ours, no copies
+        del self._mixer
+        return self
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        self.draw()
         if key in self._pending:  # a Linear weight: its N(0, std) draw from where the sequence had it
             generator = torch.Generator()
             generator.set_state(self._pending.pop(key))
@@ -70,16 +88,17 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
     def draw_read_values(self, teacher_copied: bool = True) -> "DefaultGDNState":
         """Draw now every pending Linear weight but (teacher_copied) the q/k/v/o projections every
         strategy replaces with the teacher's: the values a closed form reads, made ahead of it."""
+        self.draw()
         for key in list(self._pending):
             if not (teacher_copied and key.split("_proj.")[0] in ("q", "k", "v", "o")):
                 self[key]
         return self
 
     def __iter__(self):
-        return iter(self._state)
+        return iter(self.draw()._state)
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self.draw()._state)
 
 
 def _reset_child(child: torch.nn.Module, generator: torch.Generator) -> None:

@@ -402,14 +402,19 @@ def collect_stats(
     student_arch = student_arch or model.arch
     defaults: dict[int, Mapping[str, torch.Tensor]] = {}
 
+    shells: dict[int, Mapping[str, torch.Tensor]] = {}
+
     def default_ahead(index: int) -> None:
         """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
         ms a layer) made on the host while the device runs sweep 1's sums."""
         if readout_strategies and index not in defaults:
-            defaults[index] = default_gdn_state(student_arch, index, seed).draw_read_values()
+            shell = shells.pop(index, None) or default_gdn_state(student_arch, index, seed, draw=False)
+            defaults[index] = shell.draw_read_values()
 
     threads = default_init_threads(model_device(model), len(layers)) if readout_strategies else 0
     workers = ThreadPoolExecutor(threads, thread_name_prefix="default-init") if threads else None
+    if workers is not None:  # the layers' structure (Python work) here; the workers only draw
+        shells.update({index: default_gdn_state(student_arch, index, seed, draw=False) for index in layers})
     drawn = [workers.submit(default_ahead, index) for index in sorted(layers)] if workers else []
     try:
         stats = collect_attention_stats(
@@ -430,15 +435,17 @@ def collect_stats(
     return stats
 
 
-DEFAULT_INIT_THREADS = 8  # host threads drawing sweep 2's default inits during sweep 1 on a GPU, at most
+DEFAULT_INIT_THREADS = 4  # host threads drawing sweep 2's default inits during sweep 1 on a GPU, at most
 
 
 def default_init_threads(device: torch.device, layers: int) -> int:
     """Threads drawing the default inits during sweep 1 (0: between its layers, on the calling
     thread). On a GPU the host's kernel launches bound sweep 1, and the draws (one layer's about
-    20 ms of one core, the interpreter lock released) run beside them, a layer per thread: one
-    thread for every layer took longer than sweep 1 on an H200's host. On a CPU they would only take
-    cores from the sums."""
+    10 ms of one core, mostly with the interpreter lock released) run beside them, a layer per
+    thread: on an H200's host one thread for all layers took longer than sweep 1, and 8 threads
+    slowed the launching thread more than 4 (each takes the interpreter lock between draws). The
+    layers' structures are built on the calling thread before sweep 1, so workers only draw. On a
+    CPU they would only take cores from the sums."""
     if device.type != "cuda":
         return 0
     return max(1, min(layers, DEFAULT_INIT_THREADS, (os.cpu_count() or 2) - 1))

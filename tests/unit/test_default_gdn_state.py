@@ -145,3 +145,17 @@ def test_values_drawn_ahead_equal_the_plain_sequence_and_unread_weights_take_no_
     assert not any(state._state[key].is_meta for key in want if key not in state._pending)
     for key, value in want.items():
         assert torch.equal(state[key], value), key
+
+
+def test_a_structure_made_first_and_drawn_on_another_thread_gives_the_same_values():
+    import threading
+
+    want = reference_state(ARCHS["short_conv"], 2, 5)
+    state = default_gdn_state(ARCHS["short_conv"], 2, 5, draw=False)
+    assert state._state is None  # nothing drawn yet
+    worker = threading.Thread(target=state.draw)
+    worker.start()
+    worker.join()
+    assert list(state) == list(want)
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key

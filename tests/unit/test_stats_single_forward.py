@@ -121,18 +121,28 @@ def test_default_inits_drawn_on_worker_threads_give_the_same_sums(monkeypatch, t
     from megatron_tc.calibrate import stats as stats_module
 
     between = stats_and_forwards(None)[0]
-    made, sweep_2 = [], []
-    real = stats_module.default_gdn_state
+    from megatron_tc.calibrate.default_init import DefaultGDNState
+
+    made, drawn, sweep_2 = [], [], []
+    real, real_draw = stats_module.default_gdn_state, DefaultGDNState.draw
     monkeypatch.setattr(stats_module, "default_init_threads", lambda device, layers: threads)
     monkeypatch.setattr(stats_module, "default_gdn_state",
                         lambda *a, **k: made.append((a[1], threading.current_thread().name)) or real(*a, **k))
+
+    def draw(state):
+        if state._state is None:  # the generator's work, not a later read
+            drawn.append(threading.current_thread().name)
+        return real_draw(state)
+
+    monkeypatch.setattr(DefaultGDNState, "draw", draw)
     real_readout = stats_module.collect_readout_stats
     monkeypatch.setattr(stats_module, "collect_readout_stats",
-                        lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
+                        lambda *a, **k: sweep_2.append((list(made), list(drawn))) or real_readout(*a, **k))
     worker = stats_and_forwards(None)[0]
-    assert sorted(index for index, _ in made) == LAYERS and sweep_2 == [made]
-    assert all(name.startswith("default-init") for _, name in made)
-    assert len({name for _, name in made}) <= threads
+    main = threading.current_thread().name
+    assert made == [(index, main) for index in LAYERS]  # the structures first, on the calling thread
+    assert sweep_2 == [(made, drawn)] and len(drawn) == len(LAYERS)  # every draw before sweep 2, each once
+    assert all(name.startswith("default-init") for name in drawn) and len(set(drawn)) <= threads
     assert worker.sums.keys() == between.sums.keys()
     for key, value in between.sums.items():
         assert torch.equal(worker.sums[key], value), key
