@@ -4,7 +4,7 @@ min / median / max over the repeats, beside a plain teacher forward timed in the
 
     collect_stats:            the pass as the pipeline runs it, with its two phases timed apart
                               (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
-    ..., one init thread:     the default GDN inits drawn on one worker thread instead of one per layer;
+    ..., one init thread:     the default GDN inits drawn on one worker thread (default: up to 4, a layer each);
     ..., inits between layers: the default GDN inits drawn between sweep 1's layers on the calling
                               thread instead of ahead on worker threads (the CPU's way; on a GPU the workers');
     sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
