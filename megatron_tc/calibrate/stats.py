@@ -108,7 +108,8 @@ def collect_attention_stats(
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
     rank measures its own heads and the result holds global heads. after_layer(index): host work
-    run once a layer's sums of a batch are queued (on a GPU the device sums meanwhile). keep_io: a list that gets, per
+    run after each layer of a batch (its sums queued, or waiting for the layers stacked with it; on a
+    GPU the device sums meanwhile). keep_io: a list that gets, per
     batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
     kept without TP), for `collect_readout_stats`.
 
