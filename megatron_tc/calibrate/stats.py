@@ -157,9 +157,11 @@ def collect_attention_stats(
         tensors = [ios[0].position_ids, ios[0].doc_ids]
         for io in ios:
             tensors += [io.x, io.resid, io.out, *(io.qkv if io.qkv is not None else (None,) * 3)]
-        got = run([io.mixer for io in ios], tensors)
-        for i, (index, _) in enumerate(waiting):
-            add_into(sums[index], {key: value for (j, key), value in got.items() if j == i})
+        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in waiting]
+        for (i, key), value in run([io.mixer for io in ios], tensors).items():
+            per_layer[i][key] = value
+        for (index, _), part in zip(waiting, per_layer):
+            add_into(sums[index], part)
         waiting.clear()
 
     def on_layer(index: int, io: LayerIO) -> None:
@@ -409,7 +411,9 @@ def collect_stats(
         """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
         ms a layer) made on the host while the device runs sweep 1's sums."""
         if readout_strategies and index not in defaults:
-            shell = shells.pop(index, None) or default_gdn_state(student_arch, index, seed, draw=False)
+            shell = shells.pop(index, None)  # (a Mapping: its truth value would draw it here)
+            if shell is None:
+                shell = default_gdn_state(student_arch, index, seed, draw=False)
             defaults[index] = shell.draw_read_values()
 
     threads = default_init_threads(model_device(model), len(layers)) if readout_strategies else 0
