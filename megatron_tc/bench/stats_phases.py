@@ -4,9 +4,7 @@ min / median / max over the repeats, beside a plain teacher forward timed in the
 
     collect_stats:            the pass as the pipeline runs it, with its two phases timed apart
                               (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
-    ..., one init thread:     the default GDN inits drawn on one worker thread (default: up to 4, a layer each);
-    ..., inits between layers: the default GDN inits drawn between sweep 1's layers on the calling
-                              thread instead of ahead on worker threads (the CPU's way; on a GPU the workers');
+    ..., CUDA graphs:         the same with the per-layer CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1);
     sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
     sweep 1, layer I/O kept:  the same, keeping each layer's input, output and heads as collect_stats does;
     sweep 1, a call per layer: sweep 1 alone with each layer's sums in a call of its own (not stacked).
@@ -23,6 +21,8 @@ import torch
 
 from megatron_tc.bench.common import spread, sync, time_once
 from megatron_tc.calibrate import stats as stats_module
+from megatron_tc.bench.stats_run import env
+from megatron_tc.calibrate.graphs import GRAPHS_ENV
 
 PHASES = ("collect_attention_stats", "collect_readout_stats")
 
@@ -49,18 +49,6 @@ def phase_clock(device: torch.device, into: dict[str, float]):
             setattr(stats_module, name, fn)
 
 
-@contextlib.contextmanager
-def init_threads(threads: int):
-    """Inside: collect_stats draws the default inits on `threads` worker threads (0: between sweep
-    1's layers on the calling thread, as on a CPU)."""
-    saved = stats_module.default_init_threads
-    stats_module.default_init_threads = lambda device, layers: threads
-    try:
-        yield
-    finally:
-        stats_module.default_init_threads = saved
-
-
 def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch, chunk_size: int, repeats: int,
                  device: torch.device) -> list[dict[str, Any]]:
     """Rows {pass, ms: spread, ratio: median over the forward's median, [sweep 1 ms, sweep 2 ms]}."""
@@ -79,14 +67,11 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
                                                             progress=False, keep_io=[] if keep else None,
                                                             layers_per_call=layers_per_call)
 
-    def with_threads(threads: int) -> Callable[[], None]:
-        def run() -> None:
-            with init_threads(threads):
-                one_pass()
-        return run
+    def with_graphs() -> None:
+        with env(GRAPHS_ENV, "1"):
+            one_pass()
 
-    variants = {"teacher forward": forward, "collect_stats": one_pass,
-                "collect_stats, one init thread": with_threads(1), "collect_stats, inits between layers": with_threads(0),
+    variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, CUDA graphs": with_graphs,
                 "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True),
                 "sweep 1, a call per layer": sweep1(False, 1)}
     times: dict[str, list[float]] = {name: [] for name in variants}

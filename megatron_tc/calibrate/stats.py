@@ -14,11 +14,10 @@ the same forward; it needs only each layer's input, output and attention heads (
 fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. The default GDN init each closed form starts from (CPU draws that do
-not depend on the statistics) is made during sweep 1: on a GPU on worker threads, a layer each
-(drawing releases the interpreter lock), on a CPU after each layer's sums. Reading kept layers, sweep 2 goes layer by
-layer, so the host's work on the next layer's closed form overlaps the device's sums of this one:
-that work never waits for the device (no copies to the CPU, pinned copies to it).
+the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
+on the next layer's closed form (and the default init it starts from: a few CPU draws) overlaps
+the device's sums of this one: that work never waits for the device (no copies to the CPU, pinned
+copies to it).
 The closed forms run on the calling thread: on a second host thread (many small operators, each
 taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
 two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
@@ -29,8 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,15 +99,12 @@ def collect_attention_stats(
     num_batches: int | None = None,
     progress: bool = True,
     keep_io: list[dict[int, LayerIO]] | None = None,
-    after_layer: Callable[[int], None] | None = None,
     layers_per_call: int | None = None,
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
     tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
-    rank measures its own heads and the result holds global heads. after_layer(index): host work
-    run after each layer of a batch (its sums queued, or waiting for the layers stacked with it; on a
-    GPU the device sums meanwhile). keep_io: a list that gets, per
+    rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
     batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
     kept without TP), for `collect_readout_stats`.
 
@@ -176,8 +171,6 @@ def collect_attention_stats(
             pending.clear()
         if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
             keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None, heads=io.heads if tp == 1 else None)
-        if after_layer is not None:
-            after_layer(index)
 
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
@@ -255,7 +248,6 @@ def collect_readout_stats(
     num_batches: int | None = None,
     progress: bool = True,
     layer_io: Sequence[dict[int, LayerIO]] | None = None,
-    defaults: dict[int, Mapping[str, torch.Tensor]] | None = None,
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
@@ -273,10 +265,8 @@ def collect_readout_stats(
     batches are single rows). The sums are those of the batch-by-batch order up to the fp64
     summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count. Packed
     documents: each group's rows are the same at every layer, so their `PackedRows` (fla's segment
-    layout, a host read) are made at the first layer and serve all of them.
+    layout, a host read) are made at the first layer and serve all of them."""
 
-    defaults: {layer: its `default_gdn_state(student_arch, layer, seed)`} made ahead (taken out
-    of the dict as used); a layer not in it gets its own here."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
@@ -293,8 +283,7 @@ def collect_readout_stats(
     def build(index: int, reuse: bool = False) -> None:
         """reuse: the previous layer's readout mixers take this layer's parameters (its sums are queued)."""
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
-        ahead = defaults.pop(index, None) if defaults is not None else None
-        default = default_gdn_state(student_arch, index, seed) if ahead is None else ahead  # once for every closed form
+        default = default_gdn_state(student_arch, index, seed)  # once for every closed form
         for name, strategy in closed_forms.items():
             shell = next(reversed(mixers[name].values()))[0] if reuse and mixers[name] else None
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
@@ -402,58 +391,16 @@ def collect_stats(
     recomputes them from the gathered layer)."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
     keep = [] if readout_strategies and layer_io_bytes(model, batches, layers) <= budget else None
-    student_arch = student_arch or model.arch
-    defaults: dict[int, Mapping[str, torch.Tensor]] = {}
-
-    shells: dict[int, Mapping[str, torch.Tensor]] = {}
-
-    def default_ahead(index: int) -> None:
-        """Sweep 2's default init of this layer (CPU math, mostly moving the generator on: several
-        ms a layer) made on the host while the device runs sweep 1's sums."""
-        if readout_strategies and index not in defaults:
-            shell = shells.pop(index, None)  # (a Mapping: its truth value would draw it here)
-            if shell is None:
-                shell = default_gdn_state(student_arch, index, seed, draw=False)
-            defaults[index] = shell.draw_read_values()
-
-    threads = default_init_threads(model_device(model), len(layers)) if readout_strategies else 0
-    workers = ThreadPoolExecutor(threads, thread_name_prefix="default-init") if threads else None
-    if workers is not None:  # the layers' structure (Python work) here; the workers only draw
-        shells.update({index: default_gdn_state(student_arch, index, seed, draw=False) for index in layers})
-    drawn = [workers.submit(default_ahead, index) for index in sorted(layers)] if workers else []
-    try:
-        stats = collect_attention_stats(
-            model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
-            num_batches=len(batches), progress=progress, keep_io=keep,
-            after_layer=None if workers else default_ahead,
-        )
-        for future in drawn:
-            future.result()
-    finally:
-        if workers is not None:
-            workers.shutdown(cancel_futures=True)
+    stats = collect_attention_stats(
+        model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
+        num_batches=len(batches), progress=progress, keep_io=keep,
+    )
     if readout_strategies:
         stats = collect_readout_stats(
-            stats, model, batches, readout_strategies, student_arch, seed=seed, dp_group=dp_group,
-            tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep, defaults=defaults,
+            stats, model, batches, readout_strategies, student_arch or model.arch, seed=seed, dp_group=dp_group,
+            tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep,
         )
     return stats
-
-
-DEFAULT_INIT_THREADS = 4  # host threads drawing sweep 2's default inits during sweep 1 on a GPU, at most
-
-
-def default_init_threads(device: torch.device, layers: int) -> int:
-    """Threads drawing the default inits during sweep 1 (0: between its layers, on the calling
-    thread). On a GPU the host's kernel launches bound sweep 1, and the draws (one layer's about
-    10 ms of one core, mostly with the interpreter lock released) run beside them, a layer per
-    thread: on an H200's host one thread for all layers took longer than sweep 1, and 8 threads
-    slowed the launching thread more than 4 (each takes the interpreter lock between draws). The
-    layers' structures are built on the calling thread before sweep 1, so workers only draw. On a
-    CPU they would only take cores from the sums."""
-    if device.type != "cuda":
-        return 0
-    return max(1, min(layers, DEFAULT_INIT_THREADS, (os.cpu_count() or 2) - 1))
 
 
 READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most

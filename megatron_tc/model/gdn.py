@@ -52,6 +52,18 @@ MAX_A_LOG = 30.0  # exp(30) ~ 1e13: far beyond any trained decay rate, still fin
 MIN_LOG_DECAY = -1e4
 
 
+def default_a_log(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fla's default A_log, shaped and typed as `like` [H]: log A with A ~ U(0, 16)."""
+    return torch.empty_like(like).uniform_(0, 16, generator=generator).log()
+
+
+def default_dt_bias(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fla's default dt_bias [H]: the inverse softplus of dt, log-uniform in (1e-3, 0.1), at least 1e-4."""
+    uniform = torch.empty_like(like).uniform_(generator=generator)
+    dt = torch.exp(uniform * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 class GatedDeltaNet(nn.Module):
     """x [B, T, hidden] -> [B, T, hidden]. `backend` selects the gated delta rule kernel.
     init=False skips the gate parameters' random init (A_log and dt_bias stay zero), for a module
@@ -82,14 +94,11 @@ class GatedDeltaNet(nn.Module):
             self.reset_gdn_parameters()
 
     def reset_gdn_parameters(self, generator: torch.Generator | None = None) -> None:
-        """fla's defaults: A uniform in (0, 16), dt log-uniform in (1e-3, 0.1) via inverse softplus,
-        drawn from `generator` (default: the global one)."""
+        """fla's defaults for A_log and dt_bias (`default_a_log`, then `default_dt_bias`), drawn
+        from `generator` (default: the global one); a zero b_proj bias."""
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16, generator=generator).log())
-            uniform = torch.empty_like(self.dt_bias).uniform_(generator=generator)
-            dt = torch.exp(uniform * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            dt = dt.clamp(min=1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.A_log.copy_(default_a_log(self.A_log, generator))
+            self.dt_bias.copy_(default_dt_bias(self.dt_bias, generator))
             if self.b_proj.bias is not None:
                 self.b_proj.bias.zero_()
 

@@ -99,7 +99,7 @@ def test_kept_heads_equal_the_recomputed_attention():
         assert all(io.heads is None and io.qkv is None for io in plain.values())  # not asked: not recorded
 
 
-def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch):
+def test_the_default_init_of_each_layer_is_made_once_for_every_closed_form(monkeypatch):
     from megatron_tc.calibrate import stats as stats_module
 
     made, sweep_2 = [], []
@@ -109,43 +109,7 @@ def test_the_default_init_of_each_layer_is_made_once_during_sweep_1(monkeypatch)
     monkeypatch.setattr(stats_module, "collect_readout_stats",
                         lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))
     stats_and_forwards(None)
-    assert made == LAYERS and sweep_2 == [LAYERS]
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_default_inits_drawn_on_worker_threads_give_the_same_sums(monkeypatch, threads):
-    """As on a GPU: the default inits on worker threads during sweep 1, each once, all before
-    sweep 2, the sums bit for bit those of the draws between layers."""
-    import threading
-
-    from megatron_tc.calibrate import stats as stats_module
-
-    between = stats_and_forwards(None)[0]
-    from megatron_tc.calibrate.default_init import DefaultGDNState
-
-    made, drawn, sweep_2 = [], [], []
-    real, real_draw = stats_module.default_gdn_state, DefaultGDNState.draw
-    monkeypatch.setattr(stats_module, "default_init_threads", lambda device, layers: threads)
-    monkeypatch.setattr(stats_module, "default_gdn_state",
-                        lambda *a, **k: made.append((a[1], threading.current_thread().name)) or real(*a, **k))
-
-    def draw(state):
-        if state._state is None:  # the generator's work, not a later read
-            drawn.append(threading.current_thread().name)
-        return real_draw(state)
-
-    monkeypatch.setattr(DefaultGDNState, "draw", draw)
-    real_readout = stats_module.collect_readout_stats
-    monkeypatch.setattr(stats_module, "collect_readout_stats",
-                        lambda *a, **k: sweep_2.append((list(made), list(drawn))) or real_readout(*a, **k))
-    worker = stats_and_forwards(None)[0]
-    main = threading.current_thread().name
-    assert made == [(index, main) for index in LAYERS]  # the structures first, on the calling thread
-    assert sweep_2 == [(made, drawn)] and len(drawn) == len(LAYERS)  # every draw before sweep 2, each once
-    assert all(name.startswith("default-init") for name in drawn) and len(set(drawn)) <= threads
-    assert worker.sums.keys() == between.sums.keys()
-    for key, value in between.sums.items():
-        assert torch.equal(worker.sums[key], value), key
+    assert sweep_2 == [[]] and made == LAYERS  # in sweep 2, once a layer whatever the closed forms
 
 
 def test_sweep_2_reads_the_document_layout_once_and_every_layer_gets_it(monkeypatch):
