@@ -8,10 +8,13 @@ all candidates are scored from one recurrence. Everything returned is an fp64 su
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from megatron_tc.model.fused import fused, rms_norm
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.model.ops import gated_delta_rule
 
@@ -57,13 +60,6 @@ def student_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | 
 
 
 @torch.no_grad()
-def student_normed_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None):
-    """(RMSNorm(o) * o_norm.weight [B, T, H, D] fp32, g, beta): the layer output before the gate."""
-    o, g, beta = student_read(mixer, x, doc_ids)
-    return mixer.o_norm(o), g, beta
-
-
-@torch.no_grad()
 def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | None = None) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
@@ -71,6 +67,12 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | N
     square in place), summed in fp64. `mixer.value_groups` (default 1): consecutive value heads
     whose v_proj rows are the same (the closed form repeated the teacher's k/v heads): the sums
     are made once per group."""
+    return layers_value_silu_grid([mixer], [value_inputs(mixer, x)], max_elements)
+
+
+def value_inputs(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+    """v_proj(x) [B*T, heads, D] fp32 before its activation, of the first value head of each of
+    the `mixer.value_groups` groups of identical heads."""
     groups, d = getattr(mixer, "value_groups", 1), mixer.head_dim
     heads = mixer.kv_heads // groups
     weight, bias = mixer.v_proj.weight, mixer.v_proj.bias
@@ -78,19 +80,27 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | N
         weight = weight.view(heads, groups, d, -1)[:, 0].reshape(heads * d, -1)
         bias = None if bias is None else bias.view(heads, groups, d)[:, 0].reshape(-1)
     v = F.linear(x.to(weight.dtype), weight, bias).float()
-    b, t, _ = v.shape
-    v = v.view(1, b * t, heads, d)
+    return v.view(-1, heads, d)
+
+
+def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[torch.Tensor],
+                           max_elements: int | None = None) -> torch.Tensor:
+    """`value_silu_grid` of L layers [L*H, C] from their `value_inputs` (same token count), one
+    sweep over the scales for all of them."""
+    v = _cat(values, 1)[None]  # [1, BT, L*heads, D]
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
     if max_elements is None:  # a GPU wants few large kernels; a CPU a buffer that stays in its caches
         max_elements = 2**26 if v.is_cuda else 2**18
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
-        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, Hkv, D]
+        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, L*heads, D]
         parts.append(_sum64(act, (1, 3)))
-    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [heads, C]
-    group = mixer.num_heads // heads
-    return out[:, None].expand(-1, group, -1).reshape(mixer.num_heads, -1)  # k/v heads to query heads
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [L*heads, C]
+    heads, first = values[0].shape[1], mixers[0]
+    group = first.num_heads // heads
+    out = out.view(len(values), heads, 1, -1).expand(-1, -1, group, -1)  # k/v heads to query heads
+    return out.reshape(len(values) * first.num_heads, -1)
 
 
 _VALUE_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -102,6 +112,11 @@ def _value_scales_on(device: torch.device) -> torch.Tensor:
     if device not in _VALUE_SCALES:
         _VALUE_SCALES[device] = VALUE_SCALE_GRID.to(device=device, dtype=torch.float32).view(-1, 1, 1, 1)
     return _VALUE_SCALES[device]
+
+
+def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, without a copy of a single tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
 def _sum64(x: torch.Tensor, dim) -> torch.Tensor:
@@ -145,29 +160,77 @@ def readout_sums(
 
     Every candidate is handled at once (one gate matmul, one o_proj matmul) and the fp64 sums
     come from three reductions: the kernel count per layer and batch does not grow with the
-    candidates.
+    candidates. `layers_readout_sums` does the same for several layers at once.
     """
-    b, t, _ = x.shape
-    n = len(candidates)
-    x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
-    raw, g, beta = student_read(mixer, x, doc_ids)
-    yt = y.float().transpose(1, 2)  # [B, T, H, D]
-    # [C + 2, B, T, H, D]: the gated read of every candidate, the raw read, the teacher's heads
-    reads = torch.cat(gated_reads(mixer.o_norm(raw), x, candidates) + [raw[None], yt[None]])
-    sums = o_proj_products(reads[:n], out, o_weight) if products else {}
+    return layers_readout_sums([mixer], [candidates], [x], [y], [out], [o_weight], doc_ids, products)[0]
+
+
+def stacked_norm(norms: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Each layer's o_norm (RMSNorm over D) of x [B, T, L, H, D]: the norm's formula with the L
+    weights stacked [L, 1, D] (one call, not one per layer)."""
+    first = norms[0]
+    weight = first.weight if len(norms) == 1 else torch.stack([norm.weight for norm in norms])[:, None]
+    return fused("rms_norm", rms_norm, x)(x, weight, first.eps, first.unit_offset)
+
+
+@torch.no_grad()
+def layers_readout_sums(
+    mixers: Sequence[GatedDeltaNet],
+    candidates: Sequence[list[torch.Tensor | None]],
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    o_weights: Sequence[torch.Tensor],
+    doc_ids: torch.Tensor | None = None,
+    products: bool = True,
+) -> list[dict[str, torch.Tensor]]:
+    """`readout_sums` of L layers over the same rows (one entry of each sequence per layer; the
+    candidates of every layer alike in count and None-pattern), as one computation from the
+    recurrence on: the layers' heads stacked ([B, T, L*H, D]: every sum is per head), so the
+    host issues the recurrence, norms and reductions once for all of them. Only the projections
+    run per layer. Returns each layer's sums."""
+    n, layers = len(candidates[0]), len(mixers)
+    h = mixers[0].num_heads
+    raw, g, beta, gates, values = [], [], [], [], []
+    for mixer, cands, x in zip(mixers, candidates, xs):
+        x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
+        q, k, v = mixer.qkv(x, doc_ids)
+        g_l, beta_l = mixer.gates(x)
+        raw.append((q, k, v))
+        g.append(g_l), beta.append(beta_l)
+        gates.append(gate_values(x, cands))
+        values.append(value_inputs(mixer, x))
+    q, k, v = (_cat(parts, 2) for parts in zip(*raw))  # [B, T, L*H, D]
+    g, beta = _cat(g, 2), _cat(beta, 2)
+    first = mixers[0]
+    raw, _ = gated_delta_rule(
+        q.float(), k.float(), v.float(), g, beta, scale=first.head_dim**-0.5, doc_ids=doc_ids,
+        use_qk_l2norm=True, chunk_size=first.chunk_size, backend="chunk" if not q.is_cuda else "auto",
+    )
+    raw = raw.float()
+    b, t, _, d = raw.shape
+    normed = stacked_norm([mixer.o_norm for mixer in mixers], raw.view(b, t, layers, h, d)).view(b, t, layers * h, d)
+    yt = _cat([y.float().transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D]
+    # [C + 2, B, T, L*H, D]: the gated read of every candidate, the raw read, the teacher's heads
+    gates = None if gates[0] is None else _cat(gates, 3)  # [B, T, C', L*H*D]
+    reads = torch.cat(gated_reads(normed, gates, candidates[0]) + [raw[None], yt[None]])
     # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
     # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
-    with_y = _sum64(reads * yt, (1, 2, 4))  # [C + 2, H]: u.y per candidate, raw.y, y.y
-    squares = _sum64(reads[:n + 1].square(), (1, 2, 4))  # [C + 1, H]: u.u per candidate, raw.raw
-    return sums | {
-        "uy": with_y[:n], "uu": squares[:n], "yy": with_y[n + 1],
-        "beta": _sum64(beta.float(), (0, 1)),
-        "g": _sum64(g.float(), (0, 1)),
-        "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
-        # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
-        "ry": with_y[n], "rr": squares[n],
-        "vgrid": value_silu_grid(mixer, x),
-    }
+    with_y = _sum64(reads * yt, (1, 2, 4)).view(n + 2, layers, h)  # u.y per candidate, raw.y, y.y
+    squares = _sum64(reads[:n + 1].square(), (1, 2, 4)).view(n + 1, layers, h)  # u.u per candidate, raw.raw
+    beta_sums, g_sums = (_sum64(z.float(), (0, 1)).view(layers, h) for z in (beta, g))
+    grids = layers_value_silu_grid(mixers, values).view(layers, h, -1)
+    count = torch.full((), float(b * t), dtype=F64, device=q.device)  # a fill, not a host copy
+    result = []
+    for i in range(layers):
+        sums = o_proj_products(reads[:n, :, :, i * h:(i + 1) * h].contiguous(), outs[i], o_weights[i]) if products else {}
+        result.append(sums | {
+            "uy": with_y[:n, i], "uu": squares[:n, i], "yy": with_y[n + 1, i], "beta": beta_sums[i], "g": g_sums[i],
+            "count": count,
+            # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
+            "ry": with_y[n, i], "rr": squares[n, i], "vgrid": grids[i],
+        })
+    return result
 
 
 def o_proj_products(gated: torch.Tensor, out: torch.Tensor, o_weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -217,16 +280,24 @@ def long_products(V: torch.Tensor, width: int, rows: int = 1) -> tuple[torch.Ten
     return full[:m, :m], full[:m, m]
 
 
-def gated_reads(normed: torch.Tensor, x: torch.Tensor, candidates: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The layer output before o_proj through each candidate's output gate, u_c = normed *
-    SiLU(x W_c^T) (None: u_c = normed), in the candidates' order: pieces [c_i, B, T, H, D] whose
-    concatenation is [C, B, T, H, D]. normed [B, T, H, D] fp32, x [B, T, hidden]. All gates come
-    from one matmul over the concatenated weights."""
-    b, t, h, d = normed.shape
+def gate_values(x: torch.Tensor, candidates: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """SiLU(x W_c^T) [B, T, C', H*D] fp32 of the C' candidates with a gate (one matmul over their
+    concatenated weights), x [B, T, hidden]; None when no candidate has one."""
     weights = [w.float() for w in candidates if w is not None]
-    if weights:
-        gates = F.silu(x.float() @ torch.cat(weights).t())  # [B, T, C'*H*D]
-        gated = normed[None] * gates.view(b, t, len(weights), h, d).permute(2, 0, 1, 3, 4)  # [C', B, T, H, D]
+    if not weights:
+        return None
+    b, t, _ = x.shape
+    return F.silu(x.float() @ torch.cat(weights).t()).view(b, t, len(weights), -1)
+
+
+def gated_reads(normed: torch.Tensor, gates: torch.Tensor | None, candidates: list[torch.Tensor | None]
+                ) -> list[torch.Tensor]:
+    """The layer output before o_proj through each candidate's output gate, u_c = normed * gate_c
+    (None: u_c = normed), in the candidates' order: pieces [c_i, B, T, H, D] whose concatenation
+    is [C, B, T, H, D]. normed [B, T, H, D] fp32; gates [B, T, C', H*D] (`gate_values`)."""
+    b, t, h, d = normed.shape
+    if gates is not None:
+        gated = normed[None] * gates.view(b, t, -1, h, d).permute(2, 0, 1, 3, 4)  # [C', B, T, H, D]
     pieces, used = [], 0
     for is_gate, run in itertools.groupby(candidates, key=lambda w: w is not None):
         count = len(list(run))

@@ -41,7 +41,7 @@ from megatron_tc.parallel.comm import all_gather
 from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums, split_layers
-from .readout import empty_readout_sums, readout_sums
+from .readout import empty_readout_sums, layers_readout_sums
 from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
     model_device, move_packed, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
 )
@@ -258,14 +258,17 @@ def collect_readout_stats(
     one rank doing every layer (the other ranks add zeros).
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
-    Then the sweep goes layer by layer: the host queues layer l's sums over every batch, then
-    works out layer l+1's closed form (without waiting for the device) while the device sums.
-    Consecutive kept batches are concatenated into calls of up to `readout_group_tokens` tokens
-    (`capture.merge_layer_io`): a few calls per layer instead of one per batch (the pipeline's
-    batches are single rows). The sums are those of the batch-by-batch order up to the fp64
-    summation order and, on a GPU, the fp32 GEMMs' algorithm for the larger row count. Packed
-    documents: each group's rows are the same at every layer, so their `PackedRows` (fla's segment
-    layout, a host read) are made at the first layer and serve all of them."""
+    Then the sweep goes a group of layers at a time: the host queues their sums over every batch,
+    then works out the next group's closed forms (without waiting for the device) while the
+    device sums. Consecutive kept batches are concatenated into calls of up to
+    `readout_group_tokens` tokens (`capture.merge_layer_io`): a few calls instead of one per batch
+    (the pipeline's batches are single rows), and each call sums as many layers as fit the same
+    READOUT_GROUP_BYTES, their heads stacked (`readout.layers_readout_sums`: the host issues the
+    recurrence and the reductions once for all of them). The sums are those of the batch-by-batch,
+    layer-by-layer order up to the fp64 summation order and the fp32 rounding of operations on
+    larger tensors (GEMM algorithms, reductions). Packed documents: each group's rows are the same
+    at every layer, so their `PackedRows` (fla's segment layout, a host read) are made once and
+    serve all of them."""
 
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
@@ -280,12 +283,12 @@ def collect_readout_stats(
     teacher_mixers: dict[int, nn.Module] = {}
     part: dict[str, torch.Tensor] = {}
 
-    def build(index: int, reuse: bool = False) -> None:
-        """reuse: the previous layer's readout mixers take this layer's parameters (its sums are queued)."""
+    def build(index: int, shell_of: int | None = None) -> None:
+        """shell_of: a built layer whose readout mixers take this layer's parameters (its sums are queued)."""
         teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
         default = default_gdn_state(student_arch, index, seed)  # once for every closed form
         for name, strategy in closed_forms.items():
-            shell = next(reversed(mixers[name].values()))[0] if reuse and mixers[name] else None
+            shell = mixers[name][shell_of][0] if shell_of is not None else None
             mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
                                                 teacher_mixers[index], default, into=shell)
             empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device,
@@ -296,60 +299,80 @@ def collect_readout_stats(
 
     names = list(closed_forms)
 
-    def layer_sums(modules, tensors, counts) -> dict[tuple[str, str], torch.Tensor]:
-        """modules: the teacher attention, then a readout mixer per closed form; tensors: x,
-        position_ids, out, doc_ids, heads (the kept per-head output [B, T, H*D] or None), then each
-        closed form's candidates (`counts` of them)."""
-        mixer, students = modules[0], modules[1:]
-        x, position_ids, out, doc_ids, heads = tensors[:5]
+    def layer_sums(modules, tensors, spec) -> dict[tuple[int, str, str], torch.Tensor]:
+        """The sums of L layers over the same rows, spec = (L, candidates per closed form). modules:
+        per layer its teacher attention, then a readout mixer per closed form; tensors:
+        position_ids, doc_ids, then per layer x, out, heads (the kept per-head output [B, T, H*D] or
+        None) and each closed form's candidates. Returns {(i, name, key): sum} of the i-th layer."""
+        layers, counts = spec
+        position_ids, doc_ids = tensors[:2]
         raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
-        y = teacher_heads(mixer, x, position_ids, raw_doc_ids, heads)
-        result, start = {}, 5
-        for name, student, count in zip(names, students, counts):
-            got = readout_sums(student, list(tensors[start:start + count]), x, y, out, mixer.o_proj.weight, doc_ids,
-                               products[name])
-            result.update({(name, key): value for key, value in got.items()})
+        width_m, width_t = 1 + len(names), 3 + sum(counts)
+        own = [(modules[i * width_m:(i + 1) * width_m], tensors[2 + i * width_t:2 + (i + 1) * width_t])
+               for i in range(layers)]
+        xs, outs = [t[0] for _, t in own], [t[1] for _, t in own]
+        ys = [teacher_heads(m[0], t[0], position_ids, raw_doc_ids, t[2]) for m, t in own]
+        o_weights = [m[0].o_proj.weight for m, _ in own]
+        result, start = {}, 3
+        for j, (name, count) in enumerate(zip(names, counts)):
+            got = layers_readout_sums([m[1 + j] for m, _ in own], [list(t[start:start + count]) for _, t in own],
+                                      xs, ys, outs, o_weights, doc_ids, products[name])
+            result.update({(i, name, key): value for i, sums in enumerate(got) for key, value in sums.items()})
             start += count
         return result
 
     graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
 
-    def on_layer(index: int, io: LayerIO) -> None:
-        if index not in mine:
-            return
-        students = [mixers[name][index][0] for name in names]
-        candidates = [c for name in names for c in mixers[name][index][1]]
-        counts = tuple(len(mixers[name][index][1]) for name in names)
-        run = graphs if io.doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        got = run([teacher_mixers[index], *students],
-                  [io.x, io.position_ids, io.out, io.doc_ids, io.heads if tp == 1 else None, *candidates],
-                  counts)
-        add_into({key: part[f"readout.{key[0]}.layers.{index}.{key[1]}"] for key in got}, got)
+    def on_layers(indices: list[int], ios: list[LayerIO]) -> None:
+        """Queue the sums of `indices` (this rank's layers) over the same rows, their `ios`."""
+        modules, tensors = [], [ios[0].position_ids, ios[0].doc_ids]
+        for index, io in zip(indices, ios):
+            modules += [teacher_mixers[index], *(mixers[name][index][0] for name in names)]
+            tensors += [io.x, io.out, io.heads if tp == 1 else None,
+                        *(c for name in names for c in mixers[name][index][1])]
+        counts = tuple(len(mixers[name][indices[0]][1]) for name in names)
+        run = graphs if ios[0].doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
+        got = run(modules, tensors, (len(indices), counts))
+        add_into({key: part[f"readout.{key[1]}.layers.{indices[key[0]]}.{key[2]}"] for key in got}, got)
 
     show = progress and _rank0(dp_group)
     if layer_io is not None:
-        # the host builds layer l+1 (closed form, default init: host math that never waits for the
-        # device) after queueing layer l's sums, so the device works on those meanwhile; one thread,
-        # so the host's kernel launches never contend with a second thread for the interpreter
+        # the host builds the next layers (closed forms, default inits: host math that never waits
+        # for the device) after queueing the sums of these, so the device works on those meanwhile;
+        # one thread, so the host's kernel launches never contend with a second for the interpreter
         layers = list(stats.layers)
+        build(layers[0])
+        per_token = max(readout_bytes_per_token(arch, len(mixers[name][layers[0]][1]), products[name])
+                        for name in names)  # the closed forms' calls run one after another
+        merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
+        kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
+        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
+        windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
         layouts: list[PackedRows | None] = []  # per group of merged rows: the same rows at every layer
-        for position, index in enumerate(_progress(layers, len(layers), "readout sums (layers)", show)):
-            if position == 0:
-                build(index)
-                merge = min(readout_group_tokens(arch, len(mixers[name][index][1]), products[name]) for name in names)
-            if index in mine:  # the kept batches in groups of up to `merge` tokens: fewer, larger calls
-                for group, io in enumerate(merge_layer_io([kept[index] for kept in layer_io], merge)):
-                    if group == len(layouts):  # fla's segment layout read on the host once, not per layer
-                        layouts.append(None if io.doc_ids is None else PackedRows.of(io.doc_ids))
-                    on_layer(index, io if layouts[group] is None else dataclasses.replace(io, doc_ids=layouts[group]))
-            if position + 1 < len(layers):
-                build(layers[position + 1], reuse=True)  # under TP a collective: every rank in the same order
-            teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
+        for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
+            for position, index in enumerate(window):
+                if index not in mixers[names[0]]:
+                    build(index, shell_of=windows[w - 1][position] if w and position < len(windows[w - 1]) else None)
+            ours = [index for index in window if index in mine]
+            # the kept batches in groups of up to `merge` tokens: fewer, larger calls
+            groups = [merge_layer_io([kept[index] for kept in layer_io], merge) for index in ours]
+            for group, ios in enumerate(zip(*groups)):
+                if group == len(layouts):  # fla's segment layout read on the host once, not per layer
+                    layouts.append(None if ios[0].doc_ids is None else PackedRows.of(ios[0].doc_ids))
+                if layouts[group] is not None:
+                    ios = [dataclasses.replace(io, doc_ids=layouts[group]) for io in ios]
+                on_layers(ours, list(ios))
+            if w + 1 < len(windows):  # under TP collectives: every rank in the same order
+                for position, index in enumerate(windows[w + 1]):
+                    build(index, shell_of=window[position] if position < len(window) else None)
+            for index in window:
+                teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
     else:
         for index in stats.layers:
             build(index)
         for batch in _progress(batches, num_batches, "readout sums", show):
-            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers, on_layer, inner=True)
+            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers,
+                           lambda index, io: on_layers([index], [io]) if index in mine else None, inner=True)
     graphs.close()
     prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
     part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
@@ -403,16 +426,27 @@ def collect_stats(
     return stats
 
 
-READOUT_GROUP_BYTES = 1 << 30  # fp32 temporaries of one readout_sums call over merged batches, at most
+READOUT_GROUP_BYTES = 2 << 30  # fp32 temporaries of one readout call (merged batches, stacked layers), at most
+
+
+def readout_bytes_per_token(arch, candidates: int, products: bool = True) -> int:
+    """A readout call's largest fp32 temporaries per token and layer: with `products` U [H*C,
+    tokens*hidden]; the reads [C + 2, tokens, H, D]."""
+    per_head = (candidates * arch.hidden_size if products else 0) + (candidates + 2) * arch.head_dim
+    return 4 * arch.num_heads * per_head
+
+
+def readout_stacked_layers(tokens: int, per_token: int) -> int:
+    """Layers whose readout sums run in one call over `tokens` tokens (`per_token` bytes of
+    temporaries a token and layer): as many as fit READOUT_GROUP_BYTES, at least one."""
+    return max(1, READOUT_GROUP_BYTES // (tokens * per_token))
 
 
 def readout_group_tokens(arch, candidates: int, products: bool = True) -> int:
-    """Tokens of kept batches sweep 2 merges into one readout_sums call: its largest fp32
-    temporaries (with `products` U [H*C, tokens*hidden]; the reads [C + 2, tokens, H, D]) within
-    READOUT_GROUP_BYTES (a batch larger than that is never split: it costs what it did alone)."""
-    per_head = (candidates * arch.hidden_size if products else 0) + (candidates + 2) * arch.head_dim
-    per_token = 4 * arch.num_heads * per_head
-    return READOUT_GROUP_BYTES // per_token
+    """Tokens of kept batches sweep 2 merges into one call of a layer: READOUT_GROUP_BYTES of its
+    temporaries (a batch larger than that is never split: it costs what it did alone). The layers
+    summed in one call are as many as fit the same bytes with the group's tokens."""
+    return READOUT_GROUP_BYTES // readout_bytes_per_token(arch, candidates, products)
 
 
 def layer_io_bytes(model: nn.Module, batches: Sequence[Batch], layers: Sequence[int]) -> int:

@@ -3,6 +3,7 @@ every sum squared and reduced in fp64 after an fp64 copy, one value scale at a t
 now multiplies in fp32 and accumulates in fp64 (no fp64 copies), several scales per kernel."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -70,7 +71,7 @@ def test_value_grid_is_the_same_whatever_the_scales_per_kernel():
 def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
     """The gates of every candidate from one matmul, mapped through o_proj in one batched matmul:
     u, G and r (candidate-major, None anywhere in the list) equal each candidate on its own in fp64."""
-    from megatron_tc.calibrate.readout import gated_reads
+    from megatron_tc.calibrate.readout import gate_values, gated_reads
 
     torch.manual_seed(2)
     arch = ArchConfig(family="llama", vocab_size=64, hidden_size=20, num_layers=1, num_heads=2, num_kv_heads=2,
@@ -84,7 +85,7 @@ def test_all_candidates_at_once_equal_one_at_a_time_in_fp64():
     normed = mixer.o_norm(raw).double()
     want_u = [normed * (1.0 if w is None else F.silu(x.double() @ w.double().t()).view(b, t, h, d))
               for w in candidates]
-    got_u = torch.cat(gated_reads(mixer.o_norm(raw), x, candidates))
+    got_u = torch.cat(gated_reads(mixer.o_norm(raw), gate_values(x, candidates), candidates))
     assert got_u.shape == (len(candidates), b, t, h, d)
     torch.testing.assert_close(got_u.double(), torch.stack(want_u), rtol=1e-5, atol=1e-6)
     o_heads = o_weight.double().view(20, h, d)  # [hidden, H, D]
@@ -173,3 +174,40 @@ def test_readout_groups_without_products_count_only_the_reads():
     with_products, without = readout_group_tokens(arch, 8), readout_group_tokens(arch, 8, products=False)
     assert with_products == READOUT_GROUP_BYTES // (4 * 9 * (8 * 576 + 10 * 64))
     assert without == READOUT_GROUP_BYTES // (4 * 9 * 10 * 64) > with_products
+
+
+@pytest.mark.parametrize("conv,value_groups", [(0, 1), (4, 1), (0, 2)])
+def test_layers_summed_at_once_equal_each_layer_alone(conv, value_groups):
+    """layers_readout_sums (heads of 3 layers stacked, packed documents, o_proj products) against
+    readout_sums of each layer: the same up to fp32 rounding of the larger operations."""
+    from megatron_tc.calibrate.readout import layers_readout_sums
+
+    torch.manual_seed(3)
+    arch = ArchConfig(family="llama", vocab_size=64, hidden_size=24, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=6, intermediate_size=32, layer_pattern="GGG", gdn_chunk_size=8, gdn_conv_size=conv,
+                      gdn_expand_kv=value_groups > 1)
+    b, t, h, d = 2, 21, 4, 6
+    mixers, candidates, xs, ys, outs, o_weights = [], [], [], [], [], []
+    for index in range(3):
+        mixer = GatedDeltaNet(arch, index).eval()
+        with torch.no_grad():
+            mixer.A_log.add_(0.3 * index)
+            mixer.o_norm.weight.copy_(torch.rand(d) + 0.5)
+            if value_groups > 1:  # the closed form's repeated k/v heads: pairs of equal v_proj rows
+                mixer.v_proj.weight.copy_(mixer.v_proj.weight.view(2, 2, d, -1)[:, :1].expand(-1, 2, -1, -1).reshape(h * d, -1))
+        mixer.value_groups = value_groups
+        mixers.append(mixer)
+        candidates.append([None, torch.randn(h * d, 24) * 0.3, torch.randn(h * d, 24)])
+        xs.append(torch.randn(b, t, 24))
+        ys.append(torch.randn(b, h, t, d))
+        outs.append(torch.randn(b, t, 24))
+        o_weights.append(torch.randn(24, h * d))
+    doc_ids = torch.tensor([[0] * 9 + [1] * 12, [0] * 21])
+    together = layers_readout_sums(mixers, candidates, xs, ys, outs, o_weights, doc_ids)
+    for index in range(3):
+        alone = readout_sums(mixers[index], candidates[index], xs[index], ys[index], outs[index], o_weights[index],
+                             doc_ids)
+        assert together[index].keys() == alone.keys()
+        for key, value in alone.items():
+            scale = float(value.abs().max().clamp_min(1e-30))
+            torch.testing.assert_close(together[index][key], value, rtol=0, atol=1e-6 * scale, msg=f"{index} {key}")

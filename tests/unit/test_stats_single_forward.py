@@ -114,18 +114,21 @@ def test_the_default_init_of_each_layer_is_made_once_for_every_closed_form(monke
 
 def test_sweep_2_reads_the_document_layout_once_and_every_layer_gets_it(monkeypatch):
     """Packed rows: fla's segment layout (a host read) is made once per group of merged rows, not
-    per layer, and each layer's readout mixer runs on it."""
+    per layer, and the recurrence of every closed form runs on it once for both layers (their
+    heads stacked)."""
     from megatron_tc.calibrate import readout
     from megatron_tc.model.ops.gated_delta_rule import PackedRows
 
     made, read = [], []
-    real_of, real_read = PackedRows.of, readout.student_read
+    real_of, real_rule = PackedRows.of, readout.gated_delta_rule
     monkeypatch.setattr(PackedRows, "of", classmethod(lambda cls, d: made.append(d.shape) or real_of(d)))
-    monkeypatch.setattr(readout, "student_read", lambda mixer, x, docs: read.append(docs) or real_read(mixer, x, docs))
+    monkeypatch.setattr(readout, "gated_delta_rule",
+                        lambda q, *a, **k: read.append((q.shape[2], k["doc_ids"])) or real_rule(q, *a, **k))
     stats_and_forwards(None)
     assert made == [(4, 24)]  # the four one-row batches merged into one group
     closed_forms = len(readout_closed_forms([get_strategy(name) for name in READOUT]))
-    assert len(read) == len(LAYERS) * closed_forms and all(isinstance(docs, PackedRows) and docs is read[0] for docs in read)
+    assert len(read) == closed_forms and all(heads == len(LAYERS) * 4 for heads, _ in read)
+    assert all(isinstance(docs, PackedRows) and docs is read[0][1] for _, docs in read)
 
 
 def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
