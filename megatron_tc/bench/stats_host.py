@@ -7,7 +7,9 @@ autograd) and CPU time of
     build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
            teacher's weights, the statistics and that default init), once per layer and pass;
     sums:  one batch's readout sums of that layer (the GDN recurrence, the fp64 products; the
-           teacher's attention heads are those its forward made), once per layer and batch.
+           teacher's attention heads are those its forward made), once per layer and batch;
+    stacked sums: the same of `stack` layers in one `layers_readout_sums` call (their heads
+           stacked, as sweep 2 runs the kept layers), per layer: operators and CPU time over `stack`.
 
 On a GPU the host issues the same operators of `build` (its math runs on the CPU either way) and
 those of `sums` with the recurrence through fla instead of the PyTorch chunks counted here.
@@ -23,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tc.calibrate.capture import capture_layers
-from megatron_tc.calibrate.readout import readout_sums
+from megatron_tc.calibrate.readout import layers_readout_sums, readout_sums
 from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
 from megatron_tc.calibrate.strategies import default_gdn_state, get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
@@ -60,7 +62,7 @@ def cpu_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
 
 
 def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
-    """(default, build, sums) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
+    """(default, build, sums, stacked_sums(stack)) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
     weights, fp32, one row of `tokens` random ids)."""
     arch = replace(arch, num_layers=2, layer_pattern="AA")
     torch.manual_seed(seed)
@@ -88,10 +90,22 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
         return readout_sums(student, candidates, io.x, y, io.out, attention.o_proj.weight, None,
                             closed_form.readout_products)
 
-    return default, build, sums
+    @torch.no_grad()
+    def stacked_sums(stack: int):  # `stack` copies of the layer in one call
+        y = teacher_heads(attention, io.x, io.position_ids, None, io.heads)
+        return layers_readout_sums([student] * stack, [candidates] * stack, [io.x] * stack, [y] * stack,
+                                   [io.out] * stack, [attention.o_proj.weight] * stack, None,
+                                   closed_form.readout_products)
+
+    return default, build, sums, stacked_sums
 
 
-def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int) -> list[dict]:
-    default, build, sums = layer_work(arch, strategy, tokens)
+def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int, stack: int = 8) -> list[dict]:
+    default, build, sums, stacked_sums = layer_work(arch, strategy, tokens)
     work = (("default", "layer", default), ("build", "layer", build), ("sums", "layer and batch", sums))
-    return [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)} for name, per, fn in work]
+    rows = [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)} for name, per, fn in work]
+    stacked = lambda: stacked_sums(stack)  # noqa: E731
+    per_layer = {k: round(v / stack, 3) for k, v in cpu_ms(stacked, repeats).items()}
+    rows.append({"work": f"sums, {stack} layers stacked", "per": "layer and batch",
+                 "ops": round(count_ops(stacked) / stack, 1), "cpu_ms": per_layer})
+    return rows
