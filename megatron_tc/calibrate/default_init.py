@@ -27,6 +27,20 @@ def parameter_seed(seed: int, index: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+_LAYOUTS: dict[str, tuple[dict[str, nn.Module], dict[str, torch.Tensor]]] = {}
+
+
+def _layout(arch: ArchConfig) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+    """A GDN layer's submodules by name and its state dict, on `meta` (the structure only: no
+    allocation, no draws), made once per architecture (every layer has the same) and dtype."""
+    key = f"{arch!r}/{torch.get_default_dtype()}"
+    if key not in _LAYOUTS:
+        with torch.device("meta"):
+            mixer = GatedDeltaNet(arch, 0, init=False)
+        _LAYOUTS[key] = dict(mixer.named_modules()), mixer.state_dict()
+    return _LAYOUTS[key]
+
+
 class DefaultGDNState(Mapping[str, torch.Tensor]):
     """A GDN mixer's default state dict, keys, shapes and dtypes as `GatedDeltaNet(arch, index)`'s,
     each value drawn on the CPU when first read from `torch.Generator().manual_seed(parameter_seed(
@@ -42,10 +56,7 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
     costs only its own draw (no generator moved past other parameters' draws), on any thread."""
 
     def __init__(self, arch: ArchConfig, index: int, seed: int = 0, init_std: float = 0.02) -> None:
-        with torch.device("meta"):  # the structure only: no allocation, no draws
-            mixer = GatedDeltaNet(arch, index, init=False)
-        self._modules = dict(mixer.named_modules())
-        self._meta = mixer.state_dict()
+        self._modules, self._meta = _layout(arch)
         self._index, self._seed, self._std = index, seed, init_std
         self._values: dict[str, torch.Tensor] = {}
 
