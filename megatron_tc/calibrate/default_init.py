@@ -85,6 +85,11 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
             return value.fill_(0.0 if module.unit_offset else 1.0)  # RMSNorm.reset_parameters' rule
         raise KeyError(f"no default init rule for GDN parameter {key!r} ({type(module).__name__})")
 
+    @property
+    def layout(self) -> Mapping[str, torch.Tensor]:
+        """The state dict's `meta` tensors (shapes and dtypes, nothing drawn); read only."""
+        return self._meta
+
     def __iter__(self):
         return iter(self._meta)
 

@@ -57,8 +57,9 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def _state(module: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of `module`, in a fixed order (the static copy's matches)."""
-    return [t.detach() for t in module.parameters()] + list(module.buffers())
+    """Every parameter and buffer of `module`, in a fixed order (the static copy's matches), but
+    `meta` placeholders (a readout mixer's output gate, which no sum reads)."""
+    return [t.detach() for t in module.parameters() if not t.is_meta] + [t for t in module.buffers() if not t.is_meta]
 
 
 def _static_module(module: nn.Module) -> nn.Module:

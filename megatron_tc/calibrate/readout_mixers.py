@@ -23,7 +23,7 @@ def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
     the kernels queued there (a plain copy synchronizes the stream)."""
-    if tensor.device == device:
+    if tensor.device == device or tensor.is_meta:  # meta: a placeholder the readout never reads
         return tensor
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)

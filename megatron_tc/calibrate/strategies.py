@@ -91,11 +91,14 @@ def value_per_query_head(ctx: LayerContext) -> torch.Tensor:
     return expand_kv(ctx.teacher["v_proj.weight"], replace(arch, gdn_expand_kv=True))
 
 
-def copy_teacher(ctx: LayerContext) -> State:
+def copy_teacher(ctx: LayerContext, replaced: tuple[str, ...] = ()) -> State:
     """q/k/v/o projections (and q/k/v biases) from the teacher, GQA-expanded; the rest default
-    (the defaults of what the teacher replaces are never read: DefaultGDNState does not draw them)."""
+    (the defaults of what the teacher replaces are never read: DefaultGDNState does not draw them).
+    replaced: parameters the strategy sets itself from other values (in its closed form or
+    finish): they hold `meta` placeholders of their shape and dtype, their defaults never drawn."""
     copied = {f"{name}_proj.{kind}" for name in "qkvo" for kind in ("weight", "bias")}
-    params = {k: None if k in copied else ctx.default[k].clone() for k in ctx.default}  # the default's key order
+    params = {k: None if k in copied else _placeholder(ctx.default, k) if k in replaced else ctx.default[k].clone()
+              for k in ctx.default}  # the default's key order
     params["q_proj.weight"] = ctx.teacher["q_proj.weight"].clone()
     params["o_proj.weight"] = ctx.teacher["o_proj.weight"].clone()
     for name in ("k", "v"):
@@ -105,6 +108,12 @@ def copy_teacher(ctx: LayerContext) -> State:
         for name in ("k", "v"):
             params[f"{name}_proj.bias"] = expand_kv(ctx.teacher[f"{name}_proj.bias"], ctx.arch)
     return params
+
+
+def _placeholder(default: State, key: str) -> torch.Tensor:
+    """An empty `meta` tensor shaped and typed as default[key], without drawing it."""
+    like = default.layout[key] if hasattr(default, "layout") else default[key]
+    return torch.empty(like.shape, dtype=like.dtype, device="meta")
 
 
 def _stats(ctx: LayerContext) -> TaylorStats:
@@ -175,6 +184,9 @@ class Strategy:
         params = self.closed_form(ctx)
         if self.needs_readout:
             params = self.finish(ctx, params, _stats(ctx).readout(self.readout_name, ctx.index))
+        unset = [key for key, value in params.items() if value is None or value.is_meta]
+        if unset:
+            raise StrategyError(f"strategy {self.name!r} left {unset} of layer {ctx.index} unset")
         return params
 
 
@@ -276,7 +288,7 @@ class Taylor(Strategy):
             raise StrategyError(f"{self.name} scales values per query head: set gdn_expand_kv: true (the default)")
         stats = _stats(ctx)
         _need(ctx, stats.layer(ctx.index), ("self", "y_rms"), "attention statistics")
-        params = copy_teacher(ctx)
+        params = copy_teacher(ctx, replaced=("g_proj.weight",))  # set in finish
         rate = paper_decay_rate(paper_mean_distance(stats, ctx.index))
         params["A_log"] = torch.zeros_like(params["A_log"])
         params["dt_bias"] = softplus_inverse(rate).to(params["dt_bias"].dtype)
@@ -394,7 +406,7 @@ class TaylorFit(Strategy):
     def closed_form(self, ctx: LayerContext) -> State:
         """Half-life = mean attention distance (own key at 0, clamped to [1, T]) with a_proj = 0;
         the write gate; g_proj = 0.01 W_v (the fitted gate replaces it in finish)."""
-        params = copy_teacher(ctx)
+        params = copy_teacher(ctx, replaced=("g_proj.weight",))
         set_half_life(params, self.target_half_life(ctx))
         self.set_write_gate(ctx, params)
         params["g_proj.weight"] = PAPER_GATE_DAMPING * value_per_query_head(ctx)

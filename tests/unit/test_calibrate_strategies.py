@@ -162,7 +162,9 @@ def test_taylor_value_scale_and_output_gate_against_a_step_by_step_recurrence(se
         ctx = LayerContext(layer, arch, {k: v.clone() for k, v in teacher.layers[layer].mixer.state_dict().items()},
                            default_gdn_state(arch, layer), stats)
         closed = type(student.layers[layer].mixer)(arch, layer)
-        closed.load_state_dict(Taylor().closed_form(ctx))
+        params = Taylor().closed_form(ctx)
+        assert [k for k, v in params.items() if v.is_meta] == ["g_proj.weight"]  # set in finish: never drawn
+        closed.load_state_dict({k: v for k, v in params.items() if not v.is_meta}, strict=False)
         num = den = 0
         rms_sum, silu_sq, tokens = 0.0, 0.0, 0
         rows = _teacher_heads(teacher, batches, layer)
@@ -413,3 +415,28 @@ def test_ga_probes_are_aligned_taylor_calibrate_students(setup, monkeypatch):
                                         teacher_sha256="t", align=short, progress=False)
     assert report["align"]["0"]["steps"] == 3
     assert sel.scores[2] == pytest.approx(-perplexity(student, batches), rel=1e-6)
+
+
+def test_a_placeholder_left_unset_is_an_error():
+    """copy_teacher(replaced=...) leaves `meta` placeholders for the strategy to set; one left
+    unset fails the layer's init with the strategy and parameter named, and its default is never drawn."""
+    from dataclasses import dataclass
+
+    from megatron_tc.calibrate.strategies import Strategy, copy_teacher
+    from megatron_tc.model import ArchConfig, HybridLM
+
+    @dataclass
+    class Forgetful(Strategy):
+        name: str = "forgetful"
+
+        def closed_form(self, ctx):
+            return copy_teacher(ctx, replaced=("g_proj.weight",))
+
+    arch = ArchConfig(family="llama", vocab_size=97, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
+                      head_dim=8, intermediate_size=32, layer_pattern="GA")
+    teacher = HybridLM(arch.with_pattern("AA"))
+    default = default_gdn_state(arch, 0)
+    ctx = LayerContext(0, arch, dict(teacher.layers[0].mixer.state_dict()), default)
+    with pytest.raises(StrategyError, match=r"'forgetful' left \['g_proj.weight'\] of layer 0 unset"):
+        Forgetful().init_layer(ctx)
+    assert "g_proj.weight" not in default._values

@@ -179,7 +179,10 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
         assert reused is shell and reused.layer_idx == fresh.layer_idx == LAYERS[1]
         assert reused.state_dict().keys() == fresh.state_dict().keys()
         for key, value in fresh.state_dict().items():
-            assert torch.equal(reused.state_dict()[key], value), (name, key)
+            if value.is_meta:  # the output gate the closed form leaves to finish: a placeholder in both
+                assert key == "g_proj.weight" and reused.state_dict()[key].is_meta, (name, key)
+            else:
+                assert torch.equal(reused.state_dict()[key], value), (name, key)
         assert [c is None or torch.equal(c, w) for c, w in zip(got, want)] == [True] * len(want)
 
 
