@@ -89,8 +89,8 @@ def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[tor
     sweep over the scales for all of them."""
     v = _cat(values, 1)[None]  # [1, BT, L*heads, D]
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
-    if max_elements is None:  # a GPU wants few large kernels (1 GiB buffers: several scales of
-        # stacked layers at once); a CPU a buffer that stays in its caches
+    if max_elements is None:  # a GPU wants few large kernels (1 GiB buffers: all 81 scales of a
+        # layer's 16k tokens at once); a CPU a buffer that stays in its caches
         max_elements = 2**28 if v.is_cuda else 2**18
     step = max(1, max_elements // v.numel())
     parts = []

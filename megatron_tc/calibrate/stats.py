@@ -262,9 +262,9 @@ def collect_readout_stats(
     then works out the next group's closed forms (without waiting for the device) while the
     device sums. Consecutive kept batches are concatenated into calls of up to
     `readout_group_tokens` tokens (`capture.merge_layer_io`): a few calls instead of one per batch
-    (the pipeline's batches are single rows), and each call sums as many layers as fit the same
-    READOUT_GROUP_BYTES, their heads stacked (`readout.layers_readout_sums`: the host issues the
-    recurrence and the reductions once for all of them). The sums are those of the batch-by-batch,
+    (the pipeline's batches are single rows), and each call sums the layers `readout_stacked_layers`
+    gives (on a CPU as many as fit the same READOUT_GROUP_BYTES; on a GPU one), their heads stacked
+    (`readout.layers_readout_sums`: the recurrence and the reductions issued once for all of them). The sums are those of the batch-by-batch,
     layer-by-layer order up to the fp64 summation order and the fp32 rounding of operations on
     larger tensors (GEMM algorithms, reductions). Packed documents: each group's rows are the same
     at every layer, so their `PackedRows` (fla's segment layout, a host read) are made once and
@@ -346,7 +346,7 @@ def collect_readout_stats(
                         for name in names)  # the closed forms' calls run one after another
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
-        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
+        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token, device)
         windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
         layouts: list[PackedRows | None] = []  # per group of merged rows: the same rows at every layer
         for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
@@ -436,9 +436,14 @@ def readout_bytes_per_token(arch, candidates: int, products: bool = True) -> int
     return 4 * arch.num_heads * per_head
 
 
-def readout_stacked_layers(tokens: int, per_token: int) -> int:
+def readout_stacked_layers(tokens: int, per_token: int, device: torch.device) -> int:
     """Layers whose readout sums run in one call over `tokens` tokens (`per_token` bytes of
-    temporaries a token and layer): as many as fit READOUT_GROUP_BYTES, at least one."""
+    temporaries a token and layer). On a CPU as many as fit READOUT_GROUP_BYTES (at least one); on a
+    GPU one: there the host works out a group's closed forms while the device waits, and sums its
+    last group while the host waits, and an H200 measured a call per layer faster than groups of
+    eleven (docs/benchmarks.md)."""
+    if device.type == "cuda":
+        return 1
     return max(1, READOUT_GROUP_BYTES // (tokens * per_token))
 
 
