@@ -126,19 +126,22 @@ def test_bench_stats_phases(tmp_path):
     sum within its total), and the statistics module is left as it was."""
     from megatron_tc.calibrate import stats as stats_module
 
-    originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats)
+    originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
+                 stats_module.readout_stacked_layers)
     graphs_env = os.environ.get(GRAPHS_ENV)
     data = run("bench_stats", tmp_path, "--phases", "2")
     rows = {row["pass"]: row for row in data["phases"]}
-    assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, CUDA graphs", "sweep 1 alone",
+    assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, CUDA graphs",
+                          "collect_stats, readout layers grouped", "sweep 1 alone",
                           "sweep 1, layer I/O kept", "sweep 1, a call per layer"]
     assert not data.get("rows") and not data.get("calibrate")
     median = lambda cell: float(cell.split(" ")[0])  # noqa: E731 - "median (min-max)"
-    for name in ("collect_stats", "collect_stats, CUDA graphs"):
+    for name in ("collect_stats", "collect_stats, CUDA graphs", "collect_stats, readout layers grouped"):
         parts = median(rows[name]["sweep 1 ms"]) + median(rows[name]["sweep 2 ms"])
         assert 0 < parts <= median(rows[name]["ms"]) * 1.01 + 0.2  # the medians of parts and whole (0.1 ms rounding)
     assert all(row["repeats"] == 2 and row["ratio"] > 0 for row in rows.values())
-    assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats) == originals
+    assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
+            stats_module.readout_stacked_layers) == originals
     assert os.environ.get(GRAPHS_ENV) == graphs_env
 
 
