@@ -14,10 +14,10 @@ the same forward; it needs only each layer's input, output and attention heads (
 fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer, so the host's work
-on the next layer's closed form (and the default init it starts from: a few CPU draws) overlaps
-the device's sums of this one: that work never waits for the device (no copies to the CPU, pinned
-copies to it).
+the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer (on a CPU a group of
+layers at a time), so the host's work on the next layer's closed form (and the default init it
+starts from: a few CPU draws) overlaps the device's sums of this one: that work never waits for
+the device (no copies to the CPU, pinned copies to it).
 The closed forms run on the calling thread: on a second host thread (many small operators, each
 taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
 two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
