@@ -192,17 +192,17 @@ def layers_readout_sums(
     run per layer. Returns each layer's sums."""
     n, layers = len(candidates[0]), len(mixers)
     h = mixers[0].num_heads
-    raw, g, beta, gates, values = [], [], [], [], []
+    qkv, decays, writes, gates, values = [], [], [], [], []
     for mixer, cands, x in zip(mixers, candidates, xs):
         x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
-        q, k, v = mixer.qkv(x, doc_ids)
-        g_l, beta_l = mixer.gates(x)
-        raw.append((q, k, v))
-        g.append(g_l), beta.append(beta_l)
+        qkv.append(mixer.qkv(x, doc_ids))
+        g, beta = mixer.gates(x)
+        decays.append(g)
+        writes.append(beta)
         gates.append(gate_values(x, cands))
         values.append(value_inputs(mixer, x))
-    q, k, v = (_cat(parts, 2) for parts in zip(*raw))  # [B, T, L*H, D]
-    g, beta = _cat(g, 2), _cat(beta, 2)
+    q, k, v = (_cat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
+    g, beta = _cat(decays, 2), _cat(writes, 2)  # [B, T, L*H]
     first = mixers[0]
     raw, _ = gated_delta_rule(
         q.float(), k.float(), v.float(), g, beta, scale=first.head_dim**-0.5, doc_ids=doc_ids,
