@@ -87,7 +87,7 @@ def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[tor
                            max_elements: int | None = None) -> torch.Tensor:
     """`value_silu_grid` of L layers [L*H, C] from their `value_inputs` (same token count), one
     sweep over the scales for all of them."""
-    v = _cat(values, 1)[None]  # [1, BT, L*heads, D]
+    v = concat(values, 1)[None]  # [1, BT, L*heads, D]
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
     if max_elements is None:  # a GPU wants few large kernels (1 GiB buffers: all 81 scales of a
         # layer's 16k tokens at once); a CPU a buffer that stays in its caches
@@ -115,8 +115,8 @@ def _value_scales_on(device: torch.device) -> torch.Tensor:
     return _VALUE_SCALES[device]
 
 
-def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """torch.cat, without a copy of a single tensor."""
+def concat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, without a copy of a single tensor (a call of one layer stacks nothing)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
@@ -201,8 +201,8 @@ def layers_readout_sums(
         writes.append(beta)
         gates.append(gate_values(x, cands))
         values.append(value_inputs(mixer, x))
-    q, k, v = (_cat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
-    g, beta = _cat(decays, 2), _cat(writes, 2)  # [B, T, L*H]
+    q, k, v = (concat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
+    g, beta = concat(decays, 2), concat(writes, 2)  # [B, T, L*H]
     first = mixers[0]
     raw, _ = gated_delta_rule(
         q.float(), k.float(), v.float(), g, beta, scale=first.head_dim**-0.5, doc_ids=doc_ids,
@@ -211,9 +211,9 @@ def layers_readout_sums(
     raw = raw.float()
     b, t, _, d = raw.shape
     normed = stacked_norm([mixer.o_norm for mixer in mixers], raw.view(b, t, layers, h, d)).view(b, t, layers * h, d)
-    yt = _cat([y.float().transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D]
+    yt = concat([y.float().transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D]
     # [C + 2, B, T, L*H, D]: the gated read of every candidate, the raw read, the teacher's heads
-    gates = None if gates[0] is None else _cat(gates, 3)  # [B, T, C', L*H*D]
+    gates = None if gates[0] is None else concat(gates, 3)  # [B, T, C', L*H*D]
     reads = torch.cat(gated_reads(normed, gates, candidates[0]) + [raw[None], yt[None]])
     # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
     # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)

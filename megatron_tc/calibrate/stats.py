@@ -41,7 +41,7 @@ from megatron_tc.parallel.comm import all_gather
 from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs
 from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums, split_layers
-from .readout import empty_readout_sums, layers_readout_sums
+from .readout import concat, empty_readout_sums, layers_readout_sums
 from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
     model_device, move_packed, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
 )
@@ -135,7 +135,7 @@ def collect_attention_stats(
                for mixer, io in zip(modules, per_layer)]
         first = modules[0]
         o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
-        head_sums, _ = attention_sums(*(_cat_heads([t[i] for t in qkv]) for i in range(3)), first.scale, o_weight,
+        head_sums, _ = attention_sums(*(concat([t[i] for t in qkv], 1) for i in range(3)), first.scale, o_weight,
                                       doc_ids, first.sliding_window, chunk_size)
         result = {}
         for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
@@ -211,10 +211,6 @@ def stacked_layers(arch, batch_shape: Sequence[int], tp: int = 1) -> int:
 
 def _per_layer(tensors: Sequence, layers: int, width: int = 6) -> list[Sequence]:
     return [tensors[i * width:(i + 1) * width] for i in range(layers)]
-
-
-def _cat_heads(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
 
 
 def _call_kind(io: LayerIO) -> tuple:
@@ -348,11 +344,10 @@ def collect_readout_stats(
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
         per_call = readout_stacked_layers(min(merge, kept_tokens), per_token, device)
         windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
+        for index in windows[0][1:]:
+            build(index)
         layouts: list[PackedRows | None] = []  # per group of merged rows: the same rows at every layer
         for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
-            for position, index in enumerate(window):
-                if index not in mixers[names[0]]:
-                    build(index, shell_of=windows[w - 1][position] if w and position < len(windows[w - 1]) else None)
             ours = [index for index in window if index in mine]
             # the kept batches in groups of up to `merge` tokens: fewer, larger calls
             groups = [merge_layer_io([kept[index] for kept in layer_io], merge) for index in ours]
