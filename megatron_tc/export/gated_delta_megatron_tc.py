@@ -115,6 +115,29 @@ def fused_decode_step(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.
 _FUSED = {"ok": True}
 
 
+def fused_chunk_rule(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`gated_delta_rule` (backend "auto") with the decay computed inside fla's kernels from the raw
+    a_proj output a [B, T, H] and the write strength sigmoid(b) here (fla's kernel for it costs more
+    host time than PyTorch's): (o [B, T, H, Dv], final state), or
+    None off CUDA, without fla or with an fla lacking the options (then the caller computes the
+    gates). The kernels skip `GatedDeltaNet.gates`' clamps of A_log and of the log decay (they
+    change only decays below exp(-1e4) a token, zero in fp32 either way)."""
+    kernels = fla_kernels() if q.is_cuda and _FUSED["ok"] else None
+    if kernels is None:
+        return None
+    fn = kernels["recurrent"] if q.shape[1] <= 64 and not torch.is_grad_enabled() else kernels["chunk"]
+    try:
+        return fn(q=q, k=k, v=v, g=a, beta=torch.sigmoid(b.float()), scale=scale,
+                  initial_state=None if state is None else state.float(), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
+    except (TypeError, ValueError) as exc:  # an fla without these options: unfused from now on
+        _FUSED["ok"] = False
+        warnings.warn(f"fla's GDN kernels with the gates inside are unavailable ({exc}); using the unfused kernels",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

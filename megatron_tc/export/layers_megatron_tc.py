@@ -14,7 +14,9 @@ from torch import nn
 from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
-from .gated_delta_megatron_tc import causal_conv, fla_op, fused_decode_step, fused_small_kernels, gated_delta_rule
+from .gated_delta_megatron_tc import (
+    causal_conv, fla_op, fused_chunk_rule, fused_decode_step, fused_small_kernels, gated_delta_rule,
+)
 
 MAX_A_LOG, MIN_LOG_DECAY = 30.0, -1e4
 class GatedDeltaNet(nn.Module):
@@ -54,40 +56,58 @@ class GatedDeltaNet(nn.Module):
             return self.decode_step(x, cache)
         keep = None if batch.valid is None else batch.valid[..., None].to(x.dtype)  # [B, T, 1]
         past = cache.conv.get("qkv") if cache is not None and batch.offset > 0 and self.conv_size > 0 else None
-        pasts = past.split(self.qkv_channels, 1) if past is not None else (None,) * 3
-        qkv, conv_inputs = [], []
-        for name, before in zip("qkv", pasts):
-            y = getattr(self, f"{name}_proj")(x)
-            if keep is not None:
-                y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
-            if self.conv_size > 0:
-                y, inputs = causal_conv(y, getattr(self, f"{name}_conv1d").weight, before)
-                conv_inputs.append(inputs)
-            else:
-                y = F.silu(y)
-            qkv.append(y)
-        q, k, v = self.heads_of(*qkv)
-        g, beta = self.gates(self.a_proj(x), self.b_proj(x))
+        y, a, bb, gate = self.projections(x)
+        if keep is not None:
+            y = y * keep  # a pad position feeds zeros, exactly like the start of a sequence
+        conv_inputs = None
+        if self.conv_size > 0:
+            y, conv_inputs = causal_conv(y, self.conv_weight(), past)
+        else:
+            y = F.silu(y)
+        q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
+        recording = cache is not None and cache.recording
+        scale = self.head_dim**-0.5
+        if batch.valid is None and not recording and self.backend in ("auto", "fla"):
+            # the decay and write strength computed inside fla's kernel: no gate operators here
+            fused = fused_chunk_rule(q, k, v, a, bb, self.A_log, self.dt_bias, scale, state)
+            if fused is not None:
+                return self.finish(fused, gate, conv_inputs, batch, cache)
+        g, beta = self.gates(a, bb)
         if batch.valid is not None:  # decay 1 and no write: the state passes a pad unchanged
             g, beta = g * batch.valid[..., None], beta * batch.valid[..., None]
             k, v = k * keep[..., None], v * keep[..., None]
-        if cache is not None and cache.recording:  # the cache keeps q/k/v conv inputs as one tensor
-            cache.remember({"qkv": torch.cat(conv_inputs, 1)} if conv_inputs else {}, k, v, g, beta)
-        o, final = gated_delta_rule(q, k, v, g, beta, self.head_dim**-0.5, state, self.chunk, self.backend)
-        if cache is not None:
-            tails = [conv_tail(c, self.conv_size - 1, batch.end) for c in conv_inputs]
-            cache.store(final, {"qkv": torch.cat(tails, 1)} if tails else {})
-        return self.o_proj(self.gated_norm(o, self.g_proj(x).view(b, t, self.heads, self.head_dim)))
+        if recording:  # the cache keeps q/k/v conv inputs as one tensor
+            cache.remember({"qkv": conv_inputs} if conv_inputs is not None else {}, k, v, g, beta)
+        result = gated_delta_rule(q, k, v, g, beta, scale, state, self.chunk, self.backend)
+        return self.finish(result, gate, conv_inputs, batch, cache)
 
-    def decode_step(self, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
-        """x [B, 1, hidden] after a prefill: one matmul for q, k, v, a, b and the output gate, one
-        convolution step, then (CUDA with fla) the fused recurrence and gated norm."""
-        b, h, d = x.shape[0], self.heads, self.head_dim
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q/k/v (concatenated, before the convolution) [B, T, C], a and b [B, T, H] and the output
+        gate [B, T, H, D] of x [B, T, hidden], from one matmul over the six projections' weights."""
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
         layers = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
         biases = [lin.bias if lin.bias is not None else lin.out_features for lin in layers]
         bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
         y = F.linear(x, self.packed_proj.get([lin.weight for lin in layers]), bias)
         y, a, bb, gate = y.split([sum(self.qkv_channels), h, h, h * d], -1)
+        return y, a, bb, gate.reshape(b, t, h, d)
+
+    def finish(self, result: tuple[torch.Tensor, torch.Tensor], gate: torch.Tensor, conv_inputs: torch.Tensor | None,
+               batch: Batch, cache: GDNLayerCache | None) -> torch.Tensor:
+        """Keep the final state and the convolution's last inputs in `cache`; o_proj of the gated,
+        normed output. result: (o [B, T, H, D], final state)."""
+        o, final = result
+        if cache is not None:
+            tail = {} if conv_inputs is None else {"qkv": conv_tail(conv_inputs, self.conv_size - 1, batch.end)}
+            cache.store(final, tail)
+        return self.o_proj(self.gated_norm(o, gate))
+
+    def decode_step(self, x: torch.Tensor, cache: GDNLayerCache) -> torch.Tensor:
+        """x [B, 1, hidden] after a prefill: one matmul for q, k, v, a, b and the output gate, one
+        convolution step, then (CUDA with fla) the fused recurrence and gated norm."""
+        b, h, d = x.shape[0], self.heads, self.head_dim
+        y, a, bb, gate = self.projections(x)
         tail = {}
         if self.conv_size > 0:
             y, inputs = causal_conv(y, self.conv_weight(), cache.conv["qkv"])
@@ -95,7 +115,6 @@ class GatedDeltaNet(nn.Module):
         else:
             y = F.silu(y)
         q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
-        gate = gate.reshape(b, 1, h, d)
         if x.is_cuda and self.backend in ("auto", "fla"):
             fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, cache.state, gate,
                                       self.o_norm.weight, self.o_norm.eps)
@@ -127,8 +146,13 @@ class GatedDeltaNet(nn.Module):
         return g, torch.sigmoid(bb.float())
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(o) * SiLU(gate) in fp32, o and gate [B, T, H, D] -> [B, T, H * D] in gate's dtype."""
+        """RMSNorm(o) * SiLU(gate) in fp32, o and gate [B, T, H, D] -> [B, T, H * D] in gate's dtype;
+        one fla kernel where that pays (`fused_small_kernels`)."""
         b, t = gate.shape[:2]
+        if fused_small_kernels(o) and not self.o_norm.unit_offset and o.dtype == gate.dtype:
+            fused = fla_op("gated_norm", o, gate, self.o_norm.weight, None, activation="swish", eps=self.o_norm.eps)
+            if fused is not None:
+                return fused.reshape(b, t, -1)
         return (self.o_norm(o.float()) * F.silu(gate.float())).to(gate.dtype).reshape(b, t, -1)
 
 

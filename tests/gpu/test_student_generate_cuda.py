@@ -141,3 +141,29 @@ def test_causal_prefill_takes_the_flash_kernel_not_cudnn():
     finally:
         attention.CAUSAL_SDPA_BACKENDS = saved
     torch.testing.assert_close(logits.float(), reference.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("length", [40, 300])  # fla's fused recurrent kernel, then its chunked one
+def test_eager_prefill_with_the_gates_in_fla_kernels_fp32(monkeypatch, length):
+    """An eager prefill hands fla the raw a_proj / b_proj outputs (the decay computed inside its
+    kernel): the logits and the cache's states equal those of the gates computed in PyTorch."""
+    import megatron_tc.export.gated_delta_megatron_tc as gated_delta
+    from megatron_tc.export.cache_megatron_tc import MegatronTCCache
+
+    model = student(torch.float32)
+    ids = torch.randint(3, 512, (2, length), device="cuda")
+    called = []
+    real = gated_delta.fused_chunk_rule
+    monkeypatch.setattr("megatron_tc.export.layers_megatron_tc.fused_chunk_rule",
+                        lambda *a: called.append(1) or real(*a))
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setitem(gated_delta._FUSED, "ok", fused)
+        cache = MegatronTCCache(model.config)
+        with torch.no_grad():
+            logits = model(ids, cache=cache, use_cache=True).logits
+        out[fused] = logits, [layer.state for layer in cache.layers if hasattr(layer, "state")]
+    assert len(called) == 6  # three GDN layers, twice (the second time the unfused path takes over)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=1e-4)
+    for fused_state, state in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(fused_state, state, rtol=1e-4, atol=1e-4)
