@@ -76,9 +76,10 @@ def _triton_importable() -> bool:
 
 
 def use_stats_kernel(q: torch.Tensor) -> bool:
-    """Whether `attention_sums` takes the fused Triton kernel (`moments_triton`): with
+    """Whether the statistics pass takes its fused Triton kernels for q (sweep 1's
+    `moments_triton`, sweep 2's value grid `value_grid_triton`): with
     $MEGATRON_TC_STATS_KERNEL=auto (default) when q is on CUDA and triton imports; `triton`
-    forces it (on CPU: under TRITON_INTERPRET=1), `reference` forces the PyTorch chunks."""
+    forces them (on CPU: under TRITON_INTERPRET=1), `reference` forces the PyTorch paths."""
     mode = os.environ.get(STATS_KERNEL_ENV, "auto")
     if mode not in ("auto", "triton", "reference"):
         raise ValueError(f"${STATS_KERNEL_ENV}={mode!r}: use auto, triton or reference")

@@ -18,6 +18,8 @@ from megatron_tc.model.fused import fused, rms_norm
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.model.ops import gated_delta_rule
 
+from .moments import use_stats_kernel
+
 F64 = torch.float64
 # value scales c at which sum silu(c v)^2 is recorded ("vgrid"): the authors' output gate needs
 # the RMS of SiLU of the value projection after their per-head value scale, clamped to [0.1, 10],
@@ -87,21 +89,35 @@ def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[tor
                            max_elements: int | None = None) -> torch.Tensor:
     """`value_silu_grid` of L layers [L*H, C] from their `value_inputs` (same token count), one
     sweep over the scales for all of them."""
-    v = concat(values, 1)[None]  # [1, BT, L*heads, D]
+    v = concat(values, 1)  # [BT, L*heads, D]
     scales = _value_scales_on(v.device)  # [C, 1, 1, 1]
+    if use_stats_kernel(v):  # v read once for all scales (calibrate/value_grid_triton.py)
+        from .value_grid_triton import value_grid_sums
+
+        out = value_grid_sums(v, scales)
+    else:
+        out = value_grid_reference(v, scales, max_elements)
+    heads, first = values[0].shape[1], mixers[0]
+    group = first.num_heads // heads
+    out = out.view(len(values), heads, 1, -1).expand(-1, -1, group, -1)  # k/v heads to query heads
+    return out.reshape(len(values) * first.num_heads, -1)
+
+
+def value_grid_reference(v: torch.Tensor, scales: torch.Tensor, max_elements: int | None = None) -> torch.Tensor:
+    """[heads, C] fp64 sums of silu(c v)^2 over tokens and channels for v [BT, heads, D] fp32 and
+    scales [C, 1, 1, 1] (the PyTorch reference of `value_grid_triton.value_grid_sums`): several
+    scales per kernel, one buffer of at most `max_elements` fp32 values at a time, SiLU and square
+    in place, summed in fp64."""
+    v = v[None]
     if max_elements is None:  # a GPU wants few large kernels (1 GiB buffers: all 81 scales of a
         # layer's 16k tokens at once); a CPU a buffer that stays in its caches
         max_elements = 2**28 if v.is_cuda else 2**18
     step = max(1, max_elements // v.numel())
     parts = []
     for start in range(0, len(scales), step):
-        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, L*heads, D]
+        act = F.silu(scales[start:start + step] * v, inplace=True).square_()  # [c, BT, heads, D]
         parts.append(_sum64(act, (1, 3)))
-    out = (parts[0] if len(parts) == 1 else torch.cat(parts)).t()  # [L*heads, C]
-    heads, first = values[0].shape[1], mixers[0]
-    group = first.num_heads // heads
-    out = out.view(len(values), heads, 1, -1).expand(-1, -1, group, -1)  # k/v heads to query heads
-    return out.reshape(len(values) * first.num_heads, -1)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).t()
 
 
 _VALUE_SCALES: dict[torch.device, torch.Tensor] = {}

@@ -1,4 +1,5 @@
-"""Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks on CUDA.
+"""Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks on CUDA, and
+sweep 2's value-grid kernel (`calibrate.value_grid_triton`) == its PyTorch reference.
 
 Run on a GPU machine: `python -m pytest -q tests/gpu/test_stats_kernel_cuda.py` (well under
 a minute; each dtype/block shape compiles once, a few seconds). Both paths compute in fp32 from
@@ -78,3 +79,21 @@ def test_auto_dispatch_takes_the_kernel_on_cuda(monkeypatch):
 
     monkeypatch.delenv(STATS_KERNEL_ENV, raising=False)
     assert use_stats_kernel(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.parametrize("tokens, heads, dim", [(16384, 3, 64), (1000, 9, 64), (777, 4, 128), (300, 2, 80)])
+def test_value_grid_kernel_matches_the_reference_cuda(monkeypatch, tokens, heads, dim):
+    """SmolLM2's value heads at 16k tokens, tokens off the 64-blocks, head_dim 128 and 80."""
+    from megatron_tc.calibrate import readout
+    from megatron_tc.calibrate.value_grid_triton import value_grid_sums
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    spread = torch.logspace(-1, 0.7, heads, device="cuda")[None, :, None]  # silu's two regimes
+    v = torch.randn(tokens, heads, dim, generator=gen, device="cuda") * spread
+    scales = readout.VALUE_SCALE_GRID.float().cuda().view(-1, 1, 1, 1)
+    got, ref = value_grid_sums(v, scales), readout.value_grid_reference(v, scales)
+    # the same fp32 values up to SiLU's rounding (one ulp), summed in fp64 in another order
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    monkeypatch.delenv(STATS_KERNEL_ENV, raising=False)
+    grid = readout.layers_value_silu_grid([type("Mixer", (), {"num_heads": heads})()], [v])
+    assert torch.equal(grid, got)  # the pass takes the kernel on CUDA
