@@ -146,7 +146,9 @@ def test_causal_prefill_takes_the_flash_kernel_not_cudnn():
 @pytest.mark.parametrize("length", [40, 300])  # fla's fused recurrent kernel, then its chunked one
 def test_eager_prefill_with_the_gates_in_fla_kernels_fp32(monkeypatch, length):
     """An eager prefill hands fla the raw a_proj / b_proj outputs (the decay computed inside its
-    kernel): the logits and the cache's states equal those of the gates computed in PyTorch."""
+    kernel): the logits and the cache's states equal those of the gates computed in PyTorch, within
+    the 1e-3 of the other fla-against-PyTorch tests (fla's chunked kernel multiplies in TF32, whose
+    roundings a change of the decay's last bits moves)."""
     import megatron_tc.export.gated_delta_megatron_tc as gated_delta
     from megatron_tc.export.cache_megatron_tc import MegatronTCCache
 
@@ -164,6 +166,6 @@ def test_eager_prefill_with_the_gates_in_fla_kernels_fp32(monkeypatch, length):
             logits = model(ids, cache=cache, use_cache=True).logits
         out[fused] = logits, [layer.state for layer in cache.layers if hasattr(layer, "state")]
     assert len(called) == 6  # three GDN layers, twice (the second time the unfused path takes over)
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=1e-4)
+    assert (out[True][0] - out[False][0]).abs().max().item() <= 1e-3
     for fused_state, state in zip(out[True][1], out[False][1]):
-        torch.testing.assert_close(fused_state, state, rtol=1e-4, atol=1e-4)
+        assert (fused_state - state).abs().max().item() <= 1e-3
