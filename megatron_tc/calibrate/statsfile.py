@@ -51,15 +51,27 @@ class TaylorStats:
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         """Attention sums of one layer, key -> fp64 tensor."""
-        prefix = f"layers.{index}."
-        out = {k[len(prefix):]: v for k, v in self.sums.items() if k.startswith(prefix)}
+        out = self._group(f"layers.{index}.")
         if not out:
             raise StatsMismatchError(f"the stats cover layers {self.layers}, not layer {index}")
         return out
 
+    def _group(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The sums under `prefix` (up to a layer's: "layers.{l}." or "readout.{s}.layers.{l}."),
+        named without it. The names are grouped once per set of keys (closed forms read a layer's
+        sums many times, and a file holds hundreds of them); the tensors are read from `sums`."""
+        keys = tuple(self.sums)
+        if self.__dict__.get("_index_keys") != keys:
+            index: dict[str, list[tuple[str, str]]] = {}
+            for key in keys:
+                cut = key.index(".layers.") + len(".layers.") if key.startswith("readout.") else len("layers.")
+                cut = key.find(".", cut) + 1
+                index.setdefault(key[:cut], []).append((key[cut:], key))
+            self.__dict__["_index_keys"], self.__dict__["_index"] = keys, index
+        return {name: self.sums[key] for name, key in self.__dict__["_index"].get(prefix, ())}
+
     def readout(self, strategy: str, index: int) -> dict[str, torch.Tensor]:
-        prefix = f"readout.{strategy}.layers.{index}."
-        out = {k[len(prefix):]: v for k, v in self.sums.items() if k.startswith(prefix)}
+        out = self._group(f"readout.{strategy}.layers.{index}.")
         if not out:
             have = sorted(self.meta.get("readout", {}))
             raise StatsMismatchError(

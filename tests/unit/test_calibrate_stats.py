@@ -121,6 +121,24 @@ def test_stats_file_round_trip_and_refusals(tmp_path):
     assert not list(tmp_path.glob(".stats.*")), "temporary file left behind"
 
 
+def test_layer_and_readout_groups_follow_the_sums():
+    """`layer` / `readout` name a layer's sums without their prefix (layer 1 never matches layer 12)
+    and see sums added, replaced or removed after an earlier read."""
+    one, two = torch.ones(2, dtype=torch.float64), torch.full((2,), 2.0, dtype=torch.float64)
+    stats = TaylorStats({"layers": [1, 12]}, {"layers.1.count": one, "layers.12.count": two,
+                                              "readout.taylor.layers.1.uy": two, "readout.taylor.layers.12.uy": one})
+    assert stats.layer(1) == {"count": one} and stats.layer(12) == {"count": two}
+    assert stats.readout("taylor", 12) == {"uy": one}
+    stats.sums["layers.1.x_sum"] = two
+    stats.sums["layers.12.count"] = one
+    assert stats.layer(1) == {"count": one, "x_sum": two} and stats.layer(12)["count"] is one
+    stats.sums.update({"readout.taylor_fit.layers.1.uy": one})
+    assert stats.readout("taylor_fit", 1) == {"uy": one}
+    del stats.sums["layers.12.count"]
+    with pytest.raises(StatsMismatchError, match="not layer 12"):
+        stats.layer(12)
+
+
 def test_state_dict_hash_sees_every_weight():
     a = {"w": torch.ones(3), "b": torch.zeros(2)}
     b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-6])}
