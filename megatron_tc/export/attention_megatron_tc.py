@@ -65,6 +65,12 @@ class Packed:
         return self.value
 
 
+def trains(weights: list[torch.Tensor]) -> bool:
+    """Whether a forward must reach these weights' gradients: then they are concatenated in the
+    autograd graph, not read from a (detached) `Packed` copy."""
+    return torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -179,9 +185,11 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if t == 1:  # decoding: one matmul for q, k and v
             weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-            bias = self.packed_bias.get([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) \
-                if self.q_proj.bias is not None else None
-            qkv = F.linear(x, self.packed_qkv.get(weights), bias)
+            biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+            pack = torch.cat if trains(weights) else None
+            weight = pack(weights) if pack else self.packed_qkv.get(weights)
+            bias = None if biases[0] is None else pack(biases) if pack else self.packed_bias.get(biases)
+            qkv = F.linear(x, weight, bias)
             q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                                  self.kv_heads * self.head_dim], -1)
         else:

@@ -118,11 +118,11 @@ _FUSED = {"ok": True}
 def fused_chunk_rule(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`gated_delta_rule` (backend "auto") with the decay computed inside fla's kernels from the raw
-    a_proj output a [B, T, H] and the write strength sigmoid(b) here (fla's kernel for it costs more
-    host time than PyTorch's): (o [B, T, H, Dv], final state), or
-    None off CUDA, without fla or with an fla lacking the options (then the caller computes the
-    gates). The kernels skip `GatedDeltaNet.gates`' clamps of A_log and of the log decay (they
-    change only decays below exp(-1e4) a token, zero in fp32 either way)."""
+    a_proj output a [B, T, H]; the write strength sigmoid(b) is PyTorch's (fla's kernel for it costs
+    more host time). Returns (o [B, T, H, Dv], final state), or None off CUDA, without fla or with an
+    fla lacking the options (the caller then computes the gates). The kernels skip
+    `GatedDeltaNet.gates`' clamps of A_log and of the log decay, which change only decays below
+    exp(-1e4) a token (zero in fp32 either way)."""
     kernels = fla_kernels() if q.is_cuda and _FUSED["ok"] else None
     if kernels is None:
         return None

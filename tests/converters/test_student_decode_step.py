@@ -94,6 +94,46 @@ def test_packed_projections_follow_in_place_weight_edits():
     assert (step - full).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("tokens", [1, 9])  # a one-token forward takes attention's packed q/k/v too
+def test_packed_projections_pass_gradients_to_every_weight(tokens):
+    """With gradients on, the packed matmuls give each projection and convolution weight the
+    gradient of the same model written with one Linear / Conv1d per weight (a detached packed copy
+    would give them none)."""
+    model = student()
+    ids = torch.randint(3, 300, (2, tokens), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # a packed copy exists from an inference forward before training
+        model(input_ids=ids, use_cache=False)
+    model.train()
+    model(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    packed = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    def separate(self, x):  # the projections one Linear at a time, as the layer's names describe
+        b, t, _ = x.shape
+        y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        return y, self.a_proj(x), self.b_proj(x), self.g_proj(x).reshape(b, t, self.heads, self.head_dim)
+
+    def separate_conv(self):
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(layers.GatedDeltaNet, "projections", separate)
+    mp.setattr(layers.GatedDeltaNet, "conv_weight", separate_conv)
+    mp.setattr(attention, "trains", lambda weights: True)  # attention's packing in the graph: exact
+    try:
+        model(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    finally:
+        mp.undo()
+    names = [n for n in packed if any(part in n for part in ("_proj.", "_conv1d."))]
+    assert any("conv1d" in n for n in names) and any("g_proj" in n for n in names)
+    for name in names:
+        ref = dict(model.named_parameters())[name].grad
+        assert ref is not None, name
+        # (one token from an empty state: the decay multiplies zeros, a_proj's gradient is 0)
+        assert tokens == 1 and "a_proj" in name or ref.abs().max() > 0, name
+        torch.testing.assert_close(packed[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_reset_static_cache_keeps_its_buffers_and_decodes_as_a_new_one():
     """generate() reuses a static cache (and its captured decoding step) by resetting it in place."""
     model = student()
