@@ -20,6 +20,7 @@ import statistics
 from typing import Any, Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from megatron_tc.bench.common import spread, sync, time_once
 from megatron_tc.calibrate import stats as stats_module
@@ -53,8 +54,10 @@ def phase_clock(device: torch.device, into: dict[str, float]):
 
 
 def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch, chunk_size: int, repeats: int,
-                 device: torch.device) -> list[dict[str, Any]]:
-    """Rows {pass, ms: spread, ratio: median over the forward's median, [sweep 1 ms, sweep 2 ms]}."""
+                 device: torch.device, on_round: Callable[[list[dict[str, Any]]], None] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Rows {pass, ms: spread, ratio: median over the forward's median, repeats, [sweep 1 ms, sweep 2 ms]}.
+    on_round: called with the rows so far after every round (a run cut short keeps its rounds)."""
 
     def forward() -> None:
         with torch.no_grad():
@@ -88,20 +91,28 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
                 "sweep 1, a call per layer": sweep1(False, 1)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants if name.startswith("collect_stats")}
-    for name, fn in variants.items():  # warm-up: kernels compiled, caches filled
+    for name, fn in tqdm(variants.items(), desc="phases: warm-up", unit="variant"):  # kernels compiled, caches filled
         fn()
     sync(device)
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc="phases: rounds", unit="round"):
         for name, fn in variants.items():
             split: dict[str, float] = {}
             with phase_clock(device, split) if name in phases else contextlib.nullcontext():
                 times[name].append(time_once(fn, device))
             if name in phases:
                 phases[name].append(split)
+        if on_round is not None:
+            on_round(_rows(times, phases))
+    return _rows(times, phases)
+
+
+def _rows(times: dict[str, list[float]], phases: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """One row per variant over the rounds so far: ms and the sweeps' ms as spreads, the ratio of
+    medians to the forward's, the number of rounds."""
     base = statistics.median(times["teacher forward"])
     rows = []
     for name, values in times.items():
-        row = {"pass": name, "ms": spread(values), "ratio": statistics.median(values) / base}
+        row = {"pass": name, "ms": spread(values), "ratio": statistics.median(values) / base, "repeats": len(values)}
         if name in phases:
             row["sweep 1 ms"] = spread([p["collect_attention_stats"] for p in phases[name]])
             row["sweep 2 ms"] = spread([p.get("collect_readout_stats", 0.0) for p in phases[name]])

@@ -217,11 +217,14 @@ def bench_phases_rows(teacher, layers, student_arch, args, device, report) -> No
     batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
     strategies = [get_strategy(s) for s in args.readout.split(",") if s]
     meta = {"teacher_sha256": "bench", "seq_len": args.seq}
-    for row in bench_phases(teacher, batches, layers, meta, strategies, student_arch, args.chunk_size, args.phases,
-                            device):
-        flat = {k: (f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" if isinstance(v, dict) else v)
-                for k, v in row.items()}
-        report.add("phases", {**flat, "ratio": round(row["ratio"], 2), "repeats": args.phases})
+    def publish(rows: list[dict]) -> None:  # after every round: the JSON holds the rounds so far
+        report.data["phases"] = [
+            {**{k: (f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" if isinstance(v, dict) else v)
+                for k, v in row.items()}, "ratio": round(row["ratio"], 2)} for row in rows]
+        report.save()
+
+    bench_phases(teacher, batches, layers, meta, strategies, student_arch, args.chunk_size, args.phases, device,
+                 on_round=publish)
 
 
 def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:

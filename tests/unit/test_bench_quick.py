@@ -121,15 +121,25 @@ def test_bench_stats_quick(tmp_path):
     assert "bench_stats" in summarize(tmp_path)
 
 
-def test_bench_stats_phases(tmp_path):
+def test_bench_stats_phases(tmp_path, monkeypatch):
     """--phases: one row per variant in one process; the pass's two sweeps are timed inside it (their
-    sum within its total), and the statistics module is left as it was."""
+    sum within its total), the JSON holds every round as it ends (a run cut short keeps them), and
+    the statistics module is left as it was."""
+    from megatron_tc.bench.common import Report
     from megatron_tc.calibrate import stats as stats_module
 
     originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
                  stats_module.readout_stacked_layers)
     graphs_env = os.environ.get(GRAPHS_ENV)
+    saved_rounds, save = [], Report.save
+
+    def saving(self):
+        saved_rounds.append({row["repeats"] for row in self.data.get("phases", [])})
+        save(self)
+
+    monkeypatch.setattr(Report, "save", saving)
     data = run("bench_stats", tmp_path, "--phases", "2")
+    assert [rounds for rounds in saved_rounds if rounds][:2] == [{1}, {2}]
     rows = {row["pass"]: row for row in data["phases"]}
     assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, CUDA graphs",
                           "collect_stats, readout layers grouped", "sweep 1 alone",

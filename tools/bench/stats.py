@@ -32,7 +32,8 @@ Calibration: `calibrate.student.calibrate_student(teacher, keep, "taylor_calibra
 the GDN kernels in fp32 and in the alignment's dtype, then the whole calibration with 2 alignment
 steps); goal <= 60 s on one H200. --calibrate-only times the calibration alone (no checks, no sweep rows).
 --phases times, alternating in one process, where the pipeline's pass spends its time
-(`megatron_tc/bench/stats_phases.py`) and nothing else.
+(`megatron_tc/bench/stats_phases.py`) and nothing else; --out holds the rounds measured so far after
+each one.
 --packed-docs calibrates on rows of random documents packed with their doc_ids, one row per batch,
 as the pipeline's calibration source gives them (else rows without boundaries, four per batch).
 """
