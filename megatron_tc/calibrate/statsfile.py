@@ -43,6 +43,9 @@ def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
 class TaylorStats:
     meta: dict[str, Any]
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    # `_group`'s index of the sums' names by layer prefix, and the keys it was made from
+    _index: dict[str, list[tuple[str, str]]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _index_keys: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- access ------------------------------------------------------------------------------
     @property
@@ -61,14 +64,14 @@ class TaylorStats:
         named without it. The names are grouped once per set of keys (closed forms read a layer's
         sums many times, and a file holds hundreds of them); the tensors are read from `sums`."""
         keys = tuple(self.sums)
-        if self.__dict__.get("_index_keys") != keys:
-            index: dict[str, list[tuple[str, str]]] = {}
+        if self._index_keys != keys:
+            self._index = {}
             for key in keys:
                 cut = key.index(".layers.") + len(".layers.") if key.startswith("readout.") else len("layers.")
                 cut = key.find(".", cut) + 1
-                index.setdefault(key[:cut], []).append((key[cut:], key))
-            self.__dict__["_index_keys"], self.__dict__["_index"] = keys, index
-        return {name: self.sums[key] for name, key in self.__dict__["_index"].get(prefix, ())}
+                self._index.setdefault(key[:cut], []).append((key[cut:], key))
+            self._index_keys = keys
+        return {name: self.sums[key] for name, key in self._index.get(prefix, ())}
 
     def readout(self, strategy: str, index: int) -> dict[str, torch.Tensor]:
         out = self._group(f"readout.{strategy}.layers.{index}.")

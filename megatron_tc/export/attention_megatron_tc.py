@@ -48,15 +48,18 @@ class Batch:
 
 
 class Packed:
-    """The concatenation (dim 0) of some parameters, kept for single-matmul decoding and rebuilt
+    """The concatenation (dim 0) of some parameters, kept for single-matmul inference and rebuilt
     whenever one of them is moved, cast or edited in place (their address or version changes).
-    A part given as an int is that many zeros (a missing bias)."""
+    A part given as an int is that many zeros (a missing bias). When gradients must reach the
+    parameters (`trains`), the concatenation is made in the autograd graph at each call instead."""
 
     def __init__(self) -> None:
         self.key, self.value = None, None
 
     def get(self, parts: list) -> torch.Tensor:
         tensors = [p for p in parts if not isinstance(p, int)]
+        if trains(tensors):
+            return torch.cat([tensors[0].new_zeros(p) if isinstance(p, int) else p for p in parts])
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in tensors)
         if key != self.key:
             ref = tensors[0]
@@ -66,8 +69,7 @@ class Packed:
 
 
 def trains(weights: list[torch.Tensor]) -> bool:
-    """Whether a forward must reach these weights' gradients: then they are concatenated in the
-    autograd graph, not read from a (detached) `Packed` copy."""
+    """Whether a forward must reach these weights' gradients (a detached copy would give none)."""
     return torch.is_grad_enabled() and any(w.requires_grad for w in weights)
 
 
@@ -185,11 +187,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if t == 1:  # decoding: one matmul for q, k and v
             weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-            biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-            pack = torch.cat if trains(weights) else None
-            weight = pack(weights) if pack else self.packed_qkv.get(weights)
-            bias = None if biases[0] is None else pack(biases) if pack else self.packed_bias.get(biases)
-            qkv = F.linear(x, weight, bias)
+            bias = self.packed_bias.get([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) \
+                if self.q_proj.bias is not None else None
+            qkv = F.linear(x, self.packed_qkv.get(weights), bias)
             q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                                  self.kv_heads * self.head_dim], -1)
         else:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm, trains
+from .attention_megatron_tc import Attention, Batch, Packed, RMSNorm
 from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
 from .configuration_megatron_tc import MegatronTCConfig
 from .gated_delta_megatron_tc import (
@@ -87,16 +87,10 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         h, d = self.heads, self.head_dim
         layers = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
-        weights = [lin.weight for lin in layers]
         biases = [lin.bias if lin.bias is not None else lin.out_features for lin in layers]
-        if trains(weights):  # concatenated in the graph, so each projection gets its gradient
-            weight = torch.cat(weights)
-            bias = None if all(isinstance(p, int) for p in biases) else torch.cat(
-                [weight.new_zeros(p) if isinstance(p, int) else p for p in biases])
-        else:
-            weight = self.packed_proj.get(weights)
-            bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
-        y, a, bb, gate = F.linear(x, weight, bias).split([sum(self.qkv_channels), h, h, h * d], -1)
+        bias = None if all(isinstance(p, int) for p in biases) else self.packed_bias.get(biases)
+        y = F.linear(x, self.packed_proj.get([lin.weight for lin in layers]), bias)
+        y, a, bb, gate = y.split([sum(self.qkv_channels), h, h, h * d], -1)
         return y, a, bb, gate.reshape(b, t, h, d)
 
     def finish(self, result: tuple[torch.Tensor, torch.Tensor], gate: torch.Tensor, conv_inputs: torch.Tensor | None,
@@ -134,8 +128,7 @@ class GatedDeltaNet(nn.Module):
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k and v convolution weights as one [C, 1, K]."""
-        weights = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        return torch.cat(weights) if trains(weights) else self.packed_conv.get(weights)
+        return self.packed_conv.get([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
 
     def heads_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [B, T, channels] -> [B, T, H, D] (k and v expanded to H heads)."""
