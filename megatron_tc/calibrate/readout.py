@@ -65,8 +65,8 @@ def student_read(mixer: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | 
 def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | None = None) -> torch.Tensor:
     """[H, C] fp64: per query head, sum over tokens and channels of silu(c v)^2 for every c of
     VALUE_SCALE_GRID, v = v_proj(x) before its activation (k/v heads repeated to query heads).
-    Several scales per kernel (one buffer of at most `max_elements` fp32 values at a time, SiLU and
-    square in place), summed in fp64. `mixer.value_groups` (default 1): consecutive value heads
+    fp32 values summed in fp64: on CUDA by `value_grid_triton`, else by `value_grid_reference`
+    (`max_elements`: its buffer). `mixer.value_groups` (default 1): consecutive value heads
     whose v_proj rows are the same (the closed form repeated the teacher's k/v heads): the sums
     are made once per group."""
     return layers_value_silu_grid([mixer], [value_inputs(mixer, x)], max_elements)
