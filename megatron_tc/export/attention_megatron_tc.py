@@ -80,9 +80,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not self.unit_offset and x.dtype == self.weight.dtype:
-            # one fused kernel (fp32 inside) instead of seven; on CPU the reference rounding order below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.is_cuda and not self.unit_offset and x.dtype in (self.weight.dtype, torch.float32):
+            # one fused kernel (fp32 inside) instead of seven, also for fp32 inputs of a bf16 model
+            # (the gated norm's); on CPU the reference rounding order below
+            return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
         dtype = x.dtype
         xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
         x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

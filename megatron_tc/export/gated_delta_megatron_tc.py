@@ -24,7 +24,9 @@ _FLA: dict[str, object] = {}
 # layout this fla lacks leaves the name out and the PyTorch form runs instead
 _FLA_EXTRAS = (("gated_norm", ("fla.modules.norm.fused_norm_gate", "fla.modules.fused_norm_gate"), "rms_norm_gated"),
                ("rms_norm", ("fla.modules.norm.layernorm", "fla.modules.layernorm"), "rms_norm"),
-               ("swiglu", ("fla.modules.activations",), "swiglu"))
+               ("swiglu", ("fla.modules.activations",), "swiglu"),
+               ("l2norm", ("fla.modules.norm.l2norm", "fla.modules.l2norm"), "l2norm_fwd"),
+               ("chunk_forward", ("fla.ops.gated_delta_rule.chunk",), "chunk_gated_delta_rule_fwd"))
 
 
 def fla_kernels() -> dict[str, object] | None:
@@ -126,16 +128,55 @@ def fused_chunk_rule(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.T
     kernels = fla_kernels() if q.is_cuda and _FUSED["ok"] else None
     if kernels is None:
         return None
-    fn = kernels["recurrent"] if q.shape[1] <= 64 and not torch.is_grad_enabled() else kernels["chunk"]
+    beta, init = torch.sigmoid(b.float()), None if state is None else state.float()
+    if torch.is_grad_enabled():
+        fn = kernels["chunk"]
+    elif q.shape[1] <= 64:
+        fn = kernels["recurrent"]
+    else:
+        fn = kernels["chunk"]
+        out = chunk_forward_only(kernels, q, k, v, a, beta, a_log, dt_bias, scale, init)
+        if out is not None:
+            return out
     try:
-        return fn(q=q, k=k, v=v, g=a, beta=torch.sigmoid(b.float()), scale=scale,
-                  initial_state=None if state is None else state.float(), output_final_state=True,
+        return fn(q=q, k=k, v=v, g=a, beta=beta, scale=scale, initial_state=init, output_final_state=True,
                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
     except (TypeError, ValueError) as exc:  # an fla without these options: unfused from now on
         _FUSED["ok"] = False
         warnings.warn(f"fla's GDN kernels with the gates inside are unavailable ({exc}); using the unfused kernels",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def chunk_forward_only(kernels: dict, q, k, v, a, beta, a_log, dt_bias, scale: float, state: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fla's chunk forward without its autograd Function, for inference: an eager prefill is bound
+    by the host, and the Function's bookkeeping (contiguity guards, saved tensors) is host time no
+    backward uses. q and k are L2-normalised by fla's kernel first, as the Function does. Returns
+    (o, final state) as `fused_chunk_rule`, or None where this fla lacks these functions or its
+    forward takes or returns something else (then, with one warning, the Function from now on)."""
+    if "l2norm" not in kernels or "chunk_forward" not in kernels or not _FORWARD_ONLY["ok"]:
+        return None
+    b, _, h, dk = k.shape
+    device = contextlib.nullcontext() if q.device.index == torch.cuda.current_device() else torch.cuda.device(q.device)
+    try:
+        with device:  # fla's kernels launch on the current device
+            qn, kn = (kernels["l2norm"](z.contiguous())[0] for z in (q, k))
+            out = kernels["chunk_forward"](q=qn, k=kn, v=v.contiguous(), g=a.contiguous(), beta=beta, scale=scale,
+                                           initial_state=state, output_final_state=True, use_gate_in_kernel=True,
+                                           A_log=a_log, dt_bias=dt_bias)
+        o, final = out[1], out[3]  # (g, o, A, final state, ...) in fla's forward
+        if o.shape != v.shape or final.shape != (b, h, dk, v.shape[-1]):
+            raise ValueError(f"fla's chunk forward returned shapes {[getattr(x, 'shape', x) for x in out]}")
+    except (TypeError, ValueError, IndexError) as exc:
+        _FORWARD_ONLY["ok"] = False
+        warnings.warn(f"fla's chunk forward cannot be called without its autograd Function ({exc}); using the Function",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return o.to(q.dtype), final
+
+
+_FORWARD_ONLY = {"ok": True}
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -214,11 +255,11 @@ def gated_delta_rule(q, k, v, g, beta, scale: float, state: torch.Tensor | None,
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, K], past [B, C, K-1] (the inputs
-    before x; zeros at the start). Returns (y [B, T, C], all inputs [B, C, K-1+T])."""
+    """Depthwise causal conv (the caller applies the SiLU). x [B, T, C], weight [C, 1, K], past
+    [B, C, K-1] (the inputs before x; zeros at the start). Returns (y [B, T, C], all inputs [B, C, K-1+T])."""
     b, t, c = x.shape
     width = weight.shape[-1]
     past = x.new_zeros(b, c, width - 1) if past is None else past.to(x.dtype)
     inputs = torch.cat([past, x.transpose(1, 2)], dim=2)
     y = F.conv1d(inputs, weight.to(x.dtype), groups=c)
-    return F.silu(y.transpose(1, 2)), inputs
+    return y.transpose(1, 2), inputs

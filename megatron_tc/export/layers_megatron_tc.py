@@ -62,9 +62,7 @@ class GatedDeltaNet(nn.Module):
         conv_inputs = None
         if self.conv_size > 0:
             y, conv_inputs = causal_conv(y, self.conv_weight(), past)
-        else:
-            y = F.silu(y)
-        q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
+        q, k, v = self.activated_heads(y)
         recording = cache is not None and cache.recording
         scale = self.head_dim**-0.5
         if batch.valid is None and not recording and self.backend in ("auto", "fla"):
@@ -112,9 +110,7 @@ class GatedDeltaNet(nn.Module):
         if self.conv_size > 0:
             y, inputs = causal_conv(y, self.conv_weight(), cache.conv["qkv"])
             tail["qkv"] = inputs[:, :, 1:]
-        else:
-            y = F.silu(y)
-        q, k, v = self.heads_of(*y.split(self.qkv_channels, -1))
+        q, k, v = self.activated_heads(y)
         if x.is_cuda and self.backend in ("auto", "fla"):
             fused = fused_decode_step(q, k, v, a, bb, self.A_log, self.dt_bias, d**-0.5, cache.state, gate,
                                       self.o_norm.weight, self.o_norm.eps)
@@ -130,14 +126,22 @@ class GatedDeltaNet(nn.Module):
         """The q, k and v convolution weights as one [C, 1, K]."""
         return self.packed_conv.get([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
 
-    def heads_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v [B, T, channels] -> [B, T, H, D] (k and v expanded to H heads)."""
-        b, t, _ = q.shape
-        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in (q, k, v))
-        if self.kv_heads != self.heads:
-            group = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-        return q, k, v
+    def activated_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, T, H, D] (k and v expanded to H heads) of SiLU(y), y [B, T, C] the q, k and v
+        channels before the activation. With as many k/v heads as q heads and no gradient, one kernel
+        writes the three as one contiguous [3, B, T, C / 3] tensor: fla's kernels, which take
+        contiguous inputs, then copy none of them."""
+        b, t, _ = y.shape
+        if self.kv_heads == self.heads:
+            heads = y.unflatten(-1, (3, self.heads, self.head_dim)).permute(2, 0, 1, 3, 4)
+            if y.requires_grad:  # an out= operator has no gradient
+                qkv = F.silu(heads).contiguous()
+            else:
+                qkv = torch.ops.aten.silu.out(heads, out=y.new_empty(heads.shape))
+            return qkv.unbind(0)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim) for z in F.silu(y).split(self.qkv_channels, -1))
+        group = self.heads // self.kv_heads
+        return q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
 
     def gates(self, a: torch.Tensor, bb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32 [B, T, H]."""

@@ -134,6 +134,27 @@ def test_packed_projections_pass_gradients_to_every_weight(tokens):
         torch.testing.assert_close(packed[name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("expand_kv", [True, False], ids=["expanded_kv", "grouped_kv"])
+def test_activated_heads_are_silu_of_each_projection_and_contiguous_for_fla(expand_kv):
+    """q, k, v are SiLU of their channels (k and v repeated to the q heads when grouped); with as
+    many k/v heads as q heads and no gradient each comes out contiguous (fla's kernels copy
+    non-contiguous inputs), from the strided slice the packed projection gives."""
+    layer = next(block.mixer for block in student(gdn_expand_kv=expand_kv).model.layers
+                 if isinstance(block.mixer, layers.GatedDeltaNet))
+    channels = sum(layer.qkv_channels)
+    y = torch.randn(2, 7, channels + 5)[..., :channels]  # a slice of the packed output, as in forward
+    with torch.no_grad():
+        q, k, v = layer.activated_heads(y)
+    group = layer.heads // layer.kv_heads
+    expected = [z.reshape(2, 7, -1, layer.head_dim) for z in torch.nn.functional.silu(y).split(layer.qkv_channels, -1)]
+    expected[1:] = [z.repeat_interleave(group, 2) for z in expected[1:]]
+    assert group == 1 if expand_kv else group > 1
+    for got, ref in zip((q, k, v), expected):
+        assert got.shape == (2, 7, layer.heads, layer.head_dim)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        assert got.is_contiguous() or not expand_kv
+
+
 def test_reset_static_cache_keeps_its_buffers_and_decodes_as_a_new_one():
     """generate() reuses a static cache (and its captured decoding step) by resetting it in place."""
     model = student()

@@ -143,6 +143,34 @@ def test_causal_prefill_takes_the_flash_kernel_not_cudnn():
     torch.testing.assert_close(logits.float(), reference.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_forward_without_the_autograd_function_equals_fla_chunk(dtype):
+    """An inference prefill calls fla's chunk forward without its autograd Function: output and
+    final state equal fla's public `chunk_gated_delta_rule` (the same kernels, so exactly), from an
+    initial state, with q / k / v as the layer gives them."""
+    import warnings
+
+    import megatron_tc.export.gated_delta_megatron_tc as gated_delta
+
+    kernels = gated_delta.fla_kernels()
+    assert "l2norm" in kernels and "chunk_forward" in kernels
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, t, h, d = 2, 300, 3, 64
+    q, k, v = (torch.randn(3, b, t, h, d, device="cuda", generator=gen).to(dtype)).unbind(0)
+    a, beta = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype), torch.rand(b, t, h, device="cuda")
+    a_log, dt_bias = torch.rand(h, device="cuda") * 2.7, -2 - 2 * torch.rand(h, device="cuda")
+    state = torch.randn(b, h, d, d, device="cuda", generator=gen) * 0.1
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the forward-only path must not fall back
+        o, final = gated_delta.chunk_forward_only(kernels, q, k, v, a, beta, a_log, dt_bias, d**-0.5, state)
+        o_ref, final_ref = kernels["chunk"](q=q, k=k, v=v, g=a, beta=beta, scale=d**-0.5, initial_state=state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
+    assert o.dtype == o_ref.dtype == dtype and final.dtype == final_ref.dtype
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(final, final_ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("length", [40, 300])  # fla's fused recurrent kernel, then its chunked one
 def test_eager_prefill_with_the_gates_in_fla_kernels_fp32(monkeypatch, length):
     """An eager prefill hands fla the raw a_proj / b_proj outputs (the decay computed inside its
