@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill", default="4096,32768", help="prompt lengths of the B=1 prefill comparison")
     p.add_argument("--roles", default="teacher,student",
-                   help="teacher, student (captured decoding step on CUDA), student-eager (capture off)")
+                   help="teacher, student (captured decoding step on CUDA), "
+                        "student-eager (no CUDA graphs: eager decoding and prefill)")
     p.add_argument("--profile", action="store_true",
                    help="add the operators of one prefill forward per case (host and device self time)")
     p.add_argument("--out")
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         arch = PRESETS[name]()
         for role in args.roles.split(","):
             model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
-            if role == "student-eager":  # the same model with the CUDA-graph capture of its step off
-                model.decode_graphs = False
+            if role == "student-eager":  # the same model with no CUDA graph: decoding steps and prefills eager
+                model.decode_graphs, model.prefill_graph_tokens = False, 0
             kwargs = {"cache_implementation": "static"}
             cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
             cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
