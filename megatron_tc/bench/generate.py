@@ -154,3 +154,32 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
     if profile:
         row["prefill_profile"] = profile_rows(lambda: prefill_forward(model, ids, prompt + new_tokens), device)
     return row
+
+
+def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extra_slots: int, vocab: int,
+                         device: torch.device) -> list[dict[str, Any]]:
+    """The B=1 prefill forward of teacher and student, eager (the student's prefill graphs off),
+    alternating in one process: after two warm-up calls each, `rounds` rounds per prompt length,
+    so that a machine's drift moves both alike. Rows {prompt, teacher_ms, student_ms (spreads),
+    speedup (spread of the per-round teacher ms over the student's), rounds}."""
+    saved, student.prefill_graph_tokens = student.prefill_graph_tokens, 0
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    try:
+        for prompt in lengths:
+            ids = torch.randint(3, vocab, (1, prompt), generator=gen).to(device)
+            models = {"teacher": teacher, "student": student}
+            for model in [*models.values()] * 2:
+                prefill_forward(model, ids, prompt + extra_slots)
+            times: dict[str, list[float]] = {role: [] for role in models}
+            for _ in range(rounds):
+                for role, model in models.items():
+                    times[role].append(time_prefill_forward(model, ids, prompt + extra_slots, 0)["median"])
+            rows.append({"prompt": prompt, "teacher_ms": spread(times["teacher"]),
+                         "student_ms": spread(times["student"]),
+                         "speedup": spread([t / s for t, s in zip(times["teacher"], times["student"])]),
+                         "rounds": rounds})
+    finally:
+        student.prefill_graph_tokens = saved
+    return rows
+

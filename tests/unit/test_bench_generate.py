@@ -29,6 +29,37 @@ def test_quick_generate_benchmark_reports_teacher_and_student(tmp_path):
     assert rows[("student", 2, 32)]["captured_step"] is False  # CPU: no CUDA graph
 
 
+def test_eager_rounds_alternate_teacher_and_student_and_leave_the_prefill_graphs_setting(tmp_path, monkeypatch):
+    """--eager-rounds times only the eager prefill: per prompt length one row with both models'
+    spreads over the rounds and the per-round speed-up; the student's prefills run with capture off
+    and its setting is restored afterwards."""
+    import megatron_tc.bench.generate as generate
+
+    script = load_script("tools/bench/generate.py")
+    seen, real = [], generate.prefill_forward
+
+    def recording(model, ids, length):
+        seen.append((type(model).__name__, getattr(model, "prefill_graph_tokens", None), ids.shape[1], length))
+        return real(model, ids, length)
+
+    monkeypatch.setattr(generate, "prefill_forward", recording)
+    students = []
+    monkeypatch.setattr(script, "student_model", lambda *a: students.append(generate.student_model(*a)) or students[-1])
+    out = tmp_path / "eager.json"
+    assert script.main(["--quick", "--eager-rounds", "3", "--out", str(out)]) == 0  # a 16-token prompt, 8 new
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prompt"], r["rounds"], r["model"]) for r in rows] == [(16, 3, "tiny")]
+    for row in rows:
+        for key in ("teacher_ms", "student_ms", "speedup"):
+            assert 0 < row[key]["min"] <= row[key]["median"] <= row[key]["max"], (key, row)
+    # 2 warm-up calls each, then 3 alternating rounds; the cache holds the prompt + the new tokens
+    assert [(name, length) for name, _, _, length in seen[:4]] == [
+        ("LlamaForCausalLM", 24), ("MegatronTCForCausalLM", 24)] * 2
+    assert [name for name, *_ in seen[4:10]] == ["LlamaForCausalLM", "MegatronTCForCausalLM"] * 3
+    assert {graphs for name, graphs, *_ in seen if name == "MegatronTCForCausalLM"} == {0}
+    assert len(seen) == 10 and students[0].prefill_graph_tokens > 0
+
+
 def test_each_case_sizes_the_teacher_static_cache_for_its_own_prompt():
     """transformers keeps the longest static cache length across generate calls; a short case run
     after a long one must not inherit it (it would attend over the long case's slots)."""

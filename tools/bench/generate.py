@@ -3,7 +3,10 @@
 
     python tools/bench/generate.py [--models smollm2-135m,llama-1b] [--prompt 32768]
         [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--profile] [--out FILE]
-        [--quick]
+        [--quick] [--eager-rounds N]
+
+--eager-rounds N measures only the eager prefill forward (B=1, each --prefill length): teacher and
+student alternating N rounds in one process, the speed-up per round.
 
 Prints one JSON object per measurement as it finishes (so a run cut short keeps what it has) and
 writes them all to --out. See megatron_tc/bench/generate.py for what is measured.
@@ -20,7 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_tc.bench.generate import bench_decode, student_model, teacher_model  # noqa: E402
+from megatron_tc.bench.generate import (  # noqa: E402
+    bench_decode, eager_prefill_rounds, student_model, teacher_model,
+)
 from megatron_tc.bench.models import PRESETS  # noqa: E402
 
 
@@ -44,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the operators of one prefill forward per case (host and device self time)")
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
+    p.add_argument("--eager-rounds", type=int, default=0, metavar="N",
+                   help="only the eager prefill, teacher and student alternating N rounds in one process")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.prompt, args.batches, args.new_tokens, args.prefill = "tiny", 32, "2", 8, "16"
@@ -58,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"environment": env}), flush=True)
     for name in args.models.split(","):
         arch = PRESETS[name]()
+        if args.eager_rounds > 0:
+            teacher, student = (build(arch, device, dtype) for build in (teacher_model, student_model))
+            for row in eager_prefill_rounds(teacher, student, [int(n) for n in args.prefill.split(",")],
+                                            args.eager_rounds, args.new_tokens, arch.vocab_size, device):
+                rows.append({**row, "model": name, "role": "eager prefill, teacher / student"})
+                print(json.dumps(rows[-1]), flush=True)
+            del teacher, student
+            continue
         for role in args.roles.split(","):
             model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
             if role == "student-eager":  # the same model with no CUDA graph: decoding steps and prefills eager
