@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_tc.config.names import STAGES
 from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
+from megatron_tc.distill.host_memory import keep_freed_host_memory
 from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
 from megatron_tc.distill.signals import ExitSignals, signal_name
 from megatron_tc.monitor import TBWriter, get_logger
@@ -239,6 +240,8 @@ def _setup(cfg: Any) -> RunContext:
         validate_against_arch(cfg, arch, world_size)
     setup_logging(cfg.logging.level)
     device = pick_device(cfg)
+    if device.type == "cpu":  # every CPU step allocates and frees ~1 GiB: keep it instead of faulting it in again
+        log.info("host memory: %s", keep_freed_host_memory())
     init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
     par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
     torch.manual_seed(cfg.run.seed)
