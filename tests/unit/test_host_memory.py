@@ -1,5 +1,5 @@
-"""megatron_tc.distill.host_memory: with the settings applied, a large buffer freed and allocated
-again is served from the kept heap (no page faults the second time); the switch and glibc's own
+"""megatron_tc.distill.host_memory: with the settings applied, a buffer allocated after a larger one
+was freed is served from the kept heap (no page faults); the switch and glibc's own
 variables are honoured; a bad switch value is one clear error."""
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ import pytest
 
 from megatron_tc.distill import host_memory
 
-# allocate and touch 256 MiB, free it, then count the minor page faults of doing it again
+# allocate and touch 320 MiB, free it, then count the minor page faults of a 256 MiB buffer (smaller,
+# so that it fits the freed block whatever small allocations landed after it, as a step's buffers do)
 PROBE = """
 import json, resource, sys
 import torch
 from megatron_tc.distill.host_memory import keep_freed_host_memory
 done = keep_freed_host_memory() if sys.argv[1] == "keep" else "untouched"
-def faults_of_one_buffer():
+def faults_of_one_buffer(mib):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.ones(64 * 2**20)  # 256 MiB, every page written
+    x = torch.ones(mib * 2**18)  # every page written
     del x
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_one_buffer()
-print(json.dumps({"done": done, "faults": faults_of_one_buffer()}))
+faults_of_one_buffer(320)
+print(json.dumps({"done": done, "faults": faults_of_one_buffer(256)}))
 """
 
 
