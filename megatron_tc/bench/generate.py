@@ -164,11 +164,11 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
     speedup (spread of the per-round teacher ms over the student's), rounds}."""
     saved, student.prefill_graph_tokens = student.prefill_graph_tokens, 0
     gen = torch.Generator(device="cpu").manual_seed(0)
+    models = {"teacher": teacher, "student": student}
     rows = []
     try:
         for prompt in lengths:
             ids = torch.randint(3, vocab, (1, prompt), generator=gen).to(device)
-            models = {"teacher": teacher, "student": student}
             for model in [*models.values()] * 2:
                 prefill_forward(model, ids, prompt + extra_slots)
             times: dict[str, list[float]] = {role: [] for role in models}
@@ -182,4 +182,3 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
     finally:
         student.prefill_graph_tokens = saved
     return rows
-

@@ -129,12 +129,9 @@ def fused_chunk_rule(q, k, v, a, b, a_log, dt_bias, scale: float, state: torch.T
     if kernels is None:
         return None
     beta, init = torch.sigmoid(b.float()), None if state is None else state.float()
-    if torch.is_grad_enabled():
-        fn = kernels["chunk"]
-    elif q.shape[1] <= 64:
-        fn = kernels["recurrent"]
-    else:
-        fn = kernels["chunk"]
+    inference = not torch.is_grad_enabled()
+    fn = kernels["recurrent"] if q.shape[1] <= 64 and inference else kernels["chunk"]
+    if fn is kernels["chunk"] and inference:
         out = chunk_forward_only(kernels, q, k, v, a, beta, a_log, dt_bias, scale, init)
         if out is not None:
             return out
