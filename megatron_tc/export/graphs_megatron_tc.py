@@ -1,5 +1,5 @@
-"""CUDA graphs of an exported student over a static cache (torch only): the decoding step, and the
-prefill of a bucket of prompt lengths that repeats.
+"""CUDA graphs of an exported student over a static cache (torch only): the decoding step, the
+prefill of a bucket of prompt lengths that repeats, and the first prefill of a bucket layer by layer.
 
 A forward of a small model over a few thousand tokens is host-bound: launching its kernels (fla's
 Triton kernels above all) takes several times the GPU's work. A captured graph replays every
@@ -8,14 +8,15 @@ valid while the cache keeps its addresses (generate reuses a static cache of the
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from collections import OrderedDict
 
 import torch
 
-from .attention_megatron_tc import Batch
-from .cache_megatron_tc import GDNLayerCache, MegatronTCCache
+from .attention_megatron_tc import Attention, Batch, Packed
+from .cache_megatron_tc import AttentionLayerCache, GDNLayerCache, MegatronTCCache
 from .gated_delta_megatron_tc import graph_work
 
 
@@ -170,21 +171,159 @@ class PrefillGraph:
         return self.logits.clone()
 
 
+def layer_form(layer) -> tuple:
+    """What a captured decoder layer depends on besides its weights' values: the mixer's kind,
+    backend, window and RoPE, and every parameter's shape and dtype. Layers of one form replay
+    one graph."""
+    mixer, rope = layer.mixer, getattr(layer.mixer, "rope", None)
+    return (type(mixer).__name__, getattr(mixer, "backend", None), getattr(mixer, "window", None),
+            None if rope is None else (rope.theta, repr(rope.scaling)),
+            tuple((tuple(p.shape), p.dtype) for p in layer.parameters()))
+
+
+def renew_packed(module) -> None:
+    """Forget every packed weight under `module`, so the next forward concatenates them anew
+    (inside a capture: on every replay, from the weights copied in)."""
+    for m in module.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, Packed):
+                setattr(m, name, Packed())
+
+
+# prefills of at most this many activations (batch x prompt x hidden size) run layer by layer from
+# graphs. Measured on one H200 against the teacher's eager prefill (tools/bench/generate.py
+# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 1.16x as fast with them, 0.75x
+# eagerly; the 1.1B's (8.4M) 0.53x with them, 0.79x eagerly: there the captures cost more than
+# the launches they save
+LAYER_GRAPH_ELEMENTS = 1 << 22
+
+
+class LayerGraph:
+    """One decoder layer over B unpadded prompts of T tokens, captured over a copy of a layer of its
+    form and replayed for every layer of that form: before a replay, one multi-tensor copy brings
+    that layer's weights and inputs into the buffers the graph reads; after it, the keys and values
+    (or the GDN state and convolution tail) the graph wrote go into that layer's cache.
+
+    The graph runs the eager forward's kernels (not `graph_work`'s fused ones: their Python wrappers
+    would make the capture cost more host time than it saves), so its output equals the eager
+    layer's. The packed weights (one matmul for several projections) are concatenated inside the
+    graph from the copied weights: a second pass over them for the device, small next to the
+    layer's matmuls over T tokens."""
+
+    def __init__(self, layer, x: torch.Tensor, pool) -> None:
+        b, t = x.shape[:2]
+        self.layer = copy.deepcopy(layer)
+        self.x, self.pending = torch.zeros_like(x), torch.zeros_like(x)
+        self.targets = [*self.layer.parameters(), self.x, self.pending]
+        self.slots = torch.arange(t, device=x.device)
+        self.cache = AttentionLayerCache(t) if isinstance(self.layer.mixer, Attention) else GDNLayerCache(static=True)
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            renew_packed(self.layer)
+            batch = Batch(0, self.slots, None, None, t)
+            return self.layer(self.x, self.pending, self.slots.expand(b, t), batch, self.cache)
+
+        self.graph, self.out = self.record(forward, pool)  # pool() gives the memory pool to capture in
+
+    def record(self, forward, pool):
+        """(graph, the outputs it writes): `forward` warmed up and captured in the memory pool `pool()`."""
+        graph = torch.cuda.CUDAGraph()
+        return graph, capture(graph, forward, pool())
+
+    def __call__(self, weights: list[torch.Tensor], x: torch.Tensor, pending: torch.Tensor,
+                 cache: AttentionLayerCache | GDNLayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer of `weights` (its parameters, in order) over x and pending [B, T, hidden]:
+        (x, its MLP branch), buffers the next replay of a graph of the same pool may overwrite."""
+        torch._foreach_copy_(self.targets, [*weights, x, pending])
+        self.graph.replay()
+        if isinstance(self.cache, GDNLayerCache):
+            cache.store(self.cache.state, self.cache.conv)
+        else:
+            cache.update(self.cache.keys, self.cache.values, 0, self.slots, None)
+        return self.out
+
+
+class LayerGraphs:
+    """A prefill no whole-model graph serves (the first prompt of a bucket, or one over a fresh
+    cache), layer by layer: each decoder layer from a `LayerGraph` of its form, captured at the
+    first layer of that form and replayed by the others, so the host launches a few operations per
+    layer instead of a few dozen. A hybrid student has two or three forms; prefills of more than
+    LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are kept, in one
+    memory pool (safe: every graph's outputs are read before another graph replays, and its inputs
+    and packed weights are written anew before each of its replays); weights moved or replaced drop
+    them all."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep, self.enabled, self.pool = keep, True, None
+        self.shapes: OrderedDict = OrderedDict()  # (B, T, dtype) -> {form: LayerGraph}
+        self.weights, self.sources, self.forms = None, [], []
+
+    def clear(self) -> None:
+        """Drop every graph (and with the last of them, their memory pool)."""
+        self.shapes.clear()
+        self.weights, self.sources, self.forms, self.pool = None, [], [], None
+
+    def shared_pool(self):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+    def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
+        """Logits of the prefill of input_ids [B, T] into the empty `cache`, or None (a capture
+        failed: the caller runs it eagerly, from the start)."""
+        b, t = input_ids.shape
+        if not self.enabled or b * t * model.model.embed_tokens.weight.shape[1] > LAYER_GRAPH_ELEMENTS:
+            return None
+        pointers = weight_pointers(model)
+        if pointers != self.weights:
+            self.clear()
+            self.weights = pointers
+            self.sources = [list(layer.parameters()) for layer in model.model.layers]
+            self.forms = [layer_form(layer) for layer in model.model.layers]
+        key = (b, t, model.model.embed_tokens.weight.dtype)
+        if key not in self.shapes:
+            while len(self.shapes) >= self.keep:
+                self.shapes.popitem(last=False)
+            self.shapes[key] = {}
+        self.shapes.move_to_end(key)
+        graphs = self.shapes[key]
+
+        def run_layer(i: int, layer, x: torch.Tensor, pending: torch.Tensor | None, layer_cache):
+            graph = graphs.get(self.forms[i])
+            if graph is None:
+                graph = graphs[self.forms[i]] = LayerGraph(layer, x, self.shared_pool)
+            return graph(self.sources[i], x, torch.zeros_like(x) if pending is None else pending, layer_cache)
+
+        slots = torch.arange(t, device=input_ids.device)
+        try:
+            return model.model(input_ids, slots.expand(b, t), Batch(0, slots, None, None, t), cache, logits_to_keep,
+                               run_layer=run_layer)
+        except Exception as exc:  # noqa: BLE001 - the prefill stays correct (eager, from the start), only slower
+            warnings.warn(f"capturing a prefill layer failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                          "prefilling eagerly", RuntimeWarning, stacklevel=3)
+            self.enabled = False
+            self.clear()
+            return None
+
+
 class PrefillGraphs:
     """Captured prefills per (batch, bucket of prompt lengths, cache length, logits kept), at most
     `keep` of them (least recently used dropped), sharing one memory pool (one prefill runs at a time).
 
     A bucket is captured the second time a prompt of it comes, over a cache that already holds
     buffers of its batch size (a static cache generate reuses); from then on every prompt length of
-    the bucket replays it, lengths never seen before included. A bucket seen once runs eagerly and
-    never pays for a capture (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
+    the bucket replays it, lengths never seen before included. A bucket's first prompt (or one over
+    a fresh cache) runs layer by layer from `LayerGraphs` and never pays for capturing the whole
+    model (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
 
     def __init__(self, keep: int = 8) -> None:
         self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
+        self.layers = LayerGraphs()
 
     def clear(self) -> None:
         """Drop every graph (and with the last of them, their memory pool)."""
         self.graphs.clear()
+        self.layers.clear()
         self.pool = None
 
     def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
@@ -202,7 +341,7 @@ class PrefillGraphs:
             self.counts.clear()
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.counts[key] < 2 or cache.batch_size != b:
-            return None
+            return self.layers.run(model, cache, input_ids, logits_to_keep)
         self.graphs.pop(key, None)
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)

@@ -235,13 +235,19 @@ class HybridModel(nn.Module):
         self.lm_head = None if a("tie_embeddings") else nn.Linear(a("hidden_size"), rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                cache: MegatronTCCache | None, logits_to_keep: int = 0) -> torch.Tensor:
+                cache: MegatronTCCache | None, logits_to_keep: int = 0, run_layer=None) -> torch.Tensor:
+        """Logits [B, T or logits_to_keep, vocab]. run_layer(i, layer, x, pending, layer cache) ->
+        (x, pending), if given, runs each decoder layer in place of its own forward (a captured one)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
         pending = None
         for i, layer in enumerate(self.layers):
-            x, pending = layer(x, pending, positions, batch, cache.layers[i] if cache is not None else None)
+            layer_cache = cache.layers[i] if cache is not None else None
+            if run_layer is None:
+                x, pending = layer(x, pending, positions, batch, layer_cache)
+            else:
+                x, pending = run_layer(i, layer, x, pending, layer_cache)
         if logits_to_keep and batch.end is None:
             x, pending = x[:, -logits_to_keep:], pending[:, -logits_to_keep:]
         elif logits_to_keep:  # right padding: the last real tokens, wherever `end` puts them

@@ -12,7 +12,8 @@ Decoding on CUDA with a static cache (`generate(..., cache_implementation="stati
 default there) captures one decoding step in a CUDA graph and replays it for every later token,
 and captures a short prefill (up to PREFILL_GRAPH_TOKENS tokens) the second time a prompt of its
 bucket (lengths rounded up to a multiple of 256, padded exactly) comes over the reused cache; every
-later prompt of the bucket replays it (graphs_megatron_tc.py).
+later prompt of the bucket replays it. A short prefill no such graph serves runs layer by layer from
+graphs of single decoder layers, one per layer form (graphs_megatron_tc.py).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = HybridModel(config)
         self.decode_graphs = True  # capture the decoding step on CUDA with a static cache
-        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS  # 0: never capture a prefill
+        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS  # 0: never capture a prefill (whole or per layer)
         self._graph: DecodeGraph | None = None
         self._prefills = PrefillGraphs()
         self.post_init()

@@ -3,8 +3,9 @@ gives the unpadded prefill's logits and cache (`padded_prefill`, what a captured
 the capture policy of graphs_megatron_tc.PrefillGraphs with the CUDA capture replaced by a stand-in
 that runs the same padded forward: the second prompt of a bucket over a reused cache is captured,
 every later length of the bucket replays it, one-off buckets and fresh caches never are, at most
-`keep` buckets are held, and replaced weights make a graph stale. Replayed graphs on CUDA:
-tests/gpu/test_student_generate_cuda.py."""
+`keep` buckets are held, and replaced weights make a graph stale; a bucket's first prompt layer by
+layer (`LayerGraphs`), one stand-in graph per layer form replayed with each layer's weights.
+Replayed graphs on CUDA: tests/gpu/test_student_generate_cuda.py."""
 from __future__ import annotations
 
 import pytest
@@ -31,6 +32,23 @@ class EagerStandIn(graphs.PrefillGraph):
                 logits.copy_(forward())
 
         return Replay(), logits
+
+
+class EagerLayerStandIn(graphs.LayerGraph):
+    """A LayerGraph whose "capture" keeps the layer's forward and whose replay runs it again."""
+
+    built = 0
+
+    def record(self, forward, pool):
+        type(self).built += 1
+        out = forward()
+
+        class Replay:
+            def replay(self) -> None:
+                for buffer, new in zip(out, forward()):
+                    buffer.copy_(new)
+
+        return Replay(), out
 
 
 def model_of(pattern: str = "AGGG", **overrides) -> MegatronTCForCausalLM:
@@ -109,6 +127,7 @@ def test_prefill_bucket():
 
 def test_the_second_prompt_of_a_bucket_is_captured_and_serves_every_length(monkeypatch):
     monkeypatch.setattr(graphs, "PrefillGraph", EagerStandIn)
+    monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
     monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
     EagerStandIn.built = 0
     model = model_of()
@@ -144,3 +163,86 @@ def test_the_second_prompt_of_a_bucket_is_captured_and_serves_every_length(monke
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         torch.testing.assert_close(prefill(model, graph_set, cache, ids[0]), reference(ids[0]), rtol=1e-5, atol=1e-5)
         assert EagerStandIn.built == 4, "a graph over replaced weights was replayed"
+
+
+def assert_same_cache(got: MegatronTCCache, want: MegatronTCCache, t: int) -> None:
+    for a, b in zip(got.layers, want.layers):
+        if isinstance(a, GDNLayerCache):
+            torch.testing.assert_close(a.state, b.state, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.conv["qkv"], b.conv["qkv"], rtol=1e-5, atol=1e-6)
+        else:  # (projections of more rows may take another GEMM: equal to fp32 rounding)
+            torch.testing.assert_close(a.keys[:, :, :t], b.keys[:, :, :t], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values[:, :, :t], b.values[:, :, :t], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern,overrides,forms", [
+    ("AGGG", {}, 2),
+    ("AGAGA", {"sliding_window": 5, "attn_layer_types": ["sliding", "full", "full", "full", "sliding"]}, 3),
+])
+def test_a_first_prompt_runs_layer_by_layer_from_one_graph_per_form(monkeypatch, pattern, overrides, forms):
+    """Logits and cache of a prompt no whole-model graph serves (from LayerGraphs, each layer's
+    weights copied into its form's graph) equal the eager prefill's, decoding on from it too; a
+    graph is made once per form and prompt shape, the last `keep` shapes kept; weights edited in
+    place are read at the next replay, replaced weights drop the graphs."""
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
+    monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
+    EagerLayerStandIn.built = 0
+    model = model_of(pattern, **overrides)
+    graph_set = graphs.PrefillGraphs()
+
+    def check(t: int) -> None:
+        ids = torch.randint(3, 300, (2, t))
+        got_cache, want_cache = (MegatronTCCache(model.config, static_len=32) for _ in range(2))
+        got = prefill(model, graph_set, got_cache, ids)
+        torch.testing.assert_close(got, eager_prefill(model, want_cache, ids), rtol=1e-5, atol=1e-5)
+        assert_same_cache(got_cache, want_cache, t)
+        steps = torch.randint(3, 300, (2, 4))
+        for g, w in zip(decode(model, got_cache, steps), decode(model, want_cache, steps)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        for t in (12, 9, 12):  # fresh caches: never a whole-model capture
+            check(t)
+        assert EagerLayerStandIn.built == 2 * forms and not graph_set.graphs
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3.0)  # edited in place: same addresses
+        check(12)
+        assert EagerLayerStandIn.built == 2 * forms
+        check(16)  # a third shape: the least recently used one (9) is dropped
+        assert [key[1] for key in graph_set.layers.shapes] == [12, 16]
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        check(16)
+        assert EagerLayerStandIn.built == 4 * forms, "graphs of replaced weights were kept"
+
+
+def test_a_failed_layer_capture_warns_once_and_prefills_eagerly(monkeypatch):
+    class Failing(graphs.LayerGraph):
+        def record(self, forward, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
+    monkeypatch.setattr(graphs, "LayerGraph", Failing)
+    model, graph_set = model_of(), graphs.PrefillGraphs()
+    ids = torch.randint(3, 300, (2, 12))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="capturing a prefill layer failed"):
+        got = prefill(model, graph_set, MegatronTCCache(model.config, static_len=32), ids)
+    assert not graph_set.layers.enabled
+    with torch.no_grad():
+        torch.testing.assert_close(got, eager_prefill(model, MegatronTCCache(model.config, static_len=32), ids))
+        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1) is None
+
+
+def test_a_prefill_of_more_activations_than_the_layer_graph_limit_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
+    monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
+    EagerLayerStandIn.built = 0
+    model, graph_set = model_of(), graphs.PrefillGraphs()
+    hidden = model.config.hidden_size
+    monkeypatch.setattr(graphs, "LAYER_GRAPH_ELEMENTS", 2 * 12 * hidden - 1)
+    with torch.no_grad():
+        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), torch.randint(3, 300, (2, 12)), 1) is None
+        assert EagerLayerStandIn.built == 0
+        ids = torch.randint(3, 300, (2, 11))  # within the limit
+        got = graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1)
+        torch.testing.assert_close(got, eager_prefill(model, MegatronTCCache(model.config, static_len=32), ids),
+                                   rtol=1e-5, atol=1e-5)
+        assert EagerLayerStandIn.built == 2

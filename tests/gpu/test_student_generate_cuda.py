@@ -99,6 +99,30 @@ def test_a_prefill_bucket_is_captured_and_serves_new_lengths_fp32():
         assert diff <= 1e-4, f"replayed vs eager prefill logits differ by {diff}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_first_prompt_from_layer_graphs_equals_the_eager_prefill(dtype):
+    """The first prompt of each bucket runs layer by layer from one captured graph per layer form
+    (`LayerGraphs`: here attention and GDN), with the eager forward's kernels: the same tokens and
+    logits as an eager prefill, bit for bit."""
+    model = student(dtype)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True, cache_implementation="static")
+    prompts = [torch.randint(3, 512, (2, n), device="cuda") for n in (100, 300, 530)]  # three buckets
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns and prefills eagerly
+        outs = [model.generate(p, **kw) for p in prompts]
+    layers = model._prefills.layers
+    assert layers.enabled and not model._prefills.graphs
+    # a generate with a longer static cache drops the graphs of the shorter one (the last prompt's stay)
+    assert [len(forms) for forms in layers.shapes.values()] == [2], "one graph per form"
+    model.prefill_graph_tokens = 0
+    for prompt, first in zip(prompts, outs):
+        eager = model.generate(prompt, **kw)
+        assert torch.equal(first.sequences, eager.sequences)
+        diff = (torch.stack(first.logits) - torch.stack(eager.logits)).abs().max().item()
+        assert diff == 0, f"layer-graph vs eager prefill logits differ by {diff:.3g}"
+
+
 def test_replayed_prefill_in_bf16_gives_the_eager_logits():
     """bf16: the replayed bucket (fla's fused small kernels inside the graph, PyTorch's eagerly)
     gives the eager prefill's last-token logits within bf16 rounding."""
