@@ -158,26 +158,41 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
 
 def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extra_slots: int, vocab: int,
                          device: torch.device) -> list[dict[str, Any]]:
-    """The B=1 prefill forward of teacher and student, eager (the student's prefill graphs off),
-    alternating in one process: after two warm-up calls each, `rounds` rounds per prompt length,
-    so that a machine's drift moves both alike. Rows {prompt, teacher_ms, student_ms (spreads),
-    speedup (spread of the per-round teacher ms over the student's), rounds}."""
-    saved, student.prefill_graph_tokens = student.prefill_graph_tokens, 0
+    """The B=1 prefill forward of a prompt length the student has no graph for, alternating in one
+    process: the teacher (eager), the student eager (its prefill graphs off) and the student's first
+    prompt of a bucket (its graphs forgotten before each call, so each pays for capturing its layer
+    graphs: `LayerGraphs`), after two warm-up calls each, `rounds` rounds per prompt length, so that a
+    machine's drift moves all alike. Rows {prompt, teacher_ms, student_ms, student_first_ms (spreads),
+    speedup, speedup_first (spreads of the per-round teacher ms over the student's), rounds}."""
+    saved = student.prefill_graph_tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
-    models = {"teacher": teacher, "student": student}
+
+    def first_prompt(ids, length):
+        student._prefills.clear()
+        student._prefills.counts.clear()
+        student.prefill_graph_tokens = saved
+        try:
+            return time_prefill_forward(student, ids, length, 0)["median"]
+        finally:
+            student.prefill_graph_tokens = 0
+
+    roles = {"teacher": lambda ids, n: time_prefill_forward(teacher, ids, n, 0)["median"],
+             "student": lambda ids, n: time_prefill_forward(student, ids, n, 0)["median"],
+             "student_first": first_prompt}
     rows = []
+    student.prefill_graph_tokens = 0
     try:
         for prompt in lengths:
             ids = torch.randint(3, vocab, (1, prompt), generator=gen).to(device)
-            for model in [*models.values()] * 2:
-                prefill_forward(model, ids, prompt + extra_slots)
-            times: dict[str, list[float]] = {role: [] for role in models}
-            for _ in range(rounds):
-                for role, model in models.items():
-                    times[role].append(time_prefill_forward(model, ids, prompt + extra_slots, 0)["median"])
-            rows.append({"prompt": prompt, "teacher_ms": spread(times["teacher"]),
-                         "student_ms": spread(times["student"]),
+            times: dict[str, list[float]] = {role: [] for role in roles}
+            for warm_up in (True, True, *[False] * rounds):
+                for role, timed in roles.items():
+                    ms = timed(ids, prompt + extra_slots)
+                    if not warm_up:
+                        times[role].append(ms)
+            rows.append({"prompt": prompt, **{f"{role}_ms": spread(times[role]) for role in roles},
                          "speedup": spread([t / s for t, s in zip(times["teacher"], times["student"])]),
+                         "speedup_first": spread([t / s for t, s in zip(times["teacher"], times["student_first"])]),
                          "rounds": rounds})
     finally:
         student.prefill_graph_tokens = saved

@@ -5,8 +5,9 @@
         [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--profile] [--out FILE]
         [--quick] [--eager-rounds N]
 
---eager-rounds N measures only the eager prefill forward (B=1, each --prefill length): teacher and
-student alternating N rounds in one process, the speed-up per round.
+--eager-rounds N measures only the prefill forward of a prompt with no whole-model graph (B=1, each
+--prefill length): the teacher, the student eager, and the student's first prompt of a bucket (its
+layer graphs captured anew in every round), alternating N rounds in one process, the speed-ups per round.
 
 Prints one JSON object per measurement as it finishes (so a run cut short keeps what it has) and
 writes them all to --out. See megatron_tc/bench/generate.py for what is measured.
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
     p.add_argument("--eager-rounds", type=int, default=0, metavar="N",
-                   help="only the eager prefill, teacher and student alternating N rounds in one process")
+                   help="only the prefill with no whole-model graph: teacher, student eager and student's "
+                        "first prompt alternating N rounds in one process")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.prompt, args.batches, args.new_tokens, args.prefill = "tiny", 32, "2", 8, "16"
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             teacher, student = (build(arch, device, dtype) for build in (teacher_model, student_model))
             for row in eager_prefill_rounds(teacher, student, [int(n) for n in args.prefill.split(",")],
                                             args.eager_rounds, args.new_tokens, arch.vocab_size, device):
-                rows.append({**row, "model": name, "role": "eager prefill, teacher / student"})
+                rows.append({**row, "model": name, "role": "prefill with no whole-model graph, teacher / student"})
                 print(json.dumps(rows[-1]), flush=True)
             del teacher, student
             continue
