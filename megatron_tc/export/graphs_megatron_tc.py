@@ -256,7 +256,7 @@ class LayerGraphs:
     def __init__(self, keep: int = 2) -> None:
         self.keep, self.enabled, self.pool = keep, True, None
         self.shapes: OrderedDict = OrderedDict()  # (B, T, dtype) -> {form: LayerGraph}
-        self.weights, self.sources, self.forms = None, [], []
+        self.weights, self.sources, self.forms, self.usable = None, [], [], False
 
     def clear(self) -> None:
         """Drop every graph (and with the last of them, their memory pool)."""
@@ -280,6 +280,11 @@ class LayerGraphs:
             self.weights = pointers
             self.sources = [list(layer.parameters()) for layer in model.model.layers]
             self.forms = [layer_form(layer) for layer in model.model.layers]
+            # a model spread over devices (or moved layer by layer by accelerate's hooks) runs eagerly
+            self.usable = (all(p.device == input_ids.device for p in model.parameters())
+                           and not any(hasattr(m, "_hf_hook") for m in model.model.layers.modules()))
+        if not self.usable:
+            return None
         key = (b, t, model.model.embed_tokens.weight.dtype)
         if key not in self.shapes:
             while len(self.shapes) >= self.keep:

@@ -246,3 +246,14 @@ def test_a_prefill_of_more_activations_than_the_layer_graph_limit_runs_eagerly(m
         torch.testing.assert_close(got, eager_prefill(model, MegatronTCCache(model.config, static_len=32), ids),
                                    rtol=1e-5, atol=1e-5)
         assert EagerLayerStandIn.built == 2
+
+
+def test_a_model_with_accelerate_hooks_on_its_layers_prefills_eagerly(monkeypatch):
+    """Layers placed by accelerate (device_map) move their inputs in hooks a layer graph would skip."""
+    monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
+    EagerLayerStandIn.built = 0
+    model, graph_set = model_of(), graphs.PrefillGraphs()
+    model.model.layers[2].mixer._hf_hook = object()
+    with torch.no_grad():
+        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), torch.randint(3, 300, (2, 12)), 1) is None
+    assert EagerLayerStandIn.built == 0
