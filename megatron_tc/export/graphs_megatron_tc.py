@@ -248,10 +248,10 @@ class LayerGraphs:
     cache), layer by layer: each decoder layer from a `LayerGraph` of its form, captured at the
     first layer of that form and replayed by the others, so the host launches a few operations per
     layer instead of a few dozen. A hybrid student has two or three forms; prefills of more than
-    LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are kept, in one
-    memory pool (safe: every graph's outputs are read before another graph replays, and its inputs
-    and packed weights are written anew before each of its replays); weights moved or replaced drop
-    them all."""
+    LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are
+    kept, in one memory pool (safe: every graph's outputs are read before another graph replays, and
+    its inputs and packed weights are written anew before each of its replays); weights moved or
+    replaced drop them all."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep, self.enabled, self.pool = keep, True, None

@@ -239,7 +239,8 @@ def test_a_prefill_of_more_activations_than_the_layer_graph_limit_runs_eagerly(m
     hidden = model.config.hidden_size
     monkeypatch.setattr(graphs, "LAYER_GRAPH_ELEMENTS", 2 * 12 * hidden - 1)
     with torch.no_grad():
-        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), torch.randint(3, 300, (2, 12)), 1) is None
+        ids = torch.randint(3, 300, (2, 12))
+        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1) is None
         assert EagerLayerStandIn.built == 0
         ids = torch.randint(3, 300, (2, 11))  # within the limit
         got = graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1)
@@ -254,6 +255,7 @@ def test_a_model_with_accelerate_hooks_on_its_layers_prefills_eagerly(monkeypatc
     EagerLayerStandIn.built = 0
     model, graph_set = model_of(), graphs.PrefillGraphs()
     model.model.layers[2].mixer._hf_hook = object()
+    ids = torch.randint(3, 300, (2, 12))
     with torch.no_grad():
-        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), torch.randint(3, 300, (2, 12)), 1) is None
+        assert graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1) is None
     assert EagerLayerStandIn.built == 0
