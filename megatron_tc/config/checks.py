@@ -318,7 +318,7 @@ def _stage_errors(cfg: Config) -> list[str]:
         errors.append(f"run.stages={stages} is out of order: stages run in pipeline order, write {order}")
     if not stages:
         errors.append(f"run.stages is empty: name at least one of {', '.join(STAGES)}")
-    # Combinations the trainers do not implement yet: refused here, before any stage has run.
+    # Combinations the trainers do not run: refused here, before any stage has run.
     par = cfg.parallel
     if "stage1" in stages and par.pp > 1:
         errors.append(f"run.stages has stage1 with parallel.pp={par.pp}: stage 1 runs with pp=1 "

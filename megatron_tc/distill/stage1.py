@@ -206,8 +206,8 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     if not layers:
         raise ValueError("stage1 needs converted (Gated DeltaNet) layers; the layer pattern has none")
     if ctx.pp_size > 1:
-        raise NotImplementedError(f"stage1 runs with parallel.pp=1 (got pp={ctx.pp_size}); its layers are "
-                                  "independent, so use data (and tensor) parallelism")
+        raise ValueError(f"stage1 runs with parallel.pp=1 (got pp={ctx.pp_size}); its layers are "
+                         "independent, so use data (and tensor) parallelism")
     out_dir.mkdir(parents=True, exist_ok=True)
     if ctx.tp_size > 1:  # in place for the student (the caller merges from it), a copy of the teacher
         from megatron_tc.distill.stage2_setup import shard_over_tp

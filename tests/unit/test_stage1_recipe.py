@@ -70,3 +70,15 @@ def test_tiny_run_with_the_recipe(tmp_path):
     stage2 = [json.loads(line) for line in (run / "stage2/train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in stage1] == [1, 2] and [r["step"] for r in stage2] == [1, 2, 3, 4]  # 64 tokens a step
     assert all(math.isfinite(r["loss"]) for r in stage1)
+
+
+def test_stage1_refuses_pipeline_parallelism_before_building_anything(tmp_path):
+    """Config checks refuse stage 1 with pp > 1; a caller that skips them gets the same answer."""
+    from types import SimpleNamespace
+
+    from megatron_tc.distill.stage1 import build_stage1
+
+    with pytest.raises(ValueError, match=r"stage1 runs with parallel.pp=1 \(got pp=2\)"):
+        build_stage1(_cfg(), SimpleNamespace(pp_size=2, tp_size=1), None, None, None, [1], tmp_path / "s1", None,
+                     torch.device("cpu"))
+    assert not (tmp_path / "s1").exists()
