@@ -158,27 +158,33 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
 
 def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extra_slots: int, vocab: int,
                          device: torch.device) -> list[dict[str, Any]]:
-    """The B=1 prefill forward of a prompt length the student has no graph for, alternating in one
-    process: the teacher (eager), the student eager (its prefill graphs off) and the student's first
-    prompt of a bucket (its graphs forgotten before each call, so each pays for capturing its layer
-    graphs: `LayerGraphs`), after two warm-up calls each, `rounds` rounds per prompt length, so that a
-    machine's drift moves all alike. Rows {prompt, teacher_ms, student_ms, student_first_ms (spreads),
-    speedup, speedup_first (spreads of the per-round teacher ms over the student's), rounds}."""
+    """The B=1 prefill forward of a prompt length the student has no whole-model graph for,
+    alternating in one process: the teacher (eager); the student eager (its prefill graphs off); the
+    student's first prompt of a bucket (its graphs forgotten before each call, so each pays for
+    capturing its layer graphs: `LayerGraphs`); and the same prompt again over a fresh cache, which
+    replays the layer graphs the call before captured (what the captures cost is the difference).
+    After two warm-up rounds, `rounds` rounds per prompt length, so that a machine's drift moves all
+    alike. Rows {prompt, teacher_ms, student_ms, student_first_ms, student_replay_ms (spreads),
+    speedup, speedup_first, speedup_replay (spreads of the per-round teacher ms over the
+    student's), rounds}."""
     saved = student.prefill_graph_tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def first_prompt(ids, length):
-        student._prefills.clear()
-        student._prefills.counts.clear()
-        student.prefill_graph_tokens = saved
-        try:
-            return time_prefill_forward(student, ids, length, 0)["median"]
-        finally:
-            student.prefill_graph_tokens = 0
+    def with_graphs(forget: bool):
+        def timed(ids, length):
+            if forget:
+                student._prefills.clear()
+            student._prefills.counts.clear()  # and a fresh cache: never a whole-model capture
+            student.prefill_graph_tokens = saved
+            try:
+                return time_prefill_forward(student, ids, length, 0)["median"]
+            finally:
+                student.prefill_graph_tokens = 0
+        return timed
 
     roles = {"teacher": lambda ids, n: time_prefill_forward(teacher, ids, n, 0)["median"],
              "student": lambda ids, n: time_prefill_forward(student, ids, n, 0)["median"],
-             "student_first": first_prompt}
+             "student_first": with_graphs(forget=True), "student_replay": with_graphs(forget=False)}
     rows = []
     student.prefill_graph_tokens = 0
     try:
@@ -190,9 +196,10 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
                     ms = timed(ids, prompt + extra_slots)
                     if not warm_up:
                         times[role].append(ms)
-            rows.append({"prompt": prompt, **{f"{role}_ms": spread(times[role]) for role in roles},
-                         "speedup": spread([t / s for t, s in zip(times["teacher"], times["student"])]),
-                         "speedup_first": spread([t / s for t, s in zip(times["teacher"], times["student_first"])]),
+            speedups = {f"speedup{suffix}": spread([t / s for t, s in zip(times["teacher"], times[role])])
+                        for suffix, role in (("", "student"), ("_first", "student_first"),
+                                             ("_replay", "student_replay"))}
+            rows.append({"prompt": prompt, **{f"{role}_ms": spread(times[role]) for role in roles}, **speedups,
                          "rounds": rounds})
     finally:
         student.prefill_graph_tokens = saved

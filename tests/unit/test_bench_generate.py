@@ -30,10 +30,10 @@ def test_quick_generate_benchmark_reports_teacher_and_student(tmp_path):
 
 
 def test_eager_rounds_alternate_teacher_and_student_and_leave_the_prefill_graphs_setting(tmp_path, monkeypatch):
-    """--eager-rounds times only the prefill of a prompt with no graph: per prompt length one row
-    with the spreads over the rounds and the per-round speed-ups; the student's eager prefills run
-    with capture off, its first-prompt ones with capture on and no graph kept from an earlier call,
-    and its setting is restored afterwards."""
+    """--eager-rounds times only the prefill of a prompt with no whole-model graph: per prompt length
+    one row with the spreads over the rounds and the per-round speed-ups; the student's eager
+    prefills run with capture off, its first-prompt ones with capture on and no graph kept from an
+    earlier call, its replays with the graphs of the call before; its setting is restored afterwards."""
     import megatron_tc.bench.generate as generate
 
     script = load_script("tools/bench/generate.py")
@@ -41,11 +41,12 @@ def test_eager_rounds_alternate_teacher_and_student_and_leave_the_prefill_graphs
 
     def recording(model, ids, length):
         graphs = getattr(model, "_prefills", None)
-        kept = None if graphs is None else len(graphs.graphs) + len(graphs.layers.shapes) + len(graphs.counts)
+        kept = None if graphs is None else (len(graphs.graphs) + len(graphs.counts), len(graphs.layers.shapes))
         seen.append((type(model).__name__, getattr(model, "prefill_graph_tokens", None), kept, length))
         out = real(model, ids, length)
-        if graphs is not None:  # what a capture leaves behind (no capture on CPU)
+        if graphs is not None:  # what captures leave behind (none on CPU)
             graphs.counts[("stand-in",)] = 1
+            graphs.layers.shapes[("stand-in",)] = {}
         return out
 
     monkeypatch.setattr(generate, "prefill_forward", recording)
@@ -56,16 +57,19 @@ def test_eager_rounds_alternate_teacher_and_student_and_leave_the_prefill_graphs
     rows = json.loads(out.read_text())["rows"]
     assert [(r["prompt"], r["rounds"], r["model"]) for r in rows] == [(16, 3, "tiny")]
     for row in rows:
-        for key in ("teacher_ms", "student_ms", "student_first_ms", "speedup", "speedup_first"):
+        for key in ("teacher_ms", "student_ms", "student_first_ms", "student_replay_ms", "speedup", "speedup_first",
+                    "speedup_replay"):
             assert 0 < row[key]["min"] <= row[key]["median"] <= row[key]["max"], (key, row)
-    # 2 warm-up rounds, then 3: teacher, student eager, student's first prompt; the cache holds the
+    # 2 warm-up rounds, then 3: teacher, student eager, first prompt, replay; the cache holds the
     # prompt + the new tokens
-    assert [name for name, *_ in seen] == ["LlamaForCausalLM", "MegatronTCForCausalLM", "MegatronTCForCausalLM"] * 5
+    student = "MegatronTCForCausalLM"
+    assert [name for name, *_ in seen] == ["LlamaForCausalLM", student, student, student] * 5
     assert {length for *_, length in seen} == {24}
     tokens = students[0].prefill_graph_tokens
-    assert tokens > 0 and [(graphs, kept) for _, graphs, kept, _ in seen[4:6]] == [(0, 1), (tokens, 0)]
-    assert {(graphs, kept) for _, graphs, kept, _ in seen[2::3]} == {(tokens, 0)}
-    assert {graphs for _, graphs, _, _ in seen[1::3]} == {0}
+    assert tokens > 0
+    assert {(graphs, kept) for _, graphs, kept, _ in seen[2::4]} == {(tokens, (0, 0))}  # nothing kept
+    assert {(graphs, kept) for _, graphs, kept, _ in seen[3::4]} == {(tokens, (0, 1))}  # the layer graphs kept
+    assert {graphs for _, graphs, _, _ in seen[1::4]} == {0}
 
 
 def test_each_case_sizes_the_teacher_static_cache_for_its_own_prompt():

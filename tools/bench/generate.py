@@ -6,8 +6,9 @@
         [--quick] [--eager-rounds N]
 
 --eager-rounds N measures only the prefill forward of a prompt with no whole-model graph (B=1, each
---prefill length): the teacher, the student eager, and the student's first prompt of a bucket (its
-layer graphs captured anew in every round), alternating N rounds in one process, the speed-ups per round.
+--prefill length): the teacher, the student eager, the student's first prompt of a bucket (its
+layer graphs captured anew in every round) and the same prompt replaying those layer graphs,
+alternating N rounds in one process, the speed-ups per round.
 
 Prints one JSON object per measurement as it finishes (so a run cut short keeps what it has) and
 writes them all to --out. See megatron_tc/bench/generate.py for what is measured.
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
     p.add_argument("--eager-rounds", type=int, default=0, metavar="N",
-                   help="only the prefill with no whole-model graph: teacher, student eager and student's "
-                        "first prompt alternating N rounds in one process")
+                   help="only the prefill with no whole-model graph: teacher, student eager, student's first "
+                        "prompt and its layer graphs replayed, alternating N rounds in one process")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.prompt, args.batches, args.new_tokens, args.prefill = "tiny", 32, "2", 8, "16"
