@@ -26,6 +26,7 @@ import warnings
 from typing import Callable, Hashable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 GRAPHS_ENV = "MEGATRON_TC_STATS_GRAPHS"  # 0 (default): eager; 1: replay on CUDA
@@ -39,6 +40,13 @@ def graphs_enabled() -> bool:
     if mode not in ("0", "1"):
         raise ValueError(f"${GRAPHS_ENV}={mode!r}: use 0 (eager, the default) or 1 (CUDA graphs)")
     return mode == "1"
+
+
+def graphs_allowed(tp_group: dist.ProcessGroup | None) -> bool | None:
+    """`LayerGraphs(enabled=...)` for a sweep over a teacher: None (as $MEGATRON_TC_STATS_GRAPHS
+    says), but False with a tensor-parallel teacher, whose sharded layers reduce over the group
+    inside."""
+    return None if tp_group is None or dist.get_world_size(tp_group) == 1 else False
 
 
 def _config(module: nn.Module) -> tuple:

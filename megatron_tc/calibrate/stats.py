@@ -2,11 +2,12 @@
 
     stats = collect_stats(teacher, batches, layers, meta=..., dp_group=..., readout_strategies=[...])
 
-Sweep 1 (attention) sums the Taylor moments of docs/method.md section 3 for every layer in
-`layers`. Sweep 2 (readout, only when strategies ask for it) runs each strategy's closed-form GDN
-layer on the teacher's input to that layer and sums its least-squares readout terms. Each rank
-passes its own batches; one all-reduce(SUM) over `dp_group` per sweep makes the result equal to a
-single process over the union of the data. With tensor parallelism each rank measures its own heads
+Sweep 1 (attention, `sweep_attention.AttentionSweep`) sums the Taylor moments of docs/method.md
+section 3 for every layer in `layers`. Sweep 2 (readout, `sweep_readout.ReadoutSweep`, only when
+strategies ask for it) runs each strategy's closed-form GDN layer on the teacher's input to that
+layer and sums its least-squares readout terms. Each rank passes its own batches; one
+all-reduce(SUM) over `dp_group` per sweep makes the result equal to a single process over the
+union of the data. With tensor parallelism each rank measures its own heads
 and `gather_tp_heads` concatenates them into global heads before saving.
 
 Sweep 2 needs sweep 1's reduced sums (the closed forms come from them), so it cannot run inside
@@ -26,7 +27,6 @@ goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Iterable, Sequence
 
@@ -34,19 +34,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_tc.model.gdn import GatedDeltaNet
-from megatron_tc.model.ops.gated_delta_rule import PackedRows
 from megatron_tc.parallel.comm import all_gather
 
-from .capture import LayerIO, capture_layers, merge_layer_io
-from .graphs import LayerGraphs
-from .moments import LAYER_KEYS, add_into, attention_sums, empty_layer_sums, layer_input_sums, split_layers
-from .readout import concat, empty_readout_sums, layers_readout_sums
-from .readout_mixers import (  # noqa: F401 (pack_to: the pass's API)
+from .capture import LayerIO
+from .moments import LAYER_KEYS
+from .readout_mixers import (  # noqa: F401 (pack_to, readout_mixer, teacher_heads: the pass's API)
     model_device, move_packed, pack_to, readout_closed_forms, readout_mixer, teacher_heads,
 )
 from .statsfile import TaylorStats
-from .strategies import Strategy, default_gdn_state
+from .strategies import Strategy
+from .sweep_attention import AttentionSweep
+from .sweep_readout import ReadoutSweep
 
 Batch = dict[str, torch.Tensor]
 
@@ -61,22 +59,6 @@ def _progress(iterable, total: int | None, desc: str, enabled: bool):
 
 def _rank0(group) -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _whole_mixer(model: nn.Module, index: int, tp_group: dist.ProcessGroup | None) -> nn.Module:
-    """Layer `index`'s teacher attention whole on this rank: the layer itself, or with a
-    tensor-parallel teacher a single-device copy gathered over `tp_group` (one layer's weights)."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return model.layers[index].mixer
-    from megatron_tc.parallel.sharded_teacher import full_mixer
-
-    return full_mixer(model, index, tp_group)
-
-
-def _graphs_allowed(tp_group: dist.ProcessGroup | None) -> bool | None:
-    """CUDA graphs per layer (graphs.LayerGraphs; None: as $MEGATRON_TC_STATS_GRAPHS says) except
-    with a tensor-parallel teacher, whose sharded layers reduce over the group inside."""
-    return None if tp_group is None or dist.get_world_size(tp_group) == 1 else False
 
 
 def _to_cpu(stats: TaylorStats) -> TaylorStats:
@@ -122,65 +104,13 @@ def collect_attention_stats(
     if tp > 1 and dp_group is None:
         raise ValueError("a tensor-parallel teacher needs dp_group (the data-parallel group): None reduces over the "
                          "whole world, which would add up the rows every TP rank sees")
-    heads, kv_heads = arch.num_heads // tp, arch.num_kv_heads // tp
-    device = model_device(model)
-    sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
-
-    def layer_sums(modules, tensors, spec) -> dict[tuple[int, str], torch.Tensor]:
-        """modules: the attention of each layer of a call (one or more, same scale and window);
-        tensors: position_ids, doc_ids, then per layer x, resid, out, q, k, v as the forward made
-        them (or Nones). Returns {(i, key): sum} for the call's i-th layer."""
-        position_ids, doc_ids, per_layer = tensors[0], tensors[1], _per_layer(tensors[2:], len(modules))
-        qkv = [io[3:] if io[3] is not None else mixer.project_qkv(io[0], position_ids)
-               for mixer, io in zip(modules, per_layer)]
-        first = modules[0]
-        o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
-        head_sums, _ = attention_sums(*(concat([t[i] for t in qkv], 1) for i in range(3)), first.scale, o_weight,
-                                      doc_ids, first.sliding_window, chunk_size)
-        result = {}
-        for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
-            part |= layer_input_sums(io[0], io[1], io[2], doc_ids, first.sliding_window)
-            result.update({(i, key): value for key, value in part.items()})
-        return result
-
-    graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
-    pending: dict[tuple, list[tuple[int, LayerIO]]] = {}  # per kind of call, layers of this batch waiting
-
-    def flush(waiting: list[tuple[int, LayerIO]]) -> None:
-        ios = [io for _, io in waiting]
-        run = graphs if ios[0].doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        tensors = [ios[0].position_ids, ios[0].doc_ids]
-        for io in ios:
-            tensors += [io.x, io.resid, io.out, *(io.qkv if io.qkv is not None else (None,) * 3)]
-        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in waiting]
-        for (i, key), value in run([io.mixer for io in ios], tensors).items():
-            per_layer[i][key] = value
-        for (index, _), part in zip(waiting, per_layer):
-            add_into(sums[index], part)
-        waiting.clear()
-
-    def on_layer(index: int, io: LayerIO) -> None:
-        waiting = pending.setdefault(_call_kind(io), [])
-        waiting.append((index, io))
-        if len(waiting) >= per_call:
-            flush(waiting)
-        if index == layers[-1]:
-            for rest in pending.values():
-                if rest:
-                    flush(rest)
-            pending.clear()
-        if keep_io is not None:  # a TP rank's heads are not the whole layer's: sweep 2 recomputes them
-            keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None, heads=io.heads if tp == 1 else None)
-
+    sweep = AttentionSweep(model, layers, chunk_size=chunk_size, tp_group=tp_group, keep_io=keep_io)
     seq_len = 0
     for batch in _progress(batches, num_batches, "taylor stats", progress and _rank0(dp_group)):
         seq_len = max(seq_len, batch["input_ids"].shape[1])
-        per_call = layers_per_call if layers_per_call is not None else stacked_layers(arch, batch["input_ids"].shape, tp)
-        if keep_io is not None:
-            keep_io.append({})
-        capture_layers(model, batch["input_ids"], batch.get("doc_ids"), layers, on_layer, inner=True)
-    graphs.close()
-    flat = {f"layers.{l}.{k}": v for l, layer_sums in sums.items() for k, v in layer_sums.items()}
+        shape = batch["input_ids"].shape
+        sweep.add_batch(batch, layers_per_call if layers_per_call is not None else stacked_layers(arch, shape, tp))
+    flat = sweep.close()
     full_meta = dict(meta)
     full_meta.update(
         layers=layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
@@ -209,19 +139,6 @@ def stacked_layers(arch, batch_shape: Sequence[int], tp: int = 1) -> int:
     return max(1, min(STACK_BYTES // per_layer, 65535 // (batch_shape[0] * heads)))
 
 
-def _per_layer(tensors: Sequence, layers: int, width: int = 6) -> list[Sequence]:
-    return [tensors[i * width:(i + 1) * width] for i in range(layers)]
-
-
-def _call_kind(io: LayerIO) -> tuple:
-    """What layers of a batch must share to run in one stacked sweep-1 call: the kind of attention
-    (scale, window, shapes, dtypes), positions and documents (the batch's: the same tensors at every
-    layer), and whether the forward's q/k/v came with them."""
-    mixer, weight = io.mixer, io.mixer.o_proj.weight
-    return (type(mixer), mixer.scale, mixer.sliding_window, tuple(weight.shape), weight.dtype, io.x.dtype,
-            id(io.position_ids), id(io.doc_ids), io.qkv is None)
-
-
 def gather_tp_heads(stats: TaylorStats, tp_group: dist.ProcessGroup) -> None:
     """Concatenate every per-head / per-KV-head sum over the TP group (rank order = head order,
     as the column-parallel q/k/v split heads); per-layer sums are identical on all TP ranks."""
@@ -247,11 +164,9 @@ def collect_readout_stats(
 ) -> TaylorStats:
     """Sweep 2: add `readout.{strategy}.layers.{l}.*` sums to `stats` (in place, returned).
 
-    tp_group: the teacher is tensor-parallel over it. Readout sums need whole layers, so each
-    layer's attention is gathered (`_whole_mixer`) and the layers are dealt over the group's ranks
-    (the i-th selected layer to rank i mod TP, which keeps its gathered attention while it sums);
-    an all-reduce over the group then gives every rank all layers' sums, bit for bit those of
-    one rank doing every layer (the other ranks add zeros).
+    tp_group: the teacher is tensor-parallel over it: each layer's attention is gathered whole and
+    the layers are dealt over the group's ranks (`sweep_readout`), one all-reduce over the group
+    giving every rank every layer's sums.
 
     layer_io: what sweep 1 kept of these batches (`keep_io`), read instead of a teacher forward.
     Then the sweep goes a group of layers at a time: the host queues their sums over every batch,
@@ -260,124 +175,38 @@ def collect_readout_stats(
     `readout_group_tokens` tokens (`capture.merge_layer_io`): a few calls instead of one per batch
     (the pipeline's batches are single rows), and each call sums the layers `readout_stacked_layers`
     gives (on a CPU as many as fit the same READOUT_GROUP_BYTES; on a GPU one), their heads stacked
-    (`readout.layers_readout_sums`: the recurrence and the reductions issued once for all of them). The sums are those of the batch-by-batch,
-    layer-by-layer order up to the fp64 summation order and the fp32 rounding of operations on
-    larger tensors (GEMM algorithms, reductions). Packed documents: each group's rows are the same
-    at every layer, so their `PackedRows` (fla's segment layout, a host read) are made once and
-    serve all of them."""
-
+    (`readout.layers_readout_sums`: the recurrence and the reductions issued once for all of them).
+    The sums are those of the batch-by-batch, layer-by-layer order up to the fp64 summation order
+    and the fp32 rounding of operations on larger tensors (GEMM algorithms, reductions). Packed
+    documents: each group's rows are the same at every layer, so their `PackedRows` (fla's segment
+    layout, a host read) are made once and serve all of them."""
     closed_forms = readout_closed_forms(strategies)
     if not closed_forms:
         return stats
-    # the sums after o_proj only where a strategy reads them (the sums of a readout name serve
-    # every strategy sharing it: its closed form's strategy decides)
-    products = {name: strategy.readout_products for name, strategy in closed_forms.items()}
-    arch, device = model.arch, model_device(model)
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-    mine = {index for i, index in enumerate(stats.layers) if i % tp == (dist.get_rank(tp_group) if tp > 1 else 0)}
-    mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
-    teacher_mixers: dict[int, nn.Module] = {}
-    part: dict[str, torch.Tensor] = {}
-
-    def build(index: int, shell_of: int | None = None) -> None:
-        """shell_of: a built layer whose readout mixers take this layer's parameters (its sums are queued)."""
-        teacher_mixers[index] = _whole_mixer(model, index, tp_group)  # collective under TP: every rank
-        default = default_gdn_state(student_arch, index, seed)  # once for every closed form
-        for name, strategy in closed_forms.items():
-            shell = mixers[name][shell_of][0] if shell_of is not None else None
-            mixers[name][index] = readout_mixer(strategy, stats, model, student_arch, index, seed,
-                                                teacher_mixers[index], default, into=shell)
-            empty = empty_readout_sums(len(mixers[name][index][1]), arch.num_heads, arch.head_dim, device,
-                                       products[name])
-            part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
-        if index not in mine:
-            del teacher_mixers[index]
-
-    names = list(closed_forms)
-
-    def layer_sums(modules, tensors, spec) -> dict[tuple[int, str, str], torch.Tensor]:
-        """The sums of L layers over the same rows, spec = (L, candidates per closed form). modules:
-        per layer its teacher attention, then a readout mixer per closed form; tensors:
-        position_ids, doc_ids, then per layer x, out, heads (the kept per-head output [B, T, H*D] or
-        None) and each closed form's candidates. Returns {(i, name, key): sum} of the i-th layer."""
-        layers, counts = spec
-        position_ids, doc_ids = tensors[:2]
-        raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
-        width_m, width_t = 1 + len(names), 3 + sum(counts)
-        own = [(modules[i * width_m:(i + 1) * width_m], tensors[2 + i * width_t:2 + (i + 1) * width_t])
-               for i in range(layers)]
-        xs, outs = [t[0] for _, t in own], [t[1] for _, t in own]
-        ys = [teacher_heads(m[0], t[0], position_ids, raw_doc_ids, t[2]) for m, t in own]
-        o_weights = [m[0].o_proj.weight for m, _ in own]
-        result, start = {}, 3
-        for j, (name, count) in enumerate(zip(names, counts)):
-            got = layers_readout_sums([m[1 + j] for m, _ in own], [list(t[start:start + count]) for _, t in own],
-                                      xs, ys, outs, o_weights, doc_ids, products[name])
-            result.update({(i, name, key): value for i, sums in enumerate(got) for key, value in sums.items()})
-            start += count
-        return result
-
-    graphs = LayerGraphs(layer_sums, enabled=_graphs_allowed(tp_group))
-
-    def on_layers(indices: list[int], ios: list[LayerIO]) -> None:
-        """Queue the sums of `indices` (this rank's layers) over the same rows, their `ios`."""
-        modules, tensors = [], [ios[0].position_ids, ios[0].doc_ids]
-        for index, io in zip(indices, ios):
-            modules += [teacher_mixers[index], *(mixers[name][index][0] for name in names)]
-            tensors += [io.x, io.out, io.heads if tp == 1 else None,
-                        *(c for name in names for c in mixers[name][index][1])]
-        counts = tuple(len(mixers[name][indices[0]][1]) for name in names)
-        run = graphs if ios[0].doc_ids is None else graphs.eager  # documents: host syncs (segment bounds)
-        got = run(modules, tensors, (len(indices), counts))
-        add_into({key: part[f"readout.{key[1]}.layers.{indices[key[0]]}.{key[2]}"] for key in got}, got)
-
+    sweep = ReadoutSweep(stats, model, closed_forms, student_arch, seed=seed, tp_group=tp_group)
     show = progress and _rank0(dp_group)
     if layer_io is not None:
-        # the host builds the next layers (closed forms, default inits: host math that never waits
-        # for the device) after queueing the sums of these, so the device works on those meanwhile;
-        # one thread, so the host's kernel launches never contend with a second for the interpreter
         layers = list(stats.layers)
-        build(layers[0])
-        per_token = max(readout_bytes_per_token(arch, len(mixers[name][layers[0]][1]), products[name])
-                        for name in names)  # the closed forms' calls run one after another
+        sweep.build(layers[0])
+        per_token = max(readout_bytes_per_token(model.arch, sweep.candidates(name, layers[0]), sweep.products[name])
+                        for name in sweep.names)  # the closed forms' calls run one after another
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
-        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token, device)
+        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token, model_device(model))
         windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
         for index in windows[0][1:]:
-            build(index)
-        layouts: list[PackedRows | None] = []  # per group of merged rows: the same rows at every layer
+            sweep.build(index)
+        layouts: list = []
         for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
-            ours = [index for index in window if index in mine]
-            # the kept batches in groups of up to `merge` tokens: fewer, larger calls
-            groups = [merge_layer_io([kept[index] for kept in layer_io], merge) for index in ours]
-            for group, ios in enumerate(zip(*groups)):
-                if group == len(layouts):  # fla's segment layout read on the host once, not per layer
-                    layouts.append(None if ios[0].doc_ids is None else PackedRows.of(ios[0].doc_ids))
-                if layouts[group] is not None:
-                    ios = [dataclasses.replace(io, doc_ids=layouts[group]) for io in ios]
-                on_layers(ours, list(ios))
-            if w + 1 < len(windows):  # under TP collectives: every rank in the same order
-                for position, index in enumerate(windows[w + 1]):
-                    build(index, shell_of=window[position] if position < len(window) else None)
-            for index in window:
-                teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
+            sweep.sum_kept_window(window, windows[w + 1] if w + 1 < len(windows) else [], layer_io, merge, layouts)
     else:
-        for index in stats.layers:
-            build(index)
-        for batch in _progress(batches, num_batches, "readout sums", show):
-            capture_layers(model, batch["input_ids"], batch.get("doc_ids"), stats.layers,
-                           lambda index, io: on_layers([index], [io]) if index in mine else None, inner=True)
-    graphs.close()
-    prefixes = [f"readout.{name}.layers.{index}." for name in closed_forms for index in stats.layers]
-    part = {k: v for prefix in prefixes for k, v in part.items() if k.startswith(prefix)}  # strategy-major order
-    reduced = TaylorStats({"layers": stats.layers}, part)
-    if tp > 1:
+        sweep.sum_batches(_progress(batches, num_batches, "readout sums", show))
+    reduced = TaylorStats({"layers": stats.layers}, sweep.close())
+    if sweep.tp > 1:
         reduced.all_reduce_(tp_group)  # each layer's sums from the rank that made them
     reduced.all_reduce_(dp_group)
     stats.sums.update(_to_cpu(reduced).sums)
-    for name, per_layer in mixers.items():
-        stats.meta["readout"][name] = {"candidates": len(next(iter(per_layer.values()))[1]), "products": products[name]}
+    stats.meta["readout"].update(sweep.meta())
     return stats
 
 
@@ -492,7 +321,8 @@ def describe(stats: TaylorStats) -> list[dict]:
             row[name] = round(float(stats.mean(index, name).mean()), 4)
         sums = stats.layer(index)
         row["attn/resid"] = round(float(sums["Y_energy"] / sums["resid_energy"].clamp_min(1e-30)), 5)
-        row["zero_order_frac"] = round(float(sums["zero_order_err"].sum() / sums["out_energy"].sum().clamp_min(1e-30)), 4)
+        zero_order = sums["zero_order_err"].sum() / sums["out_energy"].sum().clamp_min(1e-30)
+        row["zero_order_frac"] = round(float(zero_order), 4)
         rows.append(row)
     return rows
 

@@ -117,13 +117,13 @@ def test_readout_layers_in_calls_of_any_size_give_the_same_sums(monkeypatch, per
     """Sweep 2 over kept layers: three layers in one stacked call (the default here), in calls of
     two and one (the readout mixers of one call reused by the next): the same sums up to the fp64
     summation order."""
-    from megatron_tc.calibrate import stats as stats_module
+    from megatron_tc.calibrate import stats as stats_module, sweep_readout
 
     model = teacher()
     together = stats(model, 3)
     sizes = []
-    real = stats_module.layers_readout_sums
-    monkeypatch.setattr(stats_module, "layers_readout_sums", lambda mixers, *a: sizes.append(len(mixers)) or real(mixers, *a))
+    real = sweep_readout.layers_readout_sums
+    monkeypatch.setattr(sweep_readout, "layers_readout_sums", lambda mixers, *a: sizes.append(len(mixers)) or real(mixers, *a))
     monkeypatch.setattr(stats_module, "readout_stacked_layers", lambda tokens, per_token, device: per_call)
     apart = stats(model, 3)
     assert sizes == {1: [1] * 6, 2: [2, 2, 1, 1]}[per_call]  # two closed forms per call

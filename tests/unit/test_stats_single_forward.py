@@ -100,11 +100,11 @@ def test_kept_heads_equal_the_recomputed_attention():
 
 
 def test_the_default_init_of_each_layer_is_made_once_for_every_closed_form(monkeypatch):
-    from megatron_tc.calibrate import stats as stats_module
+    from megatron_tc.calibrate import stats as stats_module, sweep_readout
 
     made, sweep_2 = [], []
-    real = stats_module.default_gdn_state
-    monkeypatch.setattr(stats_module, "default_gdn_state", lambda *a, **k: made.append(a[1]) or real(*a, **k))
+    real = sweep_readout.default_gdn_state
+    monkeypatch.setattr(sweep_readout, "default_gdn_state", lambda *a, **k: made.append(a[1]) or real(*a, **k))
     real_readout = stats_module.collect_readout_stats
     monkeypatch.setattr(stats_module, "collect_readout_stats",
                         lambda *a, **k: sweep_2.append(list(made)) or real_readout(*a, **k))

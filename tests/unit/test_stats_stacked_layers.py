@@ -3,7 +3,7 @@ per layer, full and sliding-window layers in calls of their own, the stack bound
 import pytest
 import torch
 
-from megatron_tc.calibrate import moments
+from megatron_tc.calibrate import moments, sweep_attention
 from megatron_tc.calibrate import stats as stats_module
 from megatron_tc.calibrate.stats import collect_attention_stats, stacked_layers
 from megatron_tc.model import ArchConfig, HybridLM
@@ -36,7 +36,7 @@ def sweep1(model, data, monkeypatch, layers_per_call):
         calls.append(q.shape[1])
         return moments.attention_sums(q, *args, **kwargs)
 
-    monkeypatch.setattr(stats_module, "attention_sums", counted)
+    monkeypatch.setattr(sweep_attention, "attention_sums", counted)
     got = collect_attention_stats(model, data, range(len(KINDS)), {"teacher_sha256": "t"}, chunk_size=6,
                                   progress=False, layers_per_call=layers_per_call)
     return got, calls
