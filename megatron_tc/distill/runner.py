@@ -284,43 +284,10 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
                 continue
             if forced:
                 _forget_outputs(ctx, stage)
-            if ctx.rank0:
-                manifest.mark(stage, "running", fingerprints[stage])
-            ctx.barrier()
-            log.info("stage %s: running", stage)
-            t0 = time.time()
-            training = stage in TRAINING_STAGES
-            kwargs = {"stop_after": stop_after} if training else {}
-            signals = ExitSignals(cfg.run.exit_signals if training else ())
-            try:
-                with signals:
-                    summary = fn(ctx, **kwargs)
-            except StageStopped as stop:
-                if ctx.rank0:
-                    manifest.mark(stage, "stopped", fingerprints[stage], seconds=round(time.time() - t0, 1))
-                if signals.received:
-                    raise StoppedBySignal(signals.received, stage) from None
-                log.info("%s; run the same command again to resume", stop)
-                results[stage] = "stopped"
+            results[stage] = _run_stage(ctx, manifest, stage, fn, lambda: outputs(ctx.paths, cfg),
+                                        fingerprints[stage], stop_after)
+            if results[stage] == "stopped":
                 break
-            except BaseException:
-                if ctx.rank0:
-                    manifest.mark(stage, "failed", fingerprints[stage], seconds=round(time.time() - t0, 1))
-                raise
-            if stage == "convert":
-                from megatron_tc.config import validate_against_arch
-
-                validate_against_arch(cfg, ctx.teacher_meta().model.arch, dist.get_world_size())
-            seconds = round(time.time() - t0, 1)
-            if ctx.rank0:
-                if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used
-                    manifest.data["data"] = bos
-                manifest.mark(stage, "complete", fingerprints[stage], outputs(ctx.paths, cfg), seconds=seconds,
-                              summary=summary)
-            log.info("stage %s: done in %.1f s", stage, seconds)
-            results[stage] = summary
-            if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
-                raise StoppedBySignal(signum, stage)
     finally:
         ctx.tb.close()
     if ctx.rank0:
@@ -328,6 +295,47 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
         manifest.save()
         print_closing_note(ctx)
     return results
+
+
+def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Callable, outputs: Callable,
+               fingerprint: str, stop_after: int | None) -> Any:
+    """Run one stage, its state in the manifest (rank 0) before and after: its summary, or
+    "stopped" when a training stage stopped at `stop_after` steps (checkpointed). A signal
+    listed in run.exit_signals stops a training stage at a step boundary (StoppedBySignal)."""
+    if ctx.rank0:
+        manifest.mark(stage, "running", fingerprint)
+    ctx.barrier()
+    log.info("stage %s: running", stage)
+    t0 = time.time()
+    training = stage in TRAINING_STAGES
+    signals = ExitSignals(ctx.cfg.run.exit_signals if training else ())
+    try:
+        with signals:
+            summary = fn(ctx, stop_after=stop_after) if training else fn(ctx)
+    except StageStopped as stop:
+        if ctx.rank0:
+            manifest.mark(stage, "stopped", fingerprint, seconds=round(time.time() - t0, 1))
+        if signals.received:
+            raise StoppedBySignal(signals.received, stage) from None
+        log.info("%s; run the same command again to resume", stop)
+        return "stopped"
+    except BaseException:
+        if ctx.rank0:
+            manifest.mark(stage, "failed", fingerprint, seconds=round(time.time() - t0, 1))
+        raise
+    if stage == "convert":
+        from megatron_tc.config import validate_against_arch
+
+        validate_against_arch(ctx.cfg, ctx.teacher_meta().model.arch, dist.get_world_size())
+    seconds = round(time.time() - t0, 1)
+    if ctx.rank0:
+        if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used
+            manifest.data["data"] = bos
+        manifest.mark(stage, "complete", fingerprint, outputs(), seconds=seconds, summary=summary)
+    log.info("stage %s: done in %.1f s", stage, seconds)
+    if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
+        raise StoppedBySignal(signum, stage)
+    return summary
 
 
 def print_closing_note(ctx: RunContext) -> None:
