@@ -156,6 +156,38 @@ def bench_decode(model, kwargs: dict[str, Any], batch: int, prompt: int, new_tok
     return row
 
 
+OOM_SKIP = ("skipped: this role ran out of memory in an earlier case of this process, after which its compiled "
+            "step cannot run again; measure this case in a process of its own (--roles ROLE --batches B)")
+
+
+def role_rows(arch: ArchConfig, role: str, cases: list[tuple[int, int]], new_tokens: int, repeats: int,
+              warmup_steps: int, device: torch.device, dtype: torch.dtype, profile: bool = False):
+    """`bench_decode` of one role (teacher, student, or student-eager: the student with no CUDA
+    graph, its decoding steps and prefills eager) for each (batch, prompt) of `cases`, a row at a
+    time (without model, role). After an out-of-memory error the role's later cases are skipped:
+    a compiled step's CUDA-graph pool is unusable after an OOM inside it."""
+    model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
+    if role == "student-eager":
+        model.decode_graphs, model.prefill_graph_tokens = False, 0
+    out_of_memory = False
+    for batch, prompt in cases:
+        t0 = time.perf_counter()
+        if out_of_memory:
+            row = {"batch": batch, "prompt": prompt, "error": OOM_SKIP}
+        else:
+            try:
+                row = bench_decode(model, {"cache_implementation": "static"}, batch, prompt, new_tokens, repeats,
+                                   warmup_steps, arch.vocab_size, device, profile)
+            except torch.OutOfMemoryError as exc:
+                row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
+                out_of_memory = True
+                torch.cuda.empty_cache()
+        yield row | {"wall_s": round(time.perf_counter() - t0, 1)}
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extra_slots: int, vocab: int,
                          device: torch.device) -> list[dict[str, Any]]:
     """The B=1 prefill forward of a prompt length the student has no whole-model graph for,

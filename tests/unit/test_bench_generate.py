@@ -103,8 +103,10 @@ def test_prefill_forward_matches_an_uncached_forward():
 def test_cases_after_an_out_of_memory_error_are_reported_skipped(tmp_path, monkeypatch):
     """After one case of a role runs out of memory, its later cases in the process are not run (a
     compiled step fails again once its graph pool broke) but reported, and the other role runs."""
+    from megatron_tc.bench import generate as bench_generate
+
     script = load_script("tools/bench/generate.py")
-    real, calls = script.bench_decode, []
+    real, calls = bench_generate.bench_decode, []
 
     def first_teacher_case_oom(model, kwargs, batch, prompt, *args):
         calls.append((type(model).__name__, batch, prompt))
@@ -112,11 +114,11 @@ def test_cases_after_an_out_of_memory_error_are_reported_skipped(tmp_path, monke
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
         return real(model, kwargs, batch, prompt, *args)
 
-    monkeypatch.setattr(script, "bench_decode", first_teacher_case_oom)
+    monkeypatch.setattr(bench_generate, "bench_decode", first_teacher_case_oom)
     out = tmp_path / "generate.json"
     assert script.main(["--quick", "--out", str(out)]) == 0  # cases (B=2, 32 tokens), (B=1, 16)
     rows = {(r["role"], r["batch"], r["prompt"]): r for r in json.loads(out.read_text())["rows"]}
     assert rows[("teacher", 2, 32)]["error"].startswith("out of memory: CUDA out of memory")
-    assert rows[("teacher", 1, 16)]["error"] == script.OOM_SKIP
+    assert rows[("teacher", 1, 16)]["error"] == bench_generate.OOM_SKIP
     assert all("error" not in rows[("student", b, p)] for b, p in ((2, 32), (1, 16)))
     assert len(calls) == 3  # the teacher's first case, then the student's two

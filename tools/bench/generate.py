@@ -18,21 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_tc.bench.generate import (  # noqa: E402
-    bench_decode, eager_prefill_rounds, student_model, teacher_model,
-)
+from megatron_tc.bench.generate import eager_prefill_rounds, role_rows, student_model, teacher_model  # noqa: E402
 from megatron_tc.bench.models import PRESETS  # noqa: E402
-
-
-OOM_SKIP = ("skipped: this role ran out of memory in an earlier case of this process, after which its compiled "
-            "step cannot run again; measure this case in a process of its own (--roles ROLE --batches B)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,32 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
             del teacher, student
             continue
+        cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
+        cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
         for role in args.roles.split(","):
-            model = (teacher_model if role == "teacher" else student_model)(arch, device, dtype)
-            if role == "student-eager":  # the same model with no CUDA graph: decoding steps and prefills eager
-                model.decode_graphs, model.prefill_graph_tokens = False, 0
-            kwargs = {"cache_implementation": "static"}
-            cases = [(b, args.prompt) for b in map(int, args.batches.split(","))]
-            cases += [(1, n) for n in map(int, args.prefill.split(",")) if n != args.prompt]
-            out_of_memory = False
-            for batch, prompt in cases:
-                t0 = time.perf_counter()
-                if out_of_memory:  # a compiled step's CUDA-graph pool is unusable after an OOM inside it
-                    row = {"batch": batch, "prompt": prompt, "error": OOM_SKIP}
-                else:
-                    try:
-                        row = bench_decode(model, kwargs, batch, prompt, args.new_tokens, args.repeats,
-                                           args.warmup_steps, arch.vocab_size, device, args.profile)
-                    except torch.OutOfMemoryError as exc:
-                        row = {"batch": batch, "prompt": prompt, "error": f"out of memory: {str(exc)[:120]}"}
-                        out_of_memory = True
-                        torch.cuda.empty_cache()
-                row.update(model=name, role=role, wall_s=round(time.perf_counter() - t0, 1))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            for row in role_rows(arch, role, cases, args.new_tokens, args.repeats, args.warmup_steps, device,
+                                 dtype, args.profile):
+                rows.append(row | {"model": name, "role": role})
+                print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"environment": env, "args": vars(args), "rows": rows}, indent=2) + "\n")
     return 0
