@@ -161,7 +161,7 @@ def _heldout_batches(args, teacher, strategy: str, bos_id: int | None, source) -
                          "calibration text, fewer --tokens, or --heldout-tokens of at least --seq-len") from None
 
 
-def calibrate_main(argv=None) -> int:
+def _calibrate_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="teacher -> zero-shot hybrid student checkpoint (no training)")
     _data_args(ap)
     ap.add_argument("--init", required=True, choices=sorted(REGISTRY))
@@ -178,7 +178,11 @@ def calibrate_main(argv=None) -> int:
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=None, help="checkpoint directory to write")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def calibrate_main(argv=None) -> int:
+    args = _calibrate_parser().parse_args(argv)
     source = open_source(args)
     _refuse_overlap(args, source)
     if args.threads:
@@ -207,8 +211,15 @@ def calibrate_main(argv=None) -> int:
     )
     report.update(_bos_record(args, bos_id))
     report.update(source.describe())
-    report.update(teacher_sha256=teacher.sha256, tokens=args.tokens,
-                  seq_len=args.seq_len, selection=selection, converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
+    report.update(teacher_sha256=teacher.sha256, tokens=args.tokens, seq_len=args.seq_len, selection=selection,
+                  converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
+    _write_outputs(args, student, report, teacher, bos_id)
+    return 0
+
+
+def _write_outputs(args, student, report: dict, teacher, bos_id: int | None) -> None:
+    """The student's perplexity on --eval-text into `report`, the checkpoint and its report into
+    --out, and the report (without the alignment curves when they went to --out) to stdout."""
     if args.eval_text:
         from megatron_tc.eval.perplexity import evaluate_text
 
@@ -223,7 +234,6 @@ def calibrate_main(argv=None) -> int:
                         tokenizer_files=teacher.tokenizer_files, overwrite=True)
         (Path(args.out) / "calibrate_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report if args.out is None else {k: report[k] for k in report if k != "align"}, indent=1))
-    return 0
 
 
 def _ga_stats(teacher, batches, args, bos_id: int | None, source) -> TaylorStats:
