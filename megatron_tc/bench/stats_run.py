@@ -116,98 +116,121 @@ def warm_gdn_kernels(arch, layer: int, device, seq: int, align_dtype: torch.dtyp
     return time.perf_counter() - start
 
 
-def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
-    batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
-    tokens = args.batch * args.seq * args.num_batches
-    meta = {"teacher_sha256": "bench", "seq_len": args.seq}
-    base = {"tokens": tokens, "B": args.batch, "T": args.seq, "layers": len(layers), "dtype": args.dtype}
+class StatsRows:
+    """Rows of the statistics benchmark: each pass timed over the same batches, its time also as
+    a ratio to the plain teacher forward (the first row)."""
 
-    def forward():
+    def __init__(self, teacher, layers, student_arch, args, device, report: Report):
+        self.teacher, self.layers, self.student_arch = teacher, layers, student_arch
+        self.args, self.device, self.report = args, device, report
+        self.batches = random_batches(teacher.arch.vocab_size, args.batch, args.seq, args.num_batches, device)
+        self.tokens = args.batch * args.seq * args.num_batches
+        self.meta = {"teacher_sha256": "bench", "seq_len": args.seq}
+        self.base = {"tokens": self.tokens, "B": args.batch, "T": args.seq, "layers": len(layers), "dtype": args.dtype}
+        self.strategies = [get_strategy(s) for s in args.readout.split(",") if s]
+        self.forward_ms = 0.0
+
+    def add(self, label: str, ms: float, goal: float | None = None, **extra: Any) -> None:
+        """A row of `ms` (with tokens/s and the ratio to the teacher forward; with `goal`, whether
+        that ratio meets it)."""
+        ratio = ms / self.forward_ms if self.forward_ms else 1.0
+        row = {**self.base, "pass": label, **extra, "ms": ms, "tok_per_s": self.tokens / (ms * 1e-3), "ratio": ratio}
+        if goal is not None:
+            row |= {"goal": f"<= {goal}", "met": ratio <= goal}
+        self.report.add("rows", row)
+
+    def timed(self, label: str, fn, goal: float | None = None, **extra: Any) -> float | None:
+        """Time `fn` and add its row (`add`); its ms, or None when it failed (the row then says
+        so and the report holds the error)."""
+        try:
+            ms = time_fn(fn, self.device, budget_ms=self.args.budget_ms, max_reps=5).ms
+        except Exception as exc:
+            self.failed(label, exc, **extra)
+            return None
+        self.add(label, ms, goal, **extra)
+        return ms
+
+    def failed(self, label: str, exc: Exception, **extra: Any) -> None:
+        self.report.error(label, exc)
+        self.report.add("rows", {**self.base, "pass": label, **extra, "note": f"failed: {type(exc).__name__}"})
+
+    def forward(self) -> None:
         with torch.no_grad():
-            for batch in batches:
-                teacher(batch["input_ids"])
+            for batch in self.batches:
+                self.teacher(batch["input_ids"])
 
-    fwd = time_fn(forward, device, budget_ms=args.budget_ms, max_reps=10)
-    report.add("rows", {**base, "pass": "teacher forward", "ms": fwd.ms, "tok_per_s": tokens / (fwd.ms * 1e-3),
-                        "ratio": 1.0})
+    def sweep1(self):
+        return collect_attention_stats(self.teacher, self.batches, self.layers, self.meta,
+                                       chunk_size=self.args.chunk_size, progress=False)
+
+    def sweep2(self, stats) -> None:
+        collect_readout_stats(stats, self.teacher, self.batches, self.strategies, self.student_arch, progress=False)
+
+    def one_forward(self):
+        """What the pipeline runs: both sweeps, the teacher forward once per batch."""
+        return collect_stats(self.teacher, self.batches, self.layers, self.meta, readout_strategies=self.strategies,
+                             student_arch=self.student_arch, chunk_size=self.args.chunk_size, progress=False)
+
+
+def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
+    rows = StatsRows(teacher, layers, student_arch, args, device, report)
+    rows.forward_ms = time_fn(rows.forward, device, budget_ms=args.budget_ms, max_reps=10).ms
+    rows.add("teacher forward", rows.forward_ms)
     holder = {}
+    sweep1 = lambda: holder.__setitem__("stats", rows.sweep1())  # noqa: E731 - sweep 2 reads its result
 
-    def sweep1():
-        holder["stats"] = collect_attention_stats(teacher, batches, layers, meta, chunk_size=args.chunk_size,
-                                                  progress=False)
+    def sweep2() -> None:
+        if "stats" not in holder:
+            raise RuntimeError("sweep 2 needs the statistics of sweep 1, which failed")
+        rows.sweep2(holder["stats"])
 
-    sweep1_impl = "triton" if use_stats_kernel(batches[0]["input_ids"]) else "pytorch"
-    rows = [("stats sweep 1 (attention moments)", sweep1)]
-    strategies = [get_strategy(s) for s in args.readout.split(",") if s]
-    if strategies:
-        def sweep2():
-            if "stats" not in holder:
-                raise RuntimeError("sweep 2 needs the statistics of sweep 1, which failed")
-            collect_readout_stats(holder["stats"], teacher, batches, strategies, student_arch, progress=False)
-
-        rows.append((f"stats sweep 2 (readout: {args.readout})", sweep2))
-    total = 0.0
-    for label, fn in rows:
-        row = {**base, "pass": label, "impl": sweep1_impl if label.startswith("stats sweep 1") else None}
-        try:
-            timing = time_fn(fn, device, budget_ms=args.budget_ms, max_reps=5)
-            total += timing.ms
-            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
-        except Exception as exc:
-            row["note"] = f"failed: {type(exc).__name__}"
-            report.error(label, exc)
-        report.add("rows", row)
+    impl = "triton" if use_stats_kernel(rows.batches[0]["input_ids"]) else "pytorch"
+    passes = [("sweep 1", sweep1)] + ([("sweep 2", sweep2)] if rows.strategies else [])
+    times = [rows.timed("stats sweep 1 (attention moments)", sweep1, impl=impl)]
+    if rows.strategies:
+        times.append(rows.timed(f"stats sweep 2 (readout: {args.readout})", sweep2, impl=None))
     if args.profile and "stats" in holder:
-        passes = [("sweep 1", sweep1)] + ([("sweep 2", sweep2)] if strategies else [])
-        for name, fn in passes:
-            for row in profile_rows(fn, device):
-                report.add("profile", {"pass": name, **row})
-        if strategies:
-            passes.append(("collect_stats", lambda: collect_stats(
-                teacher, batches, layers, meta, readout_strategies=strategies, student_arch=student_arch,
-                chunk_size=args.chunk_size, progress=False)))
-        for name, fn in passes:
-            syncs = host_syncs(fn, device)
-            if syncs:
-                report.add("syncs", {"what": name, **syncs})
-    if all("ms" in r for r in report.data["rows"][-len(rows):]):
-        report.add("rows", {**base, "pass": "statistics pass (both sweeps)", "ms": total,
-                            "tok_per_s": tokens / (total * 1e-3), "ratio": total / fwd.ms,
-                            "goal": f"<= {STATS_GOAL}", "met": total / fwd.ms <= STATS_GOAL})
-    if strategies:  # what the pipeline runs: both sweeps, the teacher forward once per batch
-        def one_forward():
-            return collect_stats(teacher, batches, layers, meta, readout_strategies=strategies,
-                                 student_arch=student_arch, chunk_size=args.chunk_size, progress=False)
-
-        passes = [("statistics pass, one forward (collect_stats)", "0")]
-        if device.type == "cuda":  # the per-layer CUDA graphs' gain, and their sums against the eager ones
-            passes.append(("statistics pass, one forward, CUDA graphs (MEGATRON_TC_STATS_GRAPHS=1)", "1"))
-        results = {}
-        for label, graphs in passes:
-            row = {**base, "pass": label}
-            try:
-                with env(GRAPHS_ENV, graphs):
-                    results[graphs] = one_forward()
-                    timing = time_fn(one_forward, device, budget_ms=args.budget_ms, max_reps=5)
-                row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms,
-                           goal=f"<= {STATS_GOAL}", met=timing.ms / fwd.ms <= STATS_GOAL)
-            except Exception as exc:
-                row["note"] = f"failed: {type(exc).__name__}"
-                report.error(label, exc)
-            report.add("rows", row)
-        if len(results) == 2:
-            report.add("checks", graphs_check(results["1"], results["0"]))
+        profile_sweeps(rows, passes)
+    if None not in times:
+        rows.add("statistics pass (both sweeps)", sum(times), STATS_GOAL)
+    if rows.strategies:
+        one_forward_rows(rows)
     if args.sweep1_reference:  # the PyTorch chunks, for the kernel's gain (not in the total)
-        label = "stats sweep 1 (attention moments), PyTorch reference"
-        row = {**base, "pass": label, "impl": "pytorch"}
-        try:
-            with stats_kernel("reference"):
-                timing = time_fn(sweep1, device, budget_ms=args.budget_ms, max_reps=5)
-            row.update(ms=timing.ms, tok_per_s=tokens / (timing.ms * 1e-3), ratio=timing.ms / fwd.ms)
-        except Exception as exc:
-            row["note"] = f"failed: {type(exc).__name__}"
-            report.error(label, exc)
-        report.add("rows", row)
+        with stats_kernel("reference"):
+            rows.timed("stats sweep 1 (attention moments), PyTorch reference", sweep1, impl="pytorch")
+
+
+def profile_sweeps(rows: StatsRows, passes: list) -> None:
+    """--profile: the operators of each sweep, and the host's waits for the device in each sweep
+    and in the one-forward pass."""
+    for name, fn in passes:
+        for row in profile_rows(fn, rows.device):
+            rows.report.add("profile", {"pass": name, **row})
+    if rows.strategies:
+        passes = passes + [("collect_stats", rows.one_forward)]
+    for name, fn in passes:
+        syncs = host_syncs(fn, rows.device)
+        if syncs:
+            rows.report.add("syncs", {"what": name, **syncs})
+
+
+def one_forward_rows(rows: StatsRows) -> None:
+    """The pipeline's pass (one teacher forward a batch), eager and on CUDA with per-layer CUDA
+    graphs, the graphs' sums checked against the eager ones."""
+    passes = [("statistics pass, one forward (collect_stats)", "0")]
+    if rows.device.type == "cuda":
+        passes.append(("statistics pass, one forward, CUDA graphs (MEGATRON_TC_STATS_GRAPHS=1)", "1"))
+    results = {}
+    for label, graphs in passes:
+        with env(GRAPHS_ENV, graphs):
+            try:
+                results[graphs] = rows.one_forward()
+            except Exception as exc:
+                rows.failed(label, exc)
+                continue
+            rows.timed(label, rows.one_forward, STATS_GOAL)
+    if len(results) == 2:
+        rows.report.add("checks", graphs_check(results["1"], results["0"]))
 
 
 def bench_phases_rows(teacher, layers, student_arch, args, device, report) -> None:
