@@ -200,6 +200,8 @@ def collect_readout_stats(
         for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
             sweep.sum_kept_window(window, windows[w + 1] if w + 1 < len(windows) else [], layer_io, merge, layouts)
     else:
+        for index in stats.layers:
+            sweep.build(index)
         sweep.sum_batches(_progress(batches, num_batches, "readout sums", show))
     reduced = TaylorStats({"layers": stats.layers}, sweep.close())
     if sweep.tp > 1:

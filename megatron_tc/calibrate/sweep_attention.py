@@ -10,6 +10,7 @@ own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -41,27 +42,12 @@ class AttentionSweep:
         heads, kv_heads = arch.num_heads // self.tp, arch.num_kv_heads // self.tp
         device = model_device(model)
         self.sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
-        self.graphs = LayerGraphs(self.layer_sums, enabled=graphs_allowed(tp_group))
+        # a function of its arguments and the chunk size alone (captured graphs call it on static
+        # copies), and no reference back to the sweep, which would then outlive the pass
+        self.graphs = LayerGraphs(functools.partial(attention_layer_sums, chunk_size),
+                                  enabled=graphs_allowed(tp_group))
         self.pending: dict[tuple, list[tuple[int, LayerIO]]] = {}  # per kind of call, layers waiting
         self.per_call = 1
-
-    def layer_sums(self, modules: Sequence[nn.Module], tensors: Sequence, spec) -> dict[tuple[int, str], torch.Tensor]:
-        """modules: the attention of each layer of a call (one or more, same scale and window);
-        tensors: position_ids, doc_ids, then per layer x, resid, out, q, k, v as the forward made
-        them (or Nones). Returns {(i, key): sum} for the call's i-th layer."""
-        position_ids, doc_ids = tensors[0], tensors[1]
-        per_layer = [tensors[2 + i * IO_WIDTH:2 + (i + 1) * IO_WIDTH] for i in range(len(modules))]
-        qkv = [io[3:] if io[3] is not None else mixer.project_qkv(io[0], position_ids)
-               for mixer, io in zip(modules, per_layer)]
-        first = modules[0]
-        o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
-        head_sums, _ = attention_sums(*(concat([t[i] for t in qkv], 1) for i in range(3)), first.scale, o_weight,
-                                      doc_ids, first.sliding_window, self.chunk_size)
-        result = {}
-        for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
-            part |= layer_input_sums(io[0], io[1], io[2], doc_ids, first.sliding_window)
-            result.update({(i, key): value for key, value in part.items()})
-        return result
 
     def add_batch(self, batch: dict[str, torch.Tensor], per_call: int) -> None:
         """One teacher forward over `batch` (input_ids [B, T], optional doc_ids [B, T]), its
@@ -102,6 +88,26 @@ class AttentionSweep:
         """The sums, flat: `layers.{l}.{key}`."""
         self.graphs.close()
         return {f"layers.{l}.{k}": v for l, layer_sums in self.sums.items() for k, v in layer_sums.items()}
+
+
+def attention_layer_sums(chunk_size: int, modules: Sequence[nn.Module], tensors: Sequence, spec
+                         ) -> dict[tuple[int, str], torch.Tensor]:
+    """modules: the attention of each layer of a call (one or more, same scale and window);
+    tensors: position_ids, doc_ids, then per layer x, resid, out, q, k, v as the forward made
+    them (or Nones). Returns {(i, key): sum} for the call's i-th layer."""
+    position_ids, doc_ids = tensors[0], tensors[1]
+    per_layer = [tensors[2 + i * IO_WIDTH:2 + (i + 1) * IO_WIDTH] for i in range(len(modules))]
+    qkv = [io[3:] if io[3] is not None else mixer.project_qkv(io[0], position_ids)
+           for mixer, io in zip(modules, per_layer)]
+    first = modules[0]
+    o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
+    head_sums, _ = attention_sums(*(concat([t[i] for t in qkv], 1) for i in range(3)), first.scale, o_weight,
+                                  doc_ids, first.sliding_window, chunk_size)
+    result = {}
+    for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
+        part |= layer_input_sums(io[0], io[1], io[2], doc_ids, first.sliding_window)
+        result.update({(i, key): value for key, value in part.items()})
+    return result
 
 
 def call_kind(io: LayerIO) -> tuple:

@@ -10,6 +10,7 @@ follows gives every rank all layers' sums, bit for bit those of one rank doing e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Sequence
 
 import torch
@@ -60,7 +61,10 @@ class ReadoutSweep:
         self.mixers: dict[str, dict[int, tuple[GatedDeltaNet, list]]] = {name: {} for name in closed_forms}
         self.teacher_mixers: dict[int, nn.Module] = {}
         self.part: dict[str, torch.Tensor] = {}
-        self.graphs = LayerGraphs(self.layer_sums, enabled=graphs_allowed(tp_group))
+        # a function of its arguments and the configuration alone (captured graphs call it on
+        # static copies), and no reference back to the sweep, which would then outlive the pass
+        self.graphs = LayerGraphs(functools.partial(readout_layer_sums, tuple(self.names), dict(self.products)),
+                                  enabled=graphs_allowed(tp_group))
 
     def candidates(self, name: str, index: int) -> int:
         """Output-gate candidates of closed form `name` at built layer `index`."""
@@ -81,29 +85,6 @@ class ReadoutSweep:
             self.part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
         if index not in self.mine:
             del self.teacher_mixers[index]
-
-    def layer_sums(self, modules: Sequence[nn.Module], tensors: Sequence, spec
-                   ) -> dict[tuple[int, str, str], torch.Tensor]:
-        """The sums of L layers over the same rows, spec = (L, candidates per closed form). modules:
-        per layer its teacher attention, then a readout mixer per closed form; tensors:
-        position_ids, doc_ids, then per layer x, out, heads (the kept per-head output [B, T, H*D] or
-        None) and each closed form's candidates. Returns {(i, name, key): sum} of the i-th layer."""
-        layers, counts = spec
-        position_ids, doc_ids = tensors[:2]
-        raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
-        width_m, width_t = 1 + len(self.names), 3 + sum(counts)
-        own = [(modules[i * width_m:(i + 1) * width_m], tensors[2 + i * width_t:2 + (i + 1) * width_t])
-               for i in range(layers)]
-        xs, outs = [t[0] for _, t in own], [t[1] for _, t in own]
-        ys = [teacher_heads(m[0], t[0], position_ids, raw_doc_ids, t[2]) for m, t in own]
-        o_weights = [m[0].o_proj.weight for m, _ in own]
-        result, start = {}, 3
-        for j, (name, count) in enumerate(zip(self.names, counts)):
-            got = layers_readout_sums([m[1 + j] for m, _ in own], [list(t[start:start + count]) for _, t in own],
-                                      xs, ys, outs, o_weights, doc_ids, self.products[name])
-            result.update({(i, name, key): value for i, sums in enumerate(got) for key, value in sums.items()})
-            start += count
-        return result
 
     def queue(self, indices: list[int], ios: list[LayerIO]) -> None:
         """Queue the sums of `indices` (this rank's built layers) over the same rows, their `ios`."""
@@ -137,9 +118,8 @@ class ReadoutSweep:
             self.teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
 
     def sum_batches(self, batches: Iterable[dict[str, torch.Tensor]]) -> None:
-        """Every layer built, then a teacher forward per batch, each layer's sums queued as it is reached."""
-        for index in self.stats.layers:
-            self.build(index)
+        """A teacher forward per batch, each layer's sums queued as it is reached (every layer
+        built first)."""
         for batch in batches:
             capture_layers(self.model, batch["input_ids"], batch.get("doc_ids"), self.stats.layers,
                            lambda index, io: self.queue([index], [io]) if index in self.mine else None, inner=True)
@@ -154,3 +134,27 @@ class ReadoutSweep:
         """Per readout name: its candidates and whether the sums after o_proj are there."""
         return {name: {"candidates": len(next(iter(per_layer.values()))[1]), "products": self.products[name]}
                 for name, per_layer in self.mixers.items()}
+
+
+def readout_layer_sums(names: Sequence[str], products: dict[str, bool], modules: Sequence[nn.Module],
+                       tensors: Sequence, spec) -> dict[tuple[int, str, str], torch.Tensor]:
+    """The sums of L layers over the same rows, spec = (L, candidates per closed form). modules:
+    per layer its teacher attention, then a readout mixer per closed form; tensors:
+    position_ids, doc_ids, then per layer x, out, heads (the kept per-head output [B, T, H*D] or
+    None) and each closed form's candidates. Returns {(i, name, key): sum} of the i-th layer."""
+    layers, counts = spec
+    position_ids, doc_ids = tensors[:2]
+    raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
+    width_m, width_t = 1 + len(names), 3 + sum(counts)
+    own = [(modules[i * width_m:(i + 1) * width_m], tensors[2 + i * width_t:2 + (i + 1) * width_t])
+           for i in range(layers)]
+    xs, outs = [t[0] for _, t in own], [t[1] for _, t in own]
+    ys = [teacher_heads(m[0], t[0], position_ids, raw_doc_ids, t[2]) for m, t in own]
+    o_weights = [m[0].o_proj.weight for m, _ in own]
+    result, start = {}, 3
+    for j, (name, count) in enumerate(zip(names, counts)):
+        got = layers_readout_sums([m[1 + j] for m, _ in own], [list(t[start:start + count]) for _, t in own],
+                                  xs, ys, outs, o_weights, doc_ids, products[name])
+        result.update({(i, name, key): value for i, sums in enumerate(got) for key, value in sums.items()})
+        start += count
+    return result

@@ -201,3 +201,28 @@ def test_finished_sums_come_to_the_cpu_exactly_and_each_in_its_own_storage():
         assert out[key].dtype == value.dtype and out[key].shape == value.shape and out[key].device.type == "cpu"
         assert torch.equal(out[key], value), key
         assert out[key].untyped_storage().nbytes() == value.numel() * value.element_size(), key
+
+
+@pytest.mark.parametrize("io_cache_budget", [None, 0])
+def test_nothing_of_the_pass_outlives_it_without_a_garbage_collection(io_cache_budget):
+    """The kept layer I/O (up to a quarter of a GPU), the sweeps and their readout mixers are freed
+    when the pass returns, by reference counting alone: no reference cycle keeps them until Python's
+    next full collection (the stage after the pass would run with them still on the device)."""
+    import gc
+
+    from megatron_tc.calibrate.capture import LayerIO
+    from megatron_tc.calibrate.sweep_attention import AttentionSweep
+    from megatron_tc.calibrate.sweep_readout import ReadoutSweep
+
+    def alive() -> list[str]:
+        return [type(o).__name__ for o in gc.get_objects() if isinstance(o, (LayerIO, AttentionSweep, ReadoutSweep))]
+
+    gc.collect()
+    assert alive() == []
+    gc.disable()
+    try:
+        stats_and_forwards(io_cache_budget)
+        left = alive()
+    finally:
+        gc.enable()
+    assert left == []
