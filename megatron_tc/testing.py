@@ -38,8 +38,9 @@ def free_port() -> int:
 
 
 BACKENDS = ("gloo", "nccl")
-# NVLink SHARP / multicast stays off on the lent machines (their device README): set before any
-# NCCL communicator or symmetric-memory buffer exists, in every process.
+# NVLink SHARP / multicast off in the NCCL tests' processes, so they run on hosts where multicast
+# objects cannot be created (docs/environment.md): set before any NCCL communicator or
+# symmetric-memory buffer exists, in every process.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -1,6 +1,6 @@
-"""Timing, error metrics, device ceilings and result files shared by tools/bench_*.py.
+"""Timing, error metrics, device ceilings and result files shared by tools/bench/*.py.
 
-Timing follows the device README's METHOD.md: a warm-up call first (kernel compilation and
+Timing: a warm-up call first (kernel compilation and
 autotuning stay out of the numbers), then the median of repeated calls timed on the device.
 Short functions go through `triton.testing.do_bench` (CUDA events, L2 flushed between calls);
 long ones (a second or more per call) through CUDA events around each call, a few repeats.

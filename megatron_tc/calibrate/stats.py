@@ -85,7 +85,7 @@ def collect_attention_stats(
 ) -> TaylorStats:
     """Sweep 1. batches: dicts with input_ids [B, T] and optional doc_ids [B, T] (this rank's
     share). meta: at least teacher_sha256, seq_len; completed with the layers and shapes.
-    tp_group: the model is tensor-parallel (parallel.apply_tensor_parallel) over this group; each
+    tp_group: the model is tensor-parallel (parallel.tensor_parallel.apply_tensor_parallel) over this group; each
     rank measures its own heads and the result holds global heads. keep_io: a list that gets, per
     batch, {layer: LayerIO} of the selected layers (resid dropped; the attention's per-head output
     kept without TP), for `collect_readout_stats`.
@@ -232,7 +232,7 @@ def collect_stats(
     bytes (default `default_io_cache_budget`; 0: never) and sweep 2 reads them: one teacher forward
     per batch. Otherwise sweep 2 runs the teacher again.
 
-    tp_group: the teacher is tensor-parallel over it (parallel.apply_tensor_parallel or
+    tp_group: the teacher is tensor-parallel over it (parallel.tensor_parallel.apply_tensor_parallel or
     parallel.sharded_teacher). Sweep 1 sums each rank's heads and gathers them into global heads;
     sweep 2 gathers one whole attention layer at a time (never the model). A layer's input and
     output are whole on every rank of the group (the row-parallel o_proj reduces), so kept layers

@@ -7,15 +7,16 @@ kept here. A new strategy or policy either adds its name to the tuple below or c
 """
 from __future__ import annotations
 
-# Pipeline stages, in the order they run (DESIGN section 2).
+# Pipeline stages, in the order they run (docs/concepts.md).
 # `pretrain` (optional, first) trains a teacher from scratch with the next-token objective and
 # writes it where model.teacher points, so the stages after it convert that model.
 STAGES: tuple[str, ...] = ("pretrain", "convert", "select", "stats", "init", "stage1", "stage2", "eval", "export")
 
-# DESIGN section 7. Add the project's own strategy here (or register it at import time).
+# Initialization strategies (docs/method.md section 4). Add the project's own strategy here (or
+# register it at import time).
 INIT_STRATEGIES: tuple[str, ...] = ("naive", "zero_gate", "taylor", "taylor_calibrate", "taylor_fit")
 
-# Retained-layer policies (DESIGN section 7): every k-th layer, attention-removal ranking,
+# Retained-layer policies (docs/method.md section 6): every k-th layer, attention-removal ranking,
 # greedy addition, and the cheap one computed from the statistics pass.
 POLICIES: tuple[str, ...] = ("uniform", "ar", "ga", "stats")
 

@@ -2,7 +2,7 @@
 is read only when it is written out, so converting or resharding a checkpoint holds one tensor at
 a time instead of the whole model.
 
-A `Leaf` is a box (a start:stop range per dimension) of one tensor in a `TensorSource`: a
+A `Leaf` is a box (a start:stop range per dimension) of one tensor in a source: a
 safetensors file (read with `safe_open(...).get_slice`, which reads only the box's bytes) or
 tensors already in memory (GGUF, pytorch .bin, a trained model). `Cat` joins lazies along one
 dimension, `Zeros` is vocabulary padding, `Replicated` is a tensor every TP rank holds a copy of

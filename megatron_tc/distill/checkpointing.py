@@ -346,7 +346,7 @@ def check_same_padding(path: Path, saved: dict[str, int], now: dict[str, int]) -
 
 def check_dp_reshard(path: Path, saved: dict[str, int], now: dict[str, int]) -> None:
     """Only the data-parallel size may change between save and resume (TP and PP shards need
-    tools/reshard_checkpoint.py on the exported student, not a training checkpoint)."""
+    tools/reshard.py on the exported student, not a training checkpoint)."""
     fixed = {k: (saved.get(k), now.get(k)) for k in ("tp", "pp") if saved.get(k) != now.get(k)}
     if fixed or now.get("pp", 1) != 1:
         raise CheckpointError(

@@ -1,4 +1,4 @@
-"""Evaluation: how converted students compare with their teachers (DESIGN section 8).
+"""Evaluation: how converted students compare with their teachers (docs/evaluation.md).
 
 - `loading`: `load_model(path)` for HF dirs, .gguf files and megatron_tc checkpoints -> a
   `LoadedModel` (a logits callable + tokenizer + cached greedy generate).

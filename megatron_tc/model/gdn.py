@@ -1,4 +1,4 @@
-"""Gated DeltaNet layer (DESIGN section 3), parameter names compatible with fla's `GatedDeltaNet`.
+"""Gated DeltaNet layer (docs/method.md section 1), parameter names compatible with fla's `GatedDeltaNet`.
 
     q, k, v = act(q_proj x), act(k_proj x), act(v_proj x)     act: short conv + SiLU, or SiLU only
     g       = -exp(A_log) * softplus(a_proj x + dt_bias)       log decay per head  [B, T, H]

@@ -5,7 +5,7 @@ Per head, with the state S in fla's layout [Dk, Dv]::
     S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T (scale * q_t)
 
-(the transpose of DESIGN's `S_t = a_t S_{t-1}(I - b_t k_t k_t^T) + b_t v_t k_t^T` with S [Dv, Dk]).
+(the transpose of docs/method.md's `S_t = a_t S_{t-1}(I - b_t k_t k_t^T) + b_t v_t k_t^T` with S [Dv, Dk]).
 """
 from __future__ import annotations
 
