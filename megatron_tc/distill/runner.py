@@ -284,8 +284,7 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
                 continue
             if forced:
                 _forget_outputs(ctx, stage)
-            results[stage] = _run_stage(ctx, manifest, stage, fn, lambda: outputs(ctx.paths, cfg),
-                                        fingerprints[stage], stop_after)
+            results[stage] = _run_stage(ctx, manifest, stage, fn, outputs, fingerprints[stage], stop_after)
             if results[stage] == "stopped":
                 break
     finally:
@@ -331,7 +330,7 @@ def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Ca
     if ctx.rank0:
         if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used
             manifest.data["data"] = bos
-        manifest.mark(stage, "complete", fingerprint, outputs(), seconds=seconds, summary=summary)
+        manifest.mark(stage, "complete", fingerprint, outputs(ctx.paths, ctx.cfg), seconds=seconds, summary=summary)
     log.info("stage %s: done in %.1f s", stage, seconds)
     if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
         raise StoppedBySignal(signum, stage)
