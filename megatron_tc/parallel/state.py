@@ -170,6 +170,7 @@ def shutdown_distributed() -> None:
 
 
 STOPPING_KEY = "stopping_after_error/{rank}"
+LEFT_KEY = "left_after_error/{rank}"  # a rank saw every mark and stops asking the store
 
 
 def leave_after_error(timeout_s: float = 10.0) -> None:
@@ -190,22 +191,39 @@ def leave_after_error(timeout_s: float = 10.0) -> None:
     if dist.get_world_size() == 1 or dist.get_backend() != "gloo":
         return
     store = dist.distributed_c10d._get_default_store()  # outlives the groups; rank 0's process serves it
-    world = dist.get_world_size()
-    mark_stopping()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mark_stopping(waits=True)
     shutdown_distributed()
-    _wait_for_marks(store, world, timeout_s)
+    _wait_for_marks(store, world, rank, timeout_s)
 
 
-def _wait_for_marks(store: Any, world: int, timeout_s: float) -> None:
-    keys = [STOPPING_KEY.format(rank=r) for r in range(world)]
+def _wait_for_marks(store: Any, world: int, rank: int, timeout_s: float) -> None:
+    """Wait for every rank's stopping mark. Then the others tell the store they saw them
+    (LEFT_KEY) and return, and rank 0, whose process serves the store, waits for those before it
+    returns: a rank that asked the store after its host exited would print torch's connection
+    warnings under its error line."""
     deadline = time.monotonic() + timeout_s
+    if not _wait_for_keys(store, [STOPPING_KEY.format(rank=r) for r in range(world)], deadline):
+        return
+    if rank == 0:
+        _wait_for_keys(store, [LEFT_KEY.format(rank=r) for r in range(1, world)], deadline)
+        return
+    try:
+        store.set(LEFT_KEY.format(rank=rank), "1")
+    except RuntimeError:  # the host has exited (its deadline passed first)
+        pass
+
+
+def _wait_for_keys(store: Any, keys: list[str], deadline: float) -> bool:
+    """Whether all `keys` were set in `store` before `deadline` (time.monotonic)."""
     while time.monotonic() < deadline:
         try:
             if store.check(keys):
-                return
+                return True
         except RuntimeError:  # the store's host (rank 0) has exited
-            return
+            return False
         time.sleep(0.02)
+    return False
 
 
 def _wait_for_peers_without_groups(timeout_s: float) -> None:
@@ -224,13 +242,18 @@ def _wait_for_peers_without_groups(timeout_s: float) -> None:
         store.set(STOPPING_KEY.format(rank=rank), "1")
     except (RuntimeError, OSError, ValueError):  # port taken, or rank 0 never served it: nobody to wait for
         return
-    _wait_for_marks(store, world, timeout_s)
+    _wait_for_marks(store, world, rank, timeout_s)
 
 
-def mark_stopping() -> None:
-    """Tell the store this rank is stopping after an error, its own or a peer's (`leave_after_error`)."""
+def mark_stopping(waits: bool = False) -> None:
+    """Tell the store this rank is stopping after an error, its own or a peer's (`leave_after_error`).
+    waits: it waits for the other ranks' marks next; else it asks the store nothing more (LEFT_KEY
+    too, so the store's host need not wait for it)."""
     try:
-        dist.distributed_c10d._get_default_store().set(STOPPING_KEY.format(rank=dist.get_rank()), "1")
+        store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        store.set(STOPPING_KEY.format(rank=rank), "1")
+        if not waits:
+            store.set(LEFT_KEY.format(rank=rank), "1")
     except (RuntimeError, ValueError):  # no group, or the store's host has exited: nobody waits
         pass
 

@@ -66,3 +66,28 @@ def test_before_any_group_a_rank_leaves_only_once_every_rank_has_reported(late_r
     late_report = float(times[late_rank]["reported"])
     for rank, t in enumerate(times):
         assert late_report <= float(t["left"]) < late_report + 20, (rank, times)
+
+
+def test_the_store_host_leaves_only_after_every_other_rank_stopped_asking():
+    """Rank 0's process serves the store the ranks meet in: it returns only once the others have
+    seen every mark and said so, so no rank queries the store after its host exited (torch would
+    print its connection warnings under that rank's error line)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_tc.parallel.state import LEFT_KEY, STOPPING_KEY, _wait_for_marks
+
+    store = dist.HashStore()
+    for rank in range(2):
+        store.set(STOPPING_KEY.format(rank=rank), "1")
+    seen = []
+    host = threading.Thread(target=lambda: seen.append(_wait_for_marks(store, 2, 0, 10.0)
+                                                       or store.check([LEFT_KEY.format(rank=1)])))
+    host.start()
+    time.sleep(0.5)
+    assert host.is_alive()  # every mark is there, but rank 1 has not said it saw them
+    _wait_for_marks(store, 2, 1, 10.0)
+    host.join(10.0)
+    assert seen == [True]
