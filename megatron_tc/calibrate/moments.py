@@ -17,7 +17,10 @@ picks: auto (default), triton, reference.
 from __future__ import annotations
 
 import functools
+import math
 import os
+
+from typing import Sequence
 
 import torch
 
@@ -39,18 +42,28 @@ KV_HEAD_KEYS = ("k_sum", "k_sq", "v_sum", "v_sq")
 LAYER_KEYS = ("count", "count2", "count3", "x_sum", "x_energy", "resid_energy", "Y_energy")
 
 
-def empty_layer_sums(
-    num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, device: torch.device | str | None = None
-) -> dict[str, torch.Tensor]:
-    """Zero sums of one layer with the shapes `attention_sums` adds into (fp64, on `device`:
-    the teacher's, so per-batch results are added where they are computed)."""
+def layer_sum_shapes(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each of one layer's sums (`attention_sums` + `layer_input_sums`)."""
     h, kv, d = num_heads, num_kv_heads, head_dim
-    zeros = lambda *shape: torch.zeros(*shape, dtype=F64, device=device)  # noqa: E731
-    out = {key: zeros(h) for key in DENOMINATOR}
-    out.update(y_sum=zeros(h, d), y_sq=zeros(h, d, d), k_sum=zeros(kv, d), k_sq=zeros(kv, d, d))
-    out.update(v_sum=zeros(kv, d), v_sq=zeros(kv, d, d), x_sum=zeros(hidden))
-    out.update({key: zeros(()) for key in ("count", "count2", "count3", "x_energy", "resid_energy", "Y_energy")})
-    return out
+    shapes: dict[str, tuple[int, ...]] = {key: (h,) for key in DENOMINATOR}
+    shapes.update(y_sum=(h, d), y_sq=(h, d, d), k_sum=(kv, d), k_sq=(kv, d, d), v_sum=(kv, d), v_sq=(kv, d, d),
+                  x_sum=(hidden,))
+    shapes.update({key: () for key in ("count", "count2", "count3", "x_energy", "resid_energy", "Y_energy")})
+    return shapes
+
+
+def empty_layer_sums(
+    num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, device: torch.device | str | None = None,
+    layers: int = 1,
+) -> list[dict[str, torch.Tensor]]:
+    """Zero fp64 sums of `layers` layers with the shapes `attention_sums` adds into, on `device`
+    (the teacher's, so per-batch results are added where they are computed): views of one buffer
+    (one fill, not one per sum)."""
+    shapes = layer_sum_shapes(num_heads, num_kv_heads, head_dim, hidden)
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    flat = torch.zeros(layers, sum(sizes), dtype=F64, device=device)
+    return [{key: piece.view(shape) for (key, shape), piece in zip(shapes.items(), row.split(sizes))}
+            for row in flat.unbind(0)]
 
 
 def _sink_index(doc_ids: torch.Tensor | None, b: int, t: int, device: torch.device) -> torch.Tensor:
@@ -343,20 +356,28 @@ def layer_input_sums(
 ) -> dict[str, torch.Tensor]:
     """Layer-level sums: token counts, mixer input x [B, T, hidden] (after input_norm), residual
     stream `resid` entering the layer, mixer output `out` (attention after o_proj)."""
-    b, t, _ = x.shape
-    n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, x.device)
+    return layers_input_sums([x], [resid], [out], doc_ids, sliding_window)[0]
+
+
+def layers_input_sums(
+    xs: Sequence[torch.Tensor], resids: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+    doc_ids: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """`layer_input_sums` of L layers over the same rows (lists of L tensors [B, T, hidden]): a
+    reduction per kind of tensor for all layers, fp64 sums with no fp64 copy of the inputs (a
+    reduction casts as it reads)."""
+    b, t, _ = xs[0].shape
+    n, sink_seen = _visible_keys(b, t, doc_ids, sliding_window, xs[0].device)
     counts = torch.stack([n >= 2, (n - sink_seen.long()) >= 2]).sum(dim=(1, 2), dtype=F64)
-    # the three energies as one fp64 reduction of the squares; x's sum from the same copy (a
-    # batched dot product here ran as a cuBLAS GEMV: 4.7 ms per layer for 8k tokens of SmolLM2 on
-    # an H200, replayed from a CUDA graph)
-    both = torch.stack([x, resid, out]).to(F64).view(3, -1)  # x, resid, out (stack promotes mixed dtypes)
-    energies = both.square().sum(dim=1)
-    return {
-        "count": torch.full((), float(b * t), dtype=F64, device=x.device),  # a fill, not a host copy
-        "count2": counts[0], "count3": counts[1],
-        "x_sum": both[0].view(b * t, -1).sum(dim=0),
-        "x_energy": energies[0], "resid_energy": energies[1], "Y_energy": energies[2],
-    }
+    count = torch.full((), float(b * t), dtype=F64, device=xs[0].device)  # a fill, not a host copy
+    # |.|^2 as a 2-norm in fp64, squared (a batched dot product here ran as a cuBLAS GEMV: 4.7 ms
+    # per layer for 8k tokens of SmolLM2 on an H200)
+    energies = [torch.linalg.vector_norm(torch.stack(list(group)).flatten(1), dim=1, dtype=F64).square()
+                for group in (xs, resids, outs)]  # 3 x [L]
+    x_sums = torch.stack(list(xs)).flatten(1, 2).sum(dim=1, dtype=F64)  # [L, hidden]
+    return [{"count": count, "count2": counts[0], "count3": counts[1], "x_sum": x_sums[i],
+             "x_energy": energies[0][i], "resid_energy": energies[1][i], "Y_energy": energies[2][i]}
+            for i in range(len(xs))]
 
 
 def _visible_keys(b: int, t: int, doc_ids: torch.Tensor | None, window: int | None, device):

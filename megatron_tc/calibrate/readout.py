@@ -8,6 +8,7 @@ all candidates are scored from one recurrence. Everything returned is an fp64 su
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Sequence
 
 import torch
@@ -43,8 +44,10 @@ def empty_readout_sums(
         "G": (c * h, c * h), "r": (c * h,), "uy": (c, h), "uu": (c, h), "yy": (h,), "YY": (), "beta": (h,),
         "g": (h,), "count": (), "ry": (h,), "rr": (h,), "vgrid": (h, len(VALUE_SCALE_GRID)),
     }
-    return {k: torch.zeros(shape, dtype=F64, device=device) for k, shape in shapes.items()
-            if products or k not in PRODUCT_KEYS}
+    shapes = {k: shape for k, shape in shapes.items() if products or k not in PRODUCT_KEYS}
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    flat = torch.zeros(sum(sizes), dtype=F64, device=device)  # one fill; the sums are views of it
+    return {k: piece.view(shape) for (k, shape), piece in zip(shapes.items(), flat.split(sizes))}
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from torch import nn
 
 from .capture import LayerIO, capture_layers
 from .graphs import LayerGraphs, graphs_allowed
-from .moments import add_into, attention_sums, empty_layer_sums, layer_input_sums, split_layers
+from .moments import add_into, attention_sums, empty_layer_sums, layers_input_sums, split_layers
 from .readout import concat
 from .readout_mixers import model_device
 
@@ -41,7 +41,8 @@ class AttentionSweep:
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         heads, kv_heads = arch.num_heads // self.tp, arch.num_kv_heads // self.tp
         device = model_device(model)
-        self.sums = {l: empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device) for l in layers}
+        self.sums = dict(zip(self.layers, empty_layer_sums(heads, kv_heads, arch.head_dim, arch.hidden_size, device,
+                                                           layers=len(self.layers))))
         # a function of its arguments and the chunk size alone (captured graphs call it on static
         # copies), and no reference back to the sweep, which would then outlive the pass
         self.graphs = LayerGraphs(functools.partial(attention_layer_sums, chunk_size),
@@ -103,10 +104,10 @@ def attention_layer_sums(chunk_size: int, modules: Sequence[nn.Module], tensors:
     o_weight = torch.cat([mixer.o_proj.weight for mixer in modules], dim=1)  # heads stacked as q's are
     head_sums, _ = attention_sums(*(concat([t[i] for t in qkv], 1) for i in range(3)), first.scale, o_weight,
                                   doc_ids, first.sliding_window, chunk_size)
+    inputs = layers_input_sums(*([io[j] for io in per_layer] for j in range(3)), doc_ids, first.sliding_window)
     result = {}
-    for i, (part, io) in enumerate(zip(split_layers(head_sums, len(modules)), per_layer)):
-        part |= layer_input_sums(io[0], io[1], io[2], doc_ids, first.sliding_window)
-        result.update({(i, key): value for key, value in part.items()})
+    for i, (part, layer_inputs) in enumerate(zip(split_layers(head_sums, len(modules)), inputs)):
+        result.update({(i, key): value for key, value in (part | layer_inputs).items()})
     return result
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_tc.calibrate.moments import attention_sums, layer_input_sums
+from megatron_tc.calibrate.moments import attention_sums, layer_input_sums, layers_input_sums
 from megatron_tc.calibrate.statsfile import StatsMismatchError, TaylorStats, state_dict_sha256
 from megatron_tc.model.ops import positions_from_doc_ids
 
@@ -100,6 +100,14 @@ def test_moments_over_a_batch_and_layer_sums_equal_fp64_formulas():
     torch.testing.assert_close(sums["x_sum"], x.double().sum(dim=(0, 1)), rtol=1e-12, atol=1e-12)
     for key, value in (("x_energy", x), ("resid_energy", resid), ("Y_energy", out)):
         torch.testing.assert_close(sums[key], value.double().pow(2).sum(), rtol=1e-12, atol=0, msg=key)
+    # several layers in one call: each layer's own sums
+    layers = [(torch.randn(2, 7, 5).bfloat16(), torch.randn(2, 7, 5), torch.randn(2, 7, 5).bfloat16()) for _ in range(3)]
+    stacked = layers_input_sums(*zip(*layers), doc_ids=torch.tensor([[0] * 3 + [1] * 4] * 2), sliding_window=4)
+    for (x, resid, out), got in zip(layers, stacked):
+        alone = layer_input_sums(x, resid, out, torch.tensor([[0] * 3 + [1] * 4] * 2), 4)
+        assert got.keys() == alone.keys()
+        for key in alone:
+            torch.testing.assert_close(got[key], alone[key], rtol=1e-12, atol=0, msg=key)
 
 
 def _stats(sha="a" * 64, layers=(1, 2)):
