@@ -260,13 +260,9 @@ def attention_sums(
     sink_index = _sink_index(doc_ids, b, t, q.device)
     k_index = torch.arange(t, device=q.device)
     lo = sink_index if sliding_window is None else torch.maximum(sink_index, k_index[None] - sliding_window + 1)
-    vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
     v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
     d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
     sums: dict[str, torch.Tensor] = {}  # the first slice's sums, then added into
-    # each query's logit on its own key: [B, Hq, T]
-    qf = q.float().view(b, hkv, hq // hkv, t, d)
-    s_self = (qf * scale * k.float()[:, :, None]).sum(-1).view(b, hq, t)
     ys = []
     kernel = use_stats_kernel(q)
     if kernel and doc_ids is not None and not documents_are_contiguous(doc_ids):
@@ -277,9 +273,14 @@ def attention_sums(
     if kernel:
         from .moments_triton import attention_rows
 
-        rows, y_ns = attention_rows(q, k, v, scale, lo, sink_index)
+        kbar, vbar = running_mean_values(torch.cat([k, v], 1).float(), lo).chunk(2, dim=1)  # [B, Hkv, T, D]
+        rows, y_ns = attention_rows(q, k, v, scale, lo, sink_index, kbar=kbar)
+        s_self = rows.pop("s_self")  # [B, Hq, T] each query's logit on its own key
         pieces = ((rows, y_ns, slice(0, t)),)
     else:
+        vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
+        qf = q.float().view(b, hkv, hq // hkv, t, d)
+        s_self = (qf * scale * k.float()[:, :, None]).sum(-1).view(b, hq, t)
         pieces = _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index)
     for rows, y_ns, span in pieces:
         for start in range(0, y_ns.shape[2], CLOSE_ROWS):  # bounded fp32 temporaries per slice
