@@ -301,6 +301,8 @@ def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
 def run(args: Any) -> int:
     """Checks, the statistics pass against the forward and (unless args.no_calibrate) calibration."""
     device = pick_device(args.device)
+    if getattr(args, "kernel_configs", False):
+        return bench_kernel_configs(args, device)
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)
     report = Report("stats", args.out, device, args)
@@ -336,6 +338,22 @@ def run(args: Any) -> int:
     if not args.no_calibrate:
         bench_calibrate(teacher, keep, pattern, args, device, report)
     return _finish(report)
+
+
+def bench_kernel_configs(args: Any, device: torch.device) -> int:
+    """--kernel-configs: `stats_kernel.kernel_rows` for every --kernel-shapes entry."""
+    from megatron_tc.bench.stats_kernel import kernel_rows, parse_shape
+
+    shapes = [parse_shape(text) for text in args.kernel_shapes]  # every entry checked before any work
+    if device.type != "cuda" or not use_stats_kernel(torch.zeros(1, device=device)):
+        raise SystemExit("error: --kernel-configs times the Triton kernel: it needs CUDA and triton")
+    report = Report("stats_kernel", args.out, device, args)
+    for shape in shapes:
+        for row in kernel_rows(shape, device, args.budget_ms):
+            report.add("kernel", row)
+    report.finish([("Sweep 1's kernel by launch configuration, beside flash attention (ms)", "kernel",
+                    ["shape", "impl", "ms", "x_flash", "fastest", "note"])])
+    return 0
 
 
 def _finish(report: Report) -> int:

@@ -176,3 +176,13 @@ def test_bench_stats_calibrate_only_with_packed_documents(tmp_path):
 def test_unknown_preset_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown model preset 'gpt9'"):
         load_tool("bench_inference").main(["--quick", "--models", "gpt9", "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_stats_kernel_configs_refuse_bad_shapes_and_a_cpu(tmp_path):
+    tool = load_tool("bench_stats")
+    with pytest.raises(SystemExit, match="write B,H,HKV,T,D"):
+        tool.main(["--kernel-configs", "--kernel-shapes", "4,9,3,2048"])
+    with pytest.raises(SystemExit, match=r"H \(9\) must be a multiple of HKV \(2\)"):
+        tool.main(["--kernel-configs", "--kernel-shapes", "4,9,2,2048,64"])
+    with pytest.raises(SystemExit, match="needs CUDA and triton"):
+        tool.main(["--kernel-configs", "--device", "cpu", "--out", str(tmp_path / "k.json")])

@@ -5,7 +5,7 @@ of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
     python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
         [--align-steps N] [--no-calibrate | --calibrate-only] [--packed-docs [MEAN]] [--sweep1-reference]
-        [--profile] [--phases [REPEATS]]
+        [--profile] [--phases [REPEATS]] [--kernel-configs [--kernel-shapes B,H,HKV,T,D ...]]
 
 Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
@@ -34,6 +34,10 @@ steps); goal <= 60 s on one H200. --calibrate-only times the calibration alone (
 --phases times, alternating in one process, where the pipeline's pass spends its time
 (`megatron_tc/bench/stats_phases.py`) and nothing else; --out holds the rounds measured so far after
 each one.
+--kernel-configs times sweep 1's fused kernel alone under each launch configuration (key block,
+warps, pipeline stages) beside causal flash attention on the same bf16 q/k/v (CUDA only), on
+--kernel-shapes (default: SmolLM2's 22 converted layers stacked, a 4 x 2048 batch; eight layers
+of an 8B Llama-3 shape at 4k), and nothing else.
 --packed-docs calibrates on rows of random documents packed with their doc_ids, one row per batch,
 as the pipeline's calibration source gives them (else rows without boundaries, four per batch).
 """
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile one warm call of each sweep (host and device time, heaviest operators) "
                         "and count the host's waits for the device")
+    p.add_argument("--kernel-configs", action="store_true",
+                   help="only sweep 1's kernel under each launch configuration, beside flash attention (CUDA)")
+    p.add_argument("--kernel-shapes", nargs="+", default=["4,198,66,2048,64", "1,256,64,4096,128"],
+                   metavar="B,H,HKV,T,D", help="q/k/v shapes of --kernel-configs")
     args = parse_args(p, argv, dict(batch=2, seq=64, num_batches=2, chunk_size=16, calib_tokens=256, calib_seq=32,
                                     align_steps=3, budget_ms=50.0))
     return run(args)
