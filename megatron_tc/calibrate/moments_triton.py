@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .moments import NEG, ROW_KEYS, running_mean_values
 
-NEG_C = tl.constexpr(NEG)
-KERNEL_ROW_KEYS = ROW_KEYS + ("s_self",)  # and each query's logit on its own key  # a jit function reads only constexpr globals
+NEG_C = tl.constexpr(NEG)  # a jit function reads only constexpr globals
+KERNEL_ROW_KEYS = ROW_KEYS + ("s_self",)  # and each query's logit on its own key
 
 
 @triton.jit
