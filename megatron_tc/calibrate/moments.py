@@ -58,9 +58,14 @@ def empty_layer_sums(
     """Zero fp64 sums of `layers` layers with the shapes `attention_sums` adds into, on `device`
     (the teacher's, so per-batch results are added where they are computed): views of one buffer
     (one fill, not one per sum)."""
-    shapes = layer_sum_shapes(num_heads, num_kv_heads, head_dim, hidden)
+    return zero_views(layer_sum_shapes(num_heads, num_kv_heads, head_dim, hidden), device, layers)
+
+
+def zero_views(shapes: dict[str, tuple[int, ...]], device: torch.device | str | None = None, copies: int = 1
+               ) -> list[dict[str, torch.Tensor]]:
+    """`copies` dicts of zero fp64 tensors of `shapes`, all views of one buffer (one fill)."""
     sizes = [math.prod(shape) for shape in shapes.values()]
-    flat = torch.zeros(layers, sum(sizes), dtype=F64, device=device)
+    flat = torch.zeros(copies, sum(sizes), dtype=F64, device=device)
     return [{key: piece.view(shape) for (key, shape), piece in zip(shapes.items(), row.split(sizes))}
             for row in flat.unbind(0)]
 
@@ -372,9 +377,9 @@ def layers_input_sums(
     count = torch.full((), float(b * t), dtype=F64, device=xs[0].device)  # a fill, not a host copy
     # |.|^2 as a 2-norm in fp64, squared (a batched dot product here ran as a cuBLAS GEMV: 4.7 ms
     # per layer for 8k tokens of SmolLM2 on an H200)
-    energies = [torch.linalg.vector_norm(torch.stack(list(group)).flatten(1), dim=1, dtype=F64).square()
-                for group in (xs, resids, outs)]  # 3 x [L]
-    x_sums = torch.stack(list(xs)).flatten(1, 2).sum(dim=1, dtype=F64)  # [L, hidden]
+    stacked = [torch.stack(list(group)) for group in (xs, resids, outs)]  # 3 x [L, B, T, hidden]
+    energies = [torch.linalg.vector_norm(group.flatten(1), dim=1, dtype=F64).square() for group in stacked]
+    x_sums = stacked[0].flatten(1, 2).sum(dim=1, dtype=F64)  # [L, hidden]
     return [{"count": count, "count2": counts[0], "count3": counts[1], "x_sum": x_sums[i],
              "x_energy": energies[0][i], "resid_energy": energies[1][i], "Y_energy": energies[2][i]}
             for i in range(len(xs))]

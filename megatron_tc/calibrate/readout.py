@@ -8,7 +8,6 @@ all candidates are scored from one recurrence. Everything returned is an fp64 su
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Sequence
 
 import torch
@@ -19,7 +18,7 @@ from megatron_tc.model.fused import fused, rms_norm
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.model.ops import gated_delta_rule
 
-from .moments import use_stats_kernel
+from .moments import use_stats_kernel, zero_views
 
 F64 = torch.float64
 # value scales c at which sum silu(c v)^2 is recorded ("vgrid"): the authors' output gate needs
@@ -44,10 +43,7 @@ def empty_readout_sums(
         "G": (c * h, c * h), "r": (c * h,), "uy": (c, h), "uu": (c, h), "yy": (h,), "YY": (), "beta": (h,),
         "g": (h,), "count": (), "ry": (h,), "rr": (h,), "vgrid": (h, len(VALUE_SCALE_GRID)),
     }
-    shapes = {k: shape for k, shape in shapes.items() if products or k not in PRODUCT_KEYS}
-    sizes = [math.prod(shape) for shape in shapes.values()]
-    flat = torch.zeros(sum(sizes), dtype=F64, device=device)  # one fill; the sums are views of it
-    return {k: piece.view(shape) for (k, shape), piece in zip(shapes.items(), flat.split(sizes))}
+    return zero_views({k: shape for k, shape in shapes.items() if products or k not in PRODUCT_KEYS}, device)[0]
 
 
 @torch.no_grad()
