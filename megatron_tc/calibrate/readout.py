@@ -27,6 +27,29 @@ F64 = torch.float64
 VALUE_SCALE_GRID = torch.logspace(-1.0, 1.0, 81, dtype=F64)
 
 
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class WideLinear(nn.Linear):
+    """A readout mixer's projection: fp32 output whatever the dtype of its weight (`wide_linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return wide_linear(x, self.weight, self.bias)
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight^T (+ bias) in fp32 [..., out]. A weight in x's 16-bit dtype multiplies
+    there on CUDA with fp32 accumulation and output (a tensor-core GEMM; products of 16-bit
+    values are exact in fp32, as in the fp32 GEMM, so only the summation order differs: the fp32
+    GEMMs of SmolLM2's q/k/v took 19 ms of sweep 2's 52 ms of device time on an H200);
+    otherwise in fp32, operands cast as `.float()` casts them."""
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in NARROW_DTYPES:
+        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        out = out.view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias.float()
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
 # the sums of the candidates' reads mapped through o_proj (the [U; Y] products): only the
 # fitted-gate strategies read them, and they are the largest device work and memory of sweep 2
 PRODUCT_KEYS = ("G", "r", "YY")
@@ -80,8 +103,7 @@ def value_inputs(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     if groups > 1:  # the first head of each group
         weight = weight.view(heads, groups, d, -1)[:, 0].reshape(heads * d, -1)
         bias = None if bias is None else bias.view(heads, groups, d)[:, 0].reshape(-1)
-    v = F.linear(x.to(weight.dtype), weight, bias).float()
-    return v.view(-1, heads, d)
+    return wide_linear(x, weight, bias).view(-1, heads, d)
 
 
 def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[torch.Tensor],
@@ -209,13 +231,15 @@ def layers_readout_sums(
     h = mixers[0].num_heads
     qkv, decays, writes, gates, values = [], [], [], [], []
     for mixer, cands, x in zip(mixers, candidates, xs):
-        x = x.to(mixer.q_proj.weight.dtype)  # once for the read, the gates and the value grid
+        # the projections take x as the teacher made it (`readout_mixers.wide_linear`), the
+        # gates and the output-gate candidates its fp32 copy
         qkv.append(mixer.qkv(x, doc_ids))
+        values.append(value_inputs(mixer, x))
+        x = x.float()
         g, beta = mixer.gates(x)
         decays.append(g)
         writes.append(beta)
         gates.append(gate_values(x, cands))
-        values.append(value_inputs(mixer, x))
     q, k, v = (concat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
     g, beta = concat(decays, 2), concat(writes, 2)  # [B, T, L*H]
     first = mixers[0]

@@ -97,3 +97,39 @@ def test_value_grid_kernel_matches_the_reference_cuda(monkeypatch, tokens, heads
     monkeypatch.delenv(STATS_KERNEL_ENV, raising=False)
     grid = readout.layers_value_silu_grid([type("Mixer", (), {"num_heads": heads})()], [v])
     assert torch.equal(grid, got)  # the pass takes the kernel on CUDA
+
+
+def test_finished_sums_come_from_the_gpu_exactly_after_the_kernels_that_make_them():
+    from megatron_tc.calibrate.stats import _to_cpu
+    from megatron_tc.calibrate.statsfile import TaylorStats
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.float64, generator=g)
+    sums = {"layers.0.y_sq": a @ a, "layers.0.count": a.sum(), "readout.x.w": (a[:3, :3] @ a[:3, :3]).float()}
+    expected = {k: v.cpu() for k, v in sums.items()}  # a blocking copy each
+    for _ in range(8):  # a busy stream: the pinned copies must wait for the kernels queued before them
+        a = a @ a / a.norm()
+    sums = {k: v.clone() for k, v in sums.items()}
+    out = _to_cpu(TaylorStats({}, sums)).sums
+    for key, value in expected.items():
+        assert out[key].device.type == "cpu" and out[key].dtype == value.dtype
+        assert torch.equal(out[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 2048, 576), (1, 333, 2048)])
+def test_wide_linear_of_16_bit_operands_equals_the_fp32_product(dtype, shape):
+    """Sweep 2's projections of a bf16 teacher's input by weights copied from it: a 16-bit GEMM
+    with fp32 accumulation and output, equal to the fp32 GEMM of the same values up to the
+    summation order."""
+    from megatron_tc.calibrate.readout import wide_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(384, shape[-1], device="cuda", generator=g) * 0.05).to(dtype)
+    bias = torch.randn(384, device="cuda", generator=g)
+    for b in (None, bias):
+        got = wide_linear(x, w, b)
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 384)
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5

@@ -1,6 +1,8 @@
 """The statistics pass runs the teacher once per batch: sweep 2 reads the layer inputs, outputs and
 attention heads sweep 1 kept (consecutive batches merged into one call), and its sums equal those
 of a second teacher forward batch by batch up to the fp64 summation order."""
+import copy
+
 import pytest
 import torch
 
@@ -226,3 +228,36 @@ def test_nothing_of_the_pass_outlives_it_without_a_garbage_collection(io_cache_b
     finally:
         gc.enable()
     assert left == []
+
+
+def test_a_bf16_teachers_copied_projections_stay_bf16_and_sum_as_in_fp32():
+    """The q/k/v weights a closed form copies from a bf16 teacher keep that dtype in the readout
+    mixer (exact there; on CUDA they multiply as bf16 with fp32 output), the rest is fp32; on the
+    CPU the sums are bit for bit those of the mixer with every weight in fp32."""
+    from megatron_tc.calibrate.readout import WideLinear, layers_readout_sums, wide_linear
+    from megatron_tc.calibrate.stats import collect_attention_stats, readout_mixer
+
+    model, ids, doc_ids = tiny_teacher_and_rows()
+    model.to(torch.bfloat16)
+    keep = []
+    stats = collect_attention_stats(model, row_batches(ids, doc_ids, range(2)), LAYERS,
+                                    {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False, keep_io=keep)
+    arch = model.arch.with_pattern("GAG")
+    for name in ("taylor", "taylor_fit-closed"):
+        mixer, candidates = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[0])
+        narrow = {key for key, value in mixer.state_dict().items() if value.dtype == torch.bfloat16}
+        assert narrow == {"q_proj.weight", "k_proj.weight", "v_proj.weight"}, name
+        assert all(isinstance(getattr(mixer, p), WideLinear) for p in ("q_proj", "k_proj", "v_proj"))
+        wide = copy.deepcopy(mixer)  # the same values, every weight in fp32
+        for p in ("q_proj", "k_proj", "v_proj"):
+            getattr(wide, p).weight.data = getattr(wide, p).weight.data.float()
+        io = keep[0][LAYERS[0]]
+        y = io.heads.view(*io.x.shape[:2], -1, arch.head_dim).transpose(1, 2)
+        o_weight = io.mixer.o_proj.weight
+        got, want = (layers_readout_sums([m], [candidates], [io.x], [y], [io.out], [o_weight], io.doc_ids)[0]
+                     for m in (mixer, wide))
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[key], want[key]) for key in want), name
+    x, w = torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    assert wide_linear(x, w).dtype == torch.float32
+    assert torch.equal(wide_linear(x, w, torch.ones(4)), x.float() @ w.float().t() + 1)
