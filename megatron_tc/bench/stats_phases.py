@@ -5,8 +5,10 @@ min / median / max over the repeats, beside a plain teacher forward timed in the
     collect_stats:            the pass as the pipeline runs it, with its two phases timed apart
                               (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
     ..., CUDA graphs:         the same with the per-layer CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1);
-    ..., readout layers grouped: sweep 2's layers summed in groups (as many as fit READOUT_GROUP_BYTES,
-                              the CPU's way) instead of a call per layer (a GPU's);
+    ..., a readout call per layer: sweep 2's layers summed one per call, not in the groups
+                              `readout_stacked_layers` makes (as many as fit READOUT_GROUP_BYTES);
+    ..., fp32 projections:    sweep 2's q/k/v projections as fp32 GEMMs, not the 16-bit GEMMs with fp32
+                              output that a 16-bit teacher's copied weights get (`readout.wide_linear`);
     sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
     sweep 1, layer I/O kept:  the same, keeping each layer's input, output and heads as collect_stats does;
     sweep 1, a call per layer: sweep 1 alone with each layer's sums in a call of its own (not stacked).
@@ -23,11 +25,10 @@ import torch
 from tqdm.auto import tqdm
 
 from megatron_tc.bench.common import spread, sync, time_once
-from megatron_tc.calibrate import stats as stats_module
+from megatron_tc.calibrate import readout_mixers, stats as stats_module
 from megatron_tc.bench.stats_run import env
 from megatron_tc.calibrate.graphs import GRAPHS_ENV
 
-CPU = torch.device("cpu")
 PHASES = ("collect_attention_stats", "collect_readout_stats")
 
 
@@ -77,16 +78,25 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
         with env(GRAPHS_ENV, "1"):
             one_pass()
 
-    def grouped() -> None:
+    def per_layer() -> None:
         saved = stats_module.readout_stacked_layers
-        stats_module.readout_stacked_layers = lambda tokens, per_token, device: saved(tokens, per_token, CPU)
+        stats_module.readout_stacked_layers = lambda tokens, per_token: 1
         try:
             one_pass()
         finally:
             stats_module.readout_stacked_layers = saved
 
+    def fp32_projections() -> None:
+        saved = readout_mixers.NARROW_DTYPES
+        readout_mixers.NARROW_DTYPES = ()  # every readout mixer weight in fp32
+        try:
+            one_pass()
+        finally:
+            readout_mixers.NARROW_DTYPES = saved
+
     variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, CUDA graphs": with_graphs,
-                "collect_stats, readout layers grouped": grouped,
+                "collect_stats, a readout call per layer": per_layer,
+                "collect_stats, fp32 projections": fp32_projections,
                 "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True),
                 "sweep 1, a call per layer": sweep1(False, 1)}
     times: dict[str, list[float]] = {name: [] for name in variants}

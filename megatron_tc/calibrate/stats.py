@@ -15,10 +15,10 @@ the same forward; it needs only each layer's input, output and attention heads (
 fed o_proj, kept so sweep 2 never recomputes the attention), though. `collect_stats` keeps those
 from sweep 1's forward when they fit `io_cache_budget` (a quarter of the GPU, a tenth of the RAM)
 and sweep 2 reads them instead of running the teacher again: one teacher forward per batch in all,
-the same sums bit for bit. Reading kept layers, sweep 2 goes layer by layer (on a CPU a group of
-layers at a time), so the host's work on the next layer's closed form (and the default init it
-starts from: a few CPU draws) overlaps the device's sums of this one: that work never waits for
-the device (no copies to the CPU, pinned copies to it).
+the same sums bit for bit. Reading kept layers, sweep 2 goes a group of layers at a time, so the
+host's work on the next group's closed forms (and the default inits they start from: a few CPU
+draws) overlaps the device's sums of this one: that work never waits for the device (no copies to
+the CPU, pinned copies to it).
 The closed forms run on the calling thread: on a second host thread (many small operators, each
 taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
 two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
@@ -174,7 +174,7 @@ def collect_readout_stats(
     device sums. Consecutive kept batches are concatenated into calls of up to
     `readout_group_tokens` tokens (`capture.merge_layer_io`): a few calls instead of one per batch
     (the pipeline's batches are single rows), and each call sums the layers `readout_stacked_layers`
-    gives (on a CPU as many as fit the same READOUT_GROUP_BYTES; on a GPU one), their heads stacked
+    gives (as many as fit the same READOUT_GROUP_BYTES), their heads stacked
     (`readout.layers_readout_sums`: the recurrence and the reductions issued once for all of them).
     The sums are those of the batch-by-batch, layer-by-layer order up to the fp64 summation order
     and the fp32 rounding of operations on larger tensors (GEMM algorithms, reductions). Packed
@@ -192,7 +192,7 @@ def collect_readout_stats(
                         for name in sweep.names)  # the closed forms' calls run one after another
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
-        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token, model_device(model))
+        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
         windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
         for index in windows[0][1:]:
             sweep.build(index)
@@ -262,14 +262,13 @@ def readout_bytes_per_token(arch, candidates: int, products: bool = True) -> int
     return 4 * arch.num_heads * per_head
 
 
-def readout_stacked_layers(tokens: int, per_token: int, device: torch.device) -> int:
+def readout_stacked_layers(tokens: int, per_token: int) -> int:
     """Layers whose readout sums run in one call over `tokens` tokens (`per_token` bytes of
-    temporaries a token and layer). On a CPU as many as fit READOUT_GROUP_BYTES (at least one); on a
-    GPU one: there the host works out a group's closed forms while the device waits, and sums its
-    last group while the host waits, and an H200 measured a call per layer faster than groups of
-    eleven (docs/benchmarks.md)."""
-    if device.type == "cuda":
-        return 1
+    temporaries a token and layer): as many as fit READOUT_GROUP_BYTES, at least one. On a GPU too,
+    where the device then waits while the host works out a group's closed forms: the host's
+    operators a layer, not the device, bound sweep 2 there, and grouped layers took 0.68x the
+    time of a call per layer on an H200 with a slower host, 1.12x on one with a faster host
+    (docs/benchmarks.md)."""
     return max(1, READOUT_GROUP_BYTES // (tokens * per_token))
 
 

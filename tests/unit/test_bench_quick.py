@@ -128,8 +128,10 @@ def test_bench_stats_phases(tmp_path, monkeypatch):
     from megatron_tc.bench.common import Report
     from megatron_tc.calibrate import stats as stats_module
 
+    from megatron_tc.calibrate import readout_mixers
+
     originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-                 stats_module.readout_stacked_layers)
+                 stats_module.readout_stacked_layers, readout_mixers.NARROW_DTYPES)
     graphs_env = os.environ.get(GRAPHS_ENV)
     saved_rounds, save = [], Report.save
 
@@ -142,16 +144,16 @@ def test_bench_stats_phases(tmp_path, monkeypatch):
     assert [rounds for rounds in saved_rounds if rounds][:2] == [{1}, {2}]
     rows = {row["pass"]: row for row in data["phases"]}
     assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, CUDA graphs",
-                          "collect_stats, readout layers grouped", "sweep 1 alone",
-                          "sweep 1, layer I/O kept", "sweep 1, a call per layer"]
+                          "collect_stats, a readout call per layer", "collect_stats, fp32 projections",
+                          "sweep 1 alone", "sweep 1, layer I/O kept", "sweep 1, a call per layer"]
     assert not data.get("rows") and not data.get("calibrate")
     median = lambda cell: float(cell.split(" ")[0])  # noqa: E731 - "median (min-max)"
-    for name in ("collect_stats", "collect_stats, CUDA graphs", "collect_stats, readout layers grouped"):
+    for name in [name for name in rows if name.startswith("collect_stats")]:
         parts = median(rows[name]["sweep 1 ms"]) + median(rows[name]["sweep 2 ms"])
         assert 0 < parts <= median(rows[name]["ms"]) * 1.01 + 0.2  # the medians of parts and whole (0.1 ms rounding)
     assert all(row["repeats"] == 2 and row["ratio"] > 0 for row in rows.values())
     assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-            stats_module.readout_stacked_layers) == originals
+            stats_module.readout_stacked_layers, readout_mixers.NARROW_DTYPES) == originals
     assert os.environ.get(GRAPHS_ENV) == graphs_env
 
 

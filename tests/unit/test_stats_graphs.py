@@ -124,7 +124,7 @@ def test_readout_layers_in_calls_of_any_size_give_the_same_sums(monkeypatch, per
     sizes = []
     real = sweep_readout.layers_readout_sums
     monkeypatch.setattr(sweep_readout, "layers_readout_sums", lambda mixers, *a: sizes.append(len(mixers)) or real(mixers, *a))
-    monkeypatch.setattr(stats_module, "readout_stacked_layers", lambda tokens, per_token, device: per_call)
+    monkeypatch.setattr(stats_module, "readout_stacked_layers", lambda tokens, per_token: per_call)
     apart = stats(model, 3)
     assert sizes == {1: [1] * 6, 2: [2, 2, 1, 1]}[per_call]  # two closed forms per call
     assert apart.sums.keys() == together.sums.keys()
@@ -133,11 +133,11 @@ def test_readout_layers_in_calls_of_any_size_give_the_same_sums(monkeypatch, per
         assert float((apart.sums[key] - value).abs().max() / scale) <= 1e-12, key
 
 
-def test_readout_layers_per_call_by_device():
+def test_readout_layers_per_call_fit_the_temporaries():
     from megatron_tc.calibrate.stats import READOUT_GROUP_BYTES, readout_stacked_layers
 
     per_token = 4096
     tokens = READOUT_GROUP_BYTES // (3 * per_token)  # three layers' temporaries fit
-    assert readout_stacked_layers(tokens, per_token, torch.device("cpu")) == 3
-    assert readout_stacked_layers(10 * tokens, per_token, torch.device("cpu")) == 1  # never none
-    assert readout_stacked_layers(tokens, per_token, torch.device("cuda")) == 1  # a GPU: a call per layer
+    assert readout_stacked_layers(tokens, per_token) == 3
+    assert readout_stacked_layers(tokens + 1, per_token) == 2
+    assert readout_stacked_layers(10 * tokens, per_token) == 1  # never none
