@@ -261,3 +261,29 @@ def test_a_bf16_teachers_copied_projections_stay_bf16_and_sum_as_in_fp32():
     x, w = torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
     assert wide_linear(x, w).dtype == torch.float32
     assert torch.equal(wide_linear(x, w, torch.ones(4)), x.float() @ w.float().t() + 1)
+
+
+def test_assigned_parameters_are_those_load_state_dict_assigns_and_bad_names_are_errors():
+    from megatron_tc.calibrate.readout_mixers import assign_parameters
+    from megatron_tc.model.gdn import GatedDeltaNet
+
+    arch = tiny_teacher_and_rows()[0].arch.with_pattern("GAG")
+    source = GatedDeltaNet(arch, 1)
+    tensors = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    got, want = GatedDeltaNet(arch, 1, init=False), GatedDeltaNet(arch, 1, init=False)
+    want.load_state_dict(tensors, assign=True)
+    assign_parameters(got, tensors, {"q_proj.weight": torch.bfloat16})
+    assert got.state_dict().keys() == want.state_dict().keys()
+    for key, value in want.state_dict().items():
+        if key == "q_proj.weight":
+            assert got.q_proj.weight.dtype == torch.bfloat16 and torch.equal(got.q_proj.weight, value.bfloat16())
+        else:
+            mine = got.state_dict()[key]
+            assert torch.equal(mine, value) and mine.data_ptr() == tensors[key].data_ptr(), key  # no copy
+    assert isinstance(got.q_proj.weight, torch.nn.Parameter)
+    assign_parameters(got, tensors)  # again, into the same module (the pass reuses one per closed form)
+    assert got.q_proj.weight.dtype == torch.float32
+    with pytest.raises(KeyError, match=r"missing \['A_log'\]"):
+        assign_parameters(got, {k: v for k, v in tensors.items() if k != "A_log"})
+    with pytest.raises(KeyError, match=r"unexpected \['extra'\]"):
+        assign_parameters(got, tensors | {"extra": torch.zeros(1)})
