@@ -2,8 +2,8 @@
 
 Run on a GPU machine: `python -m pytest -q tests/gpu/test_stats_graphs_cuda.py` (fla compiles the
 readout's fp32 recurrence for this shape once, about a minute). SmolLM2's head shapes, four layers,
-a bf16 teacher, three batches without documents: each sweep runs its first layer eagerly, captures
-its second and replays the rest with their weights and inputs copied in. Element-wise kernels and
+a bf16 teacher, three batches without documents, a readout call per layer: each sweep runs its first
+layer eagerly, captures its second and replays the rest with their weights and inputs copied in. Element-wise kernels and
 reductions are the same on the same values; cuBLAS may pick other GEMM algorithms under capture, so
 every sum must equal the eager pass's within 1e-4 (relative norm), and the test prints how many
 are bit-identical (with a single fp32 GEMM over all tokens for the readout products, 660 of 814
@@ -20,8 +20,7 @@ if not torch.cuda.is_available():  # conftest also skips gpu-marked tests withou
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("fla")
 
-from megatron_tc.calibrate import graphs  # noqa: E402
-from megatron_tc.calibrate.stats import collect_stats  # noqa: E402
+from megatron_tc.calibrate import graphs, stats as stats_module  # noqa: E402
 from megatron_tc.calibrate.strategies import get_strategy  # noqa: E402
 from megatron_tc.model import ArchConfig, HybridLM  # noqa: E402
 
@@ -36,13 +35,15 @@ def test_replayed_pass_equals_eager_pass_cuda(monkeypatch):
     torch.manual_seed(0)
     model = HybridLM(smollm2_heads(4)).to("cuda", torch.bfloat16).eval()
     batches = [{"input_ids": torch.randint(0, 4096, (4, 2048), device="cuda")} for _ in range(3)]
+    # a readout call per layer (not the groups sweep 2 makes by default), so its signature repeats
+    monkeypatch.setattr(stats_module, "readout_stacked_layers", lambda tokens, per_token: 1)
     captured = []
     init = graphs._Captured.__init__
     monkeypatch.setattr(graphs._Captured, "__init__",
                         lambda self, *args: (captured.append(args[3]), init(self, *args))[1])
 
     def run():
-        return collect_stats(model, batches, [0, 1, 3], {"teacher_sha256": "t", "seq_len": 2048},
+        return stats_module.collect_stats(model, batches, [0, 1, 3], {"teacher_sha256": "t", "seq_len": 2048},
                              readout_strategies=[get_strategy("taylor_calibrate")],
                              student_arch=model.arch.with_pattern("GGAG"), progress=False)
 
