@@ -231,8 +231,8 @@ def layers_readout_sums(
     h = mixers[0].num_heads
     qkv, decays, writes, gates, values = [], [], [], [], []
     for mixer, cands, x in zip(mixers, candidates, xs):
-        # the projections take x as the teacher made it (`readout_mixers.wide_linear`), the
-        # gates and the output-gate candidates its fp32 copy
+        # the projections take x as the teacher made it (`wide_linear`), the gates and the
+        # output-gate candidates its fp32 copy
         qkv.append(mixer.qkv(x, doc_ids))
         values.append(value_inputs(mixer, x))
         x = x.float()

@@ -97,8 +97,8 @@ def assign_parameters(mixer: nn.Module, tensors: Mapping[str, torch.Tensor],
                  for key, value in mixer.state_dict(keep_vars=True).items()}
         mixer.__dict__["_assign_slots"] = slots
     if tensors.keys() != slots.keys():
-        raise KeyError(f"parameters to assign differ from the module's: missing {sorted(slots.keys() - tensors.keys())}, "
-                       f"unexpected {sorted(tensors.keys() - slots.keys())}")
+        missing, unexpected = sorted(slots.keys() - tensors.keys()), sorted(tensors.keys() - slots.keys())
+        raise KeyError(f"parameters to assign differ from the module's: missing {missing}, unexpected {unexpected}")
     dtypes = dtypes or {}
     for key, value in tensors.items():
         module, name, dtype = slots[key]

@@ -2,12 +2,12 @@
 
 Run on a GPU machine: `python -m pytest -q tests/gpu/test_stats_graphs_cuda.py` (fla compiles the
 readout's fp32 recurrence for this shape once, about a minute). SmolLM2's head shapes, four layers,
-a bf16 teacher, three batches without documents, a readout call per layer: each sweep runs its first
-layer eagerly, captures its second and replays the rest with their weights and inputs copied in. Element-wise kernels and
-reductions are the same on the same values; cuBLAS may pick other GEMM algorithms under capture, so
-every sum must equal the eager pass's within 1e-4 (relative norm), and the test prints how many
-are bit-identical (with a single fp32 GEMM over all tokens for the readout products, 660 of 814
-were, the worst 2.7e-5 off).
+a bf16 teacher, three batches without documents, a readout call per layer: each sweep runs its
+first layer eagerly, captures its second and replays the rest with their weights and inputs copied
+in. Element-wise kernels and reductions are the same on the same values; cuBLAS may pick other GEMM
+algorithms under capture, so every sum must equal the eager pass's within 1e-4 (relative norm), and
+the test prints how many are bit-identical (with a single fp32 GEMM over all tokens for the readout
+products, 660 of 814 were, the worst 2.7e-5 off).
 """
 from __future__ import annotations
 
