@@ -231,15 +231,16 @@ def layers_readout_sums(
     h = mixers[0].num_heads
     qkv, decays, writes, gates, values = [], [], [], [], []
     for mixer, cands, x in zip(mixers, candidates, xs):
-        # the projections take x as the teacher made it (`wide_linear`), the gates and the
-        # output-gate candidates its fp32 copy
-        qkv.append(mixer.qkv(x, doc_ids))
-        values.append(value_inputs(mixer, x))
-        x = x.float()
-        g, beta = mixer.gates(x)
+        # one fp32 copy of x for the gates and the output-gate candidates, and for the projections
+        # unless their weights are in x's dtype (`wide_linear` then multiplies there)
+        wide = x.float()
+        projected = x if mixer.q_proj.weight.dtype == x.dtype else wide
+        qkv.append(mixer.qkv(projected, doc_ids))
+        values.append(value_inputs(mixer, projected))
+        g, beta = mixer.gates(wide)
         decays.append(g)
         writes.append(beta)
-        gates.append(gate_values(x, cands))
+        gates.append(gate_values(wide, cands))
     q, k, v = (concat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
     g, beta = concat(decays, 2), concat(writes, 2)  # [B, T, L*H]
     first = mixers[0]
