@@ -30,16 +30,20 @@ def weight_pointers(model) -> tuple[int, ...]:
     return tuple(x.data_ptr() for x in itertools.chain(model.parameters(), model.buffers()))
 
 
-def capture(graph: torch.cuda.CUDAGraph, run, pool=None):
+def capture(graph: torch.cuda.CUDAGraph, run, pool=None, stream: torch.cuda.Stream | None = None,
+            warm_up: bool = True):
     """`run()` once on a side stream (kernels compiled and autotuned, buffers allocated outside the
     capture), then captured into `graph`; returns what the captured call returned (its buffers).
     capture_begin/end rather than torch.cuda.graph(), which empties PyTorch's CUDA memory cache
-    first: the next prefill would then allocate all of its memory from the driver."""
-    stream = torch.cuda.Stream()
+    first: the next prefill would then allocate all of its memory from the driver. stream: the side
+    stream (default a new one); warm_up=False: the caller has just run the same kernels on the same
+    shapes on that stream, so the capture needs no run of its own."""
+    stream = torch.cuda.Stream() if stream is None else stream
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
+    if warm_up:
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
         try:
@@ -192,9 +196,9 @@ def renew_packed(module) -> None:
 
 # prefills of at most this many activations (batch x prompt x hidden size) run layer by layer from
 # graphs. Measured on one H200 against the teacher's eager prefill (tools/bench/generate.py
-# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 1.16x as fast with them, 0.75x
-# eagerly; the 1.1B's (8.4M) 0.53x with them, 0.79x eagerly: there the captures cost more than
-# the launches they save
+# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 0.98x-1.16x as fast with them,
+# 0.68x-0.75x eagerly; the 1.1B's (8.4M) 0.53x with them, 0.79x eagerly: there the captures cost
+# more than the launches they save
 LAYER_GRAPH_ELEMENTS = 1 << 22
 
 
@@ -208,9 +212,10 @@ class LayerGraph:
     would make the capture cost more host time than it saves), so its output equals the eager
     layer's. The packed weights (one matmul for several projections) are concatenated inside the
     graph from the copied weights: a second pass over them for the device, small next to the
-    layer's matmuls over T tokens."""
+    layer's matmuls over T tokens. The capture runs on `stream` with no warm-up: a layer of this
+    form has just run there on these shapes (`LayerGraphs`)."""
 
-    def __init__(self, layer, x: torch.Tensor, pool) -> None:
+    def __init__(self, layer, x: torch.Tensor, pool, stream: torch.cuda.Stream) -> None:
         b, t = x.shape[:2]
         self.layer = copy.deepcopy(layer)
         self.x, self.pending = torch.zeros_like(x), torch.zeros_like(x)
@@ -223,12 +228,12 @@ class LayerGraph:
             batch = Batch(0, self.slots, None, None, t)
             return self.layer(self.x, self.pending, self.slots.expand(b, t), batch, self.cache)
 
-        self.graph, self.out = self.record(forward, pool)  # pool() gives the memory pool to capture in
+        self.graph, self.out = self.record(forward, pool, stream)  # pool() gives the memory pool to capture in
 
-    def record(self, forward, pool):
-        """(graph, the outputs it writes): `forward` warmed up and captured in the memory pool `pool()`."""
+    def record(self, forward, pool, stream: torch.cuda.Stream):
+        """(graph, the outputs it writes): `forward` captured on `stream` in the memory pool `pool()`."""
         graph = torch.cuda.CUDAGraph()
-        return graph, capture(graph, forward, pool())
+        return graph, capture(graph, forward, pool(), stream, warm_up=False)
 
     def __call__(self, weights: list[torch.Tensor], x: torch.Tensor, pending: torch.Tensor,
                  cache: AttentionLayerCache | GDNLayerCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,19 +248,34 @@ class LayerGraph:
         return self.out
 
 
+def on_stream(stream: torch.cuda.Stream | None, run):
+    """run() on `stream` (None: where the caller is), ordered after the current stream's work
+    and before its later work."""
+    if stream is None:
+        return run()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
 class LayerGraphs:
     """A prefill no whole-model graph serves (the first prompt of a bucket, or one over a fresh
-    cache), layer by layer: each decoder layer from a `LayerGraph` of its form, captured at the
-    first layer of that form and replayed by the others, so the host launches a few operations per
-    layer instead of a few dozen. A hybrid student has two or three forms; prefills of more than
-    LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are
+    cache), layer by layer: at a prompt shape new to it, the first layer of each form runs eagerly
+    (on the capture stream, which then needs no warm-up run of its own: one eager layer a form, not
+    two), the second is captured as that form's `LayerGraph`, and it and the rest replay it, so the
+    host launches a few operations per layer instead of a few dozen (a form of one layer is
+    captured at the shape's next prompt). A hybrid student has two or three forms; prefills of more
+    than LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are
     kept, in one memory pool (safe: every graph's outputs are read before another graph replays, and
     its inputs and packed weights are written anew before each of its replays); weights moved or
     replaced drop them all."""
 
     def __init__(self, keep: int = 2) -> None:
-        self.keep, self.enabled, self.pool = keep, True, None
-        self.shapes: OrderedDict = OrderedDict()  # (B, T, dtype) -> {form: LayerGraph}
+        self.keep, self.enabled, self.pool, self.stream = keep, True, None, None
+        # (B, T, dtype) -> {form: its LayerGraph, or None once a layer of it ran eagerly at that shape}
+        self.shapes: OrderedDict = OrderedDict()
         self.weights, self.sources, self.forms, self.usable = None, [], [], False
 
     def clear(self) -> None:
@@ -267,6 +287,14 @@ class LayerGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
+
+    def capture_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream every layer graph of `device` is captured on (None off CUDA)."""
+        if device.type != "cuda":
+            return None
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device=device)
+        return self.stream
 
     def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         """Logits of the prefill of input_ids [B, T] into the empty `cache`, or None (a capture
@@ -293,16 +321,21 @@ class LayerGraphs:
         self.shapes.move_to_end(key)
         graphs = self.shapes[key]
 
-        def run_layer(i: int, layer, x: torch.Tensor, pending: torch.Tensor | None, layer_cache):
-            graph = graphs.get(self.forms[i])
-            if graph is None:
-                graph = graphs[self.forms[i]] = LayerGraph(layer, x, self.shared_pool)
-            return graph(self.sources[i], x, torch.zeros_like(x) if pending is None else pending, layer_cache)
-
         slots = torch.arange(t, device=input_ids.device)
+        positions, batch = slots.expand(b, t), Batch(0, slots, None, None, t)
+        stream = self.capture_stream(input_ids.device)
+
+        def run_layer(i: int, layer, x: torch.Tensor, pending: torch.Tensor | None, layer_cache):
+            form = self.forms[i]
+            if form not in graphs:  # compiles, autotunes and allocates on the capture stream, for real
+                graphs[form] = None
+                return on_stream(stream, lambda: layer(x, pending, positions, batch, layer_cache))
+            if graphs[form] is None:
+                graphs[form] = LayerGraph(layer, x, self.shared_pool, stream)
+            return graphs[form](self.sources[i], x, torch.zeros_like(x) if pending is None else pending, layer_cache)
+
         try:
-            return model.model(input_ids, slots.expand(b, t), Batch(0, slots, None, None, t), cache, logits_to_keep,
-                               run_layer=run_layer)
+            return model.model(input_ids, positions, batch, cache, logits_to_keep, run_layer=run_layer)
         except Exception as exc:  # noqa: BLE001 - the prefill stays correct (eager, from the start), only slower
             warnings.warn(f"capturing a prefill layer failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "prefilling eagerly", RuntimeWarning, stacklevel=3)

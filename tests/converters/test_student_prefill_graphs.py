@@ -39,7 +39,7 @@ class EagerLayerStandIn(graphs.LayerGraph):
 
     built = 0
 
-    def record(self, forward, pool):
+    def record(self, forward, pool, stream):
         type(self).built += 1
         out = forward()
 
@@ -175,14 +175,16 @@ def assert_same_cache(got: MegatronTCCache, want: MegatronTCCache, t: int) -> No
             torch.testing.assert_close(a.values[:, :, :t], b.values[:, :, :t], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pattern,overrides,forms", [
-    ("AGGG", {}, 2),
-    ("AGAGA", {"sliding_window": 5, "attn_layer_types": ["sliding", "full", "full", "full", "sliding"]}, 3),
+@pytest.mark.parametrize("pattern,overrides,shared,single", [
+    ("AGGG", {}, 1, 1),
+    ("AGAGA", {"sliding_window": 5, "attn_layer_types": ["sliding", "full", "full", "full", "sliding"]}, 2, 1),
 ])
-def test_a_first_prompt_runs_layer_by_layer_from_one_graph_per_form(monkeypatch, pattern, overrides, forms):
-    """Logits and cache of a prompt no whole-model graph serves (from LayerGraphs, each layer's
-    weights copied into its form's graph) equal the eager prefill's, decoding on from it too; a
-    graph is made once per form and prompt shape, the last `keep` shapes kept; weights edited in
+def test_a_first_prompt_runs_layer_by_layer_from_one_graph_per_form(monkeypatch, pattern, overrides, shared, single):
+    """Logits and cache of a prompt no whole-model graph serves (at a prompt shape new to the graphs,
+    the first layer of each form eager, the others from their form's graph, each layer's weights
+    copied in) equal the eager prefill's, decoding on from it too. A graph is made once per prompt
+    shape and form: for the `shared` forms of two or more layers at the shape's first prompt, for
+    the `single` forms of one layer at its second; the last `keep` shapes kept; weights edited in
     place are read at the next replay, replaced weights drop the graphs."""
     monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
     monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
@@ -203,20 +205,23 @@ def test_a_first_prompt_runs_layer_by_layer_from_one_graph_per_form(monkeypatch,
     with torch.no_grad():
         for t in (12, 9, 12):  # fresh caches: never a whole-model capture
             check(t)
-        assert EagerLayerStandIn.built == 2 * forms and not graph_set.graphs
+        assert EagerLayerStandIn.built == 2 * shared + single and not graph_set.graphs
+        shapes = graph_set.layers.shapes.items()
+        captured = {key[1]: sum(graph is not None for graph in forms.values()) for key, forms in shapes}
+        assert captured == {9: shared, 12: shared + single}
         model.model.layers[-1].mlp.up_proj.weight.mul_(3.0)  # edited in place: same addresses
         check(12)
-        assert EagerLayerStandIn.built == 2 * forms
+        assert EagerLayerStandIn.built == 2 * shared + single
         check(16)  # a third shape: the least recently used one (9) is dropped
         assert [key[1] for key in graph_set.layers.shapes] == [12, 16]
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         check(16)
-        assert EagerLayerStandIn.built == 4 * forms, "graphs of replaced weights were kept"
+        assert EagerLayerStandIn.built == 4 * shared + single, "graphs of replaced weights were kept"
 
 
 def test_a_failed_layer_capture_warns_once_and_prefills_eagerly(monkeypatch):
     class Failing(graphs.LayerGraph):
-        def record(self, forward, pool):
+        def record(self, forward, pool, stream):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
@@ -246,7 +251,7 @@ def test_a_prefill_of_more_activations_than_the_layer_graph_limit_runs_eagerly(m
         got = graph_set.run(model, MegatronTCCache(model.config, static_len=32), ids, 1)
         torch.testing.assert_close(got, eager_prefill(model, MegatronTCCache(model.config, static_len=32), ids),
                                    rtol=1e-5, atol=1e-5)
-        assert EagerLayerStandIn.built == 2
+        assert EagerLayerStandIn.built == 1  # the GDN layers' form: the one attention layer runs eagerly
 
 
 def test_a_model_with_accelerate_hooks_on_its_layers_prefills_eagerly(monkeypatch):
