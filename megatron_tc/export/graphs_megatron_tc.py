@@ -140,7 +140,7 @@ class PrefillGraph:
     `logits_to_keep` logits of the prompt (`padded_prefill`). A prefill starts from an empty cache and
     overwrites what it stores, so the warm-up changes nothing."""
 
-    def __init__(self, model, cache: MegatronTCCache, batch: int, bucket: int, logits_to_keep: int, pool,
+    def __init__(self, model, cache: MegatronTCCache, batch: int, bucket: int, logits_to_keep: int, memory,
                  device: torch.device) -> None:
         self.cache, self.bucket = cache, bucket
         self.ids = torch.zeros(batch, bucket, dtype=torch.long, device=device)
@@ -149,18 +149,16 @@ class PrefillGraph:
         def forward() -> torch.Tensor:
             return padded_prefill(model, self.ids, self.end, cache, logits_to_keep)
 
-        self.pool = pool
+        self.memory = memory  # memory() gives the MemoryPool shared with the other prefills
         self.graph, self.logits = self.record(forward)
         self.pointers, self.weights = cache_pointers(cache), weight_pointers(model)
 
     def record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """(graph, the logits buffer it writes): `forward` warmed up and captured in the memory
-        pool shared with the other prefills (made here for the first)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        """(graph, the logits buffer it writes): `forward` warmed up and captured on the stream
+        and in the memory pool shared with the other prefills."""
+        memory, graph = self.memory(), torch.cuda.CUDAGraph()
         with graph_work():
-            return graph, capture(graph, forward, self.pool)
+            return graph, capture(graph, forward, memory.id, memory.stream)
 
     def fits(self, model, cache: MegatronTCCache, input_ids: torch.Tensor) -> bool:
         return (cache is self.cache and input_ids.shape[0] == self.ids.shape[0] and input_ids.shape[1] <= self.bucket
@@ -196,9 +194,9 @@ def renew_packed(module) -> None:
 
 # prefills of at most this many activations (batch x prompt x hidden size) run layer by layer from
 # graphs. Measured on one H200 against the teacher's eager prefill (tools/bench/generate.py
-# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 0.98x-1.16x as fast with them,
-# 0.68x-0.75x eagerly; the 1.1B's (8.4M) 0.53x with them, 0.79x eagerly: there the captures cost
-# more than the launches they save
+# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 1.06x as fast with them, 0.69x
+# eagerly; the 1.1B's (8.4M) 0.71x with them, 0.80x eagerly (--layer-graph-elements): there the
+# captures cost more than the launches they save
 LAYER_GRAPH_ELEMENTS = 1 << 22
 
 
@@ -260,6 +258,33 @@ def on_stream(stream: torch.cuda.Stream | None, run):
     return out
 
 
+class MemoryPool:
+    """A CUDA graph memory pool and the side stream its graphs are captured on, both outliving those
+    graphs. PyTorch frees a pool with the last graph captured in it, so a capture after a `clear`
+    would allocate every buffer from the driver again (nine cudaMalloc calls, 1.5-2.3 ms of a 4k
+    first prompt's 25 ms on an H200), and a new side stream would not reuse the blocks cached for
+    the last one's warm-up. An anchor graph of one small kernel, captured in the pool and kept with
+    it, holds the pool (in the device's allocator and the pinned host allocator alike, which
+    `torch.cuda.MemPool` does not): the memory of dropped graphs goes back to it for the next."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.id = device, torch.cuda.graph_pool_handle()
+        self.stream, self.anchor = torch.cuda.Stream(device), torch.cuda.CUDAGraph()
+        on_stream(self.stream, self.capture_anchor)
+
+    def capture_anchor(self) -> None:
+        self.anchor.capture_begin(pool=self.id)
+        try:
+            torch.zeros(1, device=self.device)
+        finally:
+            self.anchor.capture_end()
+
+    @staticmethod
+    def on(memory: "MemoryPool | None", device: torch.device) -> "MemoryPool":
+        """`memory` if it is on `device`, else a new pool there."""
+        return memory if memory is not None and memory.device == device else MemoryPool(device)
+
+
 class LayerGraphs:
     """A prefill no whole-model graph serves (the first prompt of a bucket, or one over a fresh
     cache), layer by layer: at a prompt shape new to it, the first layer of each form runs eagerly
@@ -273,28 +298,32 @@ class LayerGraphs:
     replaced drop them all."""
 
     def __init__(self, keep: int = 2) -> None:
-        self.keep, self.enabled, self.pool, self.stream = keep, True, None, None
+        self.keep, self.enabled, self.memory = keep, True, None
         # (B, T, dtype) -> {form: its LayerGraph, or None once a layer of it ran eagerly at that shape}
         self.shapes: OrderedDict = OrderedDict()
         self.weights, self.sources, self.forms, self.usable = None, [], [], False
 
     def clear(self) -> None:
-        """Drop every graph (and with the last of them, their memory pool)."""
+        """Drop every graph. Their memory pool outlives them (`MemoryPool`): the next captures take
+        the memory they held instead of asking the driver for it."""
         self.shapes.clear()
-        self.weights, self.sources, self.forms, self.pool = None, [], [], None
+        self.weights, self.sources, self.forms = None, [], []
+
+    def release(self) -> None:
+        """Drop every graph and return their memory pool's memory to the driver."""
+        self.clear()
+        self.memory = None
 
     def shared_pool(self):
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        return self.pool
+        """The id of the memory pool every layer graph is captured in (`capture_stream` made it)."""
+        return self.memory.id
 
     def capture_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream every layer graph of `device` is captured on (None off CUDA)."""
         if device.type != "cuda":
             return None
-        if self.stream is None or self.stream.device != device:
-            self.stream = torch.cuda.Stream(device=device)
-        return self.stream
+        self.memory = MemoryPool.on(self.memory, device)
+        return self.memory.stream
 
     def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         """Logits of the prefill of input_ids [B, T] into the empty `cache`, or None (a capture
@@ -355,14 +384,23 @@ class PrefillGraphs:
     model (a warm-up forward plus the capture: about 3x an eager prefill of 4k tokens)."""
 
     def __init__(self, keep: int = 8) -> None:
-        self.keep, self.graphs, self.counts, self.pool = keep, OrderedDict(), {}, None
+        self.keep, self.graphs, self.counts, self.memory = keep, OrderedDict(), {}, None
         self.layers = LayerGraphs()
 
     def clear(self) -> None:
-        """Drop every graph (and with the last of them, their memory pool)."""
+        """Drop every graph; their memory pools outlive them (`MemoryPool`)."""
         self.graphs.clear()
         self.layers.clear()
-        self.pool = None
+
+    def release(self) -> None:
+        """Drop every graph and return their memory pools' memory to the driver."""
+        self.clear()
+        self.layers.release()
+        self.memory = None
+
+    def shared_memory(self, device: torch.device) -> MemoryPool:
+        self.memory = MemoryPool.on(self.memory, device)
+        return self.memory
 
     def run(self, model, cache: MegatronTCCache, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         """Logits of the prefill from a captured graph, or None: the caller runs it eagerly."""
@@ -384,9 +422,9 @@ class PrefillGraphs:
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)
         try:
-            graph = self.graphs[key] = PrefillGraph(model, cache, b, bucket, logits_to_keep, self.pool,
-                                                    input_ids.device)
-            self.pool = graph.pool
+            device = input_ids.device
+            graph = self.graphs[key] = PrefillGraph(model, cache, b, bucket, logits_to_keep,
+                                                    lambda: self.shared_memory(device), device)
         except Exception as exc:  # noqa: BLE001 - the prefill stays correct, only slower
             warnings.warn(f"capturing the prefill failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "prefilling eagerly", RuntimeWarning, stacklevel=3)

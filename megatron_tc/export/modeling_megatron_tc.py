@@ -78,6 +78,12 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module | None:
         return self.model.lm_head  # None when tied: the embedding is reused
 
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph (decoding step, prefills) and return the memory their pools
+        keep for later captures to the driver; the next generate captures anew."""
+        self._graph = None
+        self._prefills.release()
+
     def set_gdn_backend(self, backend: str) -> None:
         """'auto', 'fla', 'chunk' or 'recurrent' for every Gated DeltaNet layer."""
         for layer in self.model.layers:

@@ -125,6 +125,38 @@ def test_a_first_prompt_from_layer_graphs_equals_the_eager_prefill(dtype):
         assert diff == 0, f"layer-graph vs eager prefill logits differ by {diff:.3g}"
 
 
+def test_graphs_captured_again_after_a_clear_take_their_pools_memory():
+    """Dropping the prefill graphs keeps their memory pools and capture streams: a bucket's first
+    prompt (layer graphs) and its second (the whole-model capture) after a clear allocate nothing
+    from the driver, and give the logits they gave before; `release_graphs` returns that memory."""
+    model = student(torch.float32)
+    kw = dict(max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True, cache_implementation="static")
+    prompt = torch.randint(3, 512, (2, 300), device="cuda")
+
+    def first_and_second():
+        first = model.generate(prompt, **kw)
+        assert any(g is not None for forms in model._prefills.layers.shapes.values() for g in forms.values())
+        second = model.generate(prompt, **kw)
+        assert model._prefills.graphs, "the bucket's second prompt captures the whole model"
+        return [torch.stack(out.logits) for out in (first, second)]
+
+    before = first_and_second()
+    model._prefills.clear()
+    model._prefills.counts.clear()  # the bucket as if never seen: layer graphs again, then a whole-model capture
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]  # cudaMalloc calls so far
+    after = first_and_second()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    model.release_graphs()  # the graphs and their pools go: their memory back to the driver
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < reserved
+    again = model.generate(prompt, **kw)
+    assert torch.equal(torch.stack(again.logits), before[0])
+
+
 def test_replayed_prefill_in_bf16_gives_the_eager_logits():
     """bf16: the replayed bucket (fla's fused small kernels inside the graph, PyTorch's eagerly)
     gives the eager prefill's last-token logits within bf16 rounding."""

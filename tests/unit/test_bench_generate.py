@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from megatron_tc.bench.generate import bench_decode, prefill_forward, student_model, teacher_model
@@ -122,3 +123,15 @@ def test_cases_after_an_out_of_memory_error_are_reported_skipped(tmp_path, monke
     assert rows[("teacher", 1, 16)]["error"] == bench_generate.OOM_SKIP
     assert all("error" not in rows[("student", b, p)] for b, p in ((2, 32), (1, 16)))
     assert len(calls) == 3  # the teacher's first case, then the student's two
+
+
+def test_layer_graph_elements_sets_the_export_s_limit_and_rejects_a_negative_one(monkeypatch, capsys):
+    from megatron_tc.export import graphs_megatron_tc as graphs
+
+    monkeypatch.setattr(graphs, "LAYER_GRAPH_ELEMENTS", graphs.LAYER_GRAPH_ELEMENTS)  # restored afterwards
+    script = load_script("tools/bench/generate.py")
+    with pytest.raises(SystemExit):
+        script.main(["--quick", "--eager-rounds", "1", "--layer-graph-elements", "-1"])
+    assert "--layer-graph-elements must be 0 or more, got -1" in capsys.readouterr().err
+    assert script.main(["--quick", "--eager-rounds", "1", "--layer-graph-elements", "12345"]) == 0
+    assert graphs.LAYER_GRAPH_ELEMENTS == 12345

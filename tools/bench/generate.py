@@ -3,7 +3,7 @@
 
     python tools/bench/generate.py [--models smollm2-135m,llama-1b] [--prompt 32768]
         [--batches 8,1,32] [--new-tokens 48] [--repeats 3] [--prefill 4096,32768] [--profile] [--out FILE]
-        [--quick] [--eager-rounds N]
+        [--quick] [--eager-rounds N] [--layer-graph-elements N]
 
 --eager-rounds N measures only the prefill forward of a prompt with no whole-model graph (B=1, each
 --prefill length): the teacher, the student eager, the student's first prompt of a bucket (its
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.generate import eager_prefill_rounds, role_rows, student_model, teacher_model  # noqa: E402
 from megatron_tc.bench.models import PRESETS  # noqa: E402
+from megatron_tc.export import graphs_megatron_tc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,10 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager-rounds", type=int, default=0, metavar="N",
                    help="only the prefill with no whole-model graph: teacher, student eager, student's first "
                         "prompt and its layer graphs replayed, alternating N rounds in one process")
+    p.add_argument("--layer-graph-elements", type=int, metavar="N",
+                   help="prefills of at most N activations (batch x prompt x hidden size) run from layer graphs "
+                        "(default: the export's LAYER_GRAPH_ELEMENTS)")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.prompt, args.batches, args.new_tokens, args.prefill = "tiny", 32, "2", 8, "16"
         args.repeats, args.warmup_steps = 1, 1
+    if args.layer_graph_elements is not None:
+        if args.layer_graph_elements < 0:
+            p.error(f"--layer-graph-elements must be 0 or more, got {args.layer_graph_elements}")
+        graphs_megatron_tc.LAYER_GRAPH_ELEMENTS = args.layer_graph_elements
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import transformers
