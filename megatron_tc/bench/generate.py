@@ -193,7 +193,8 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
     """The B=1 prefill forward of a prompt length the student has no whole-model graph for,
     alternating in one process: the teacher (eager); the student eager (its prefill graphs off); the
     student's first prompt of a bucket (its graphs forgotten before each call, so each pays for
-    capturing its layer graphs: `LayerGraphs`); and the same prompt again over a fresh cache, which
+    capturing its layer graphs: `LayerGraphs`; their memory pool kept, as a process keeps it after
+    its first capture); and the same prompt again over a fresh cache, which
     replays the layer graphs the call before captured (what the captures cost is the difference).
     After two warm-up rounds, `rounds` rounds per prompt length, so that a machine's drift moves all
     alike. Rows {prompt, teacher_ms, student_ms, student_first_ms, student_replay_ms (spreads),
