@@ -160,10 +160,14 @@ def measure_peaks(device: torch.device, quick: bool = False) -> dict[str, float]
 
 
 # ---- environment and results ---------------------------------------------------------------------
-def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
+def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by: str = "device"
+                 ) -> list[dict[str, Any]]:
     """One warm call of `fn` under torch.profiler: a row with the host and device self time of all
-    operators, then the `top` operators by device time (host time on CPU). Host time well above
-    device time means the host (launches, Python) is the bound, not the kernels."""
+    operators, then the `top` operators by device time (host time on CPU; by="host": by host time,
+    the CUDA runtime's calls such as graph instantiation among them). Host time well above device
+    time means the host (launches, Python) is the bound, not the kernels."""
+    if by not in ("device", "host"):
+        raise ValueError(f"profile_rows orders by 'device' or 'host' time, not {by!r}")
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -177,7 +181,8 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12) -> 
     rows = [{"op": "(all)", "calls": sum(e.count for e in events),
              "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
              "device_ms": sum(device_us(e) for e in events) / 1e3}]
-    for e in sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]:
+    order = (lambda e: (device_us(e), e.self_cpu_time_total)) if by == "device" else (lambda e: e.self_cpu_time_total)
+    for e in sorted(events, key=order, reverse=True)[:top]:
         rows.append({"op": e.key[:70], "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3,
                      "device_ms": device_us(e) / 1e3})
     return rows

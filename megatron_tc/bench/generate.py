@@ -189,7 +189,7 @@ def role_rows(arch: ArchConfig, role: str, cases: list[tuple[int, int]], new_tok
 
 
 def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extra_slots: int, vocab: int,
-                         device: torch.device) -> list[dict[str, Any]]:
+                         device: torch.device, profile: bool = False) -> list[dict[str, Any]]:
     """The B=1 prefill forward of a prompt length the student has no whole-model graph for,
     alternating in one process: the teacher (eager); the student eager (its prefill graphs off); the
     student's first prompt of a bucket (its graphs forgotten before each call, so each pays for
@@ -199,7 +199,9 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
     After two warm-up rounds, `rounds` rounds per prompt length, so that a machine's drift moves all
     alike. Rows {prompt, teacher_ms, student_ms, student_first_ms, student_replay_ms (spreads),
     speedup, speedup_first, speedup_replay (spreads of the per-round teacher ms over the
-    student's), rounds}."""
+    student's), rounds}; with `profile`, also {profile: {role: `profile_rows` of one call, operators
+    by host time}} for the teacher, the first prompt and the replay (what a first prompt's captures
+    cost the host over a replay)."""
     saved = student.prefill_graph_tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -234,6 +236,10 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
                                              ("_replay", "student_replay"))}
             rows.append({"prompt": prompt, **{f"{role}_ms": spread(times[role]) for role in roles}, **speedups,
                          "rounds": rounds})
+            if profile:
+                rows[-1]["profile"] = {
+                    role: profile_rows(lambda timed=roles[role]: timed(ids, prompt + extra_slots), device, by="host")
+                    for role in ("teacher", "student_first", "student_replay")}
     finally:
         student.prefill_graph_tokens = saved
     return rows

@@ -135,3 +135,22 @@ def test_layer_graph_elements_sets_the_export_s_limit_and_rejects_a_negative_one
     assert "--layer-graph-elements must be 0 or more, got -1" in capsys.readouterr().err
     assert script.main(["--quick", "--eager-rounds", "1", "--layer-graph-elements", "12345"]) == 0
     assert graphs.LAYER_GRAPH_ELEMENTS == 12345
+
+
+def test_eager_rounds_with_profile_add_each_role_s_operators_by_host_time(tmp_path):
+    out = tmp_path / "profile.json"
+    assert load_script("tools/bench/generate.py").main(["--quick", "--eager-rounds", "1", "--profile", "--out",
+                                                        str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["profile"]) == {"teacher", "student_first", "student_replay"}
+    for ops in row["profile"].values():
+        total, *top = ops
+        assert total["op"] == "(all)" and total["calls"] > 0 and total["host_ms"] > 0
+        assert top and [op["host_ms"] for op in top] == sorted((op["host_ms"] for op in top), reverse=True)
+
+
+def test_profile_rows_refuse_an_unknown_order():
+    from megatron_tc.bench.common import profile_rows
+
+    with pytest.raises(ValueError, match="orders by 'device' or 'host' time, not 'wall'"):
+        profile_rows(lambda: None, torch.device("cpu"), by="wall")

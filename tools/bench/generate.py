@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="teacher, student (captured decoding step on CUDA), "
                         "student-eager (no CUDA graphs: eager decoding and prefill)")
     p.add_argument("--profile", action="store_true",
-                   help="add the operators of one prefill forward per case (host and device self time)")
+                   help="add the operators of one prefill forward per case (host and device self time); with "
+                        "--eager-rounds, of the teacher's prefill, the student's first prompt and its replay")
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="tiny model, CPU-sized shapes (a smoke test)")
     p.add_argument("--eager-rounds", type=int, default=0, metavar="N",
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.eager_rounds > 0:
             teacher, student = (build(arch, device, dtype) for build in (teacher_model, student_model))
             for row in eager_prefill_rounds(teacher, student, [int(n) for n in args.prefill.split(",")],
-                                            args.eager_rounds, args.new_tokens, arch.vocab_size, device):
+                                            args.eager_rounds, args.new_tokens, arch.vocab_size, device,
+                                            args.profile):
                 rows.append({**row, "model": name, "role": "prefill with no whole-model graph, teacher / student"})
                 print(json.dumps(rows[-1]), flush=True)
             del teacher, student
