@@ -220,7 +220,7 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
     roles = {"teacher": lambda ids, n: time_prefill_forward(teacher, ids, n, 0)["median"],
              "student": lambda ids, n: time_prefill_forward(student, ids, n, 0)["median"],
              "student_first": with_graphs(forget=True), "student_replay": with_graphs(forget=False)}
-    rows = []
+    rows, prompts = [], []
     student.prefill_graph_tokens = 0
     try:
         for prompt in lengths:
@@ -236,10 +236,12 @@ def eager_prefill_rounds(teacher, student, lengths: list[int], rounds: int, extr
                                              ("_replay", "student_replay"))}
             rows.append({"prompt": prompt, **{f"{role}_ms": spread(times[role]) for role in roles}, **speedups,
                          "rounds": rounds})
-            if profile:
-                rows[-1]["profile"] = {
-                    role: profile_rows(lambda timed=roles[role]: timed(ids, prompt + extra_slots), device, by="host")
-                    for role in ("teacher", "student_first", "student_replay")}
+            prompts.append(ids)
+        for row, ids in zip(rows if profile else [], prompts):  # after every timing: a capture the
+            # profiler breaks turns the layer graphs off, which must not change a timed round
+            length = row["prompt"] + extra_slots
+            row["profile"] = {role: profile_rows(lambda timed=roles[role]: timed(ids, length), device, by="host")
+                              for role in ("teacher", "student_first", "student_replay")}
     finally:
         student.prefill_graph_tokens = saved
     return rows
