@@ -270,14 +270,7 @@ class MemoryPool:
     def __init__(self, device: torch.device) -> None:
         self.device, self.id = device, torch.cuda.graph_pool_handle()
         self.stream, self.anchor = torch.cuda.Stream(device), torch.cuda.CUDAGraph()
-        on_stream(self.stream, self.capture_anchor)
-
-    def capture_anchor(self) -> None:
-        self.anchor.capture_begin(pool=self.id)
-        try:
-            torch.zeros(1, device=self.device)
-        finally:
-            self.anchor.capture_end()
+        capture(self.anchor, lambda: torch.zeros(1, device=device), self.id, self.stream, warm_up=False)
 
     @staticmethod
     def on(memory: "MemoryPool | None", device: torch.device) -> "MemoryPool":
@@ -399,6 +392,7 @@ class PrefillGraphs:
         self.memory = None
 
     def shared_memory(self, device: torch.device) -> MemoryPool:
+        """The memory pool and capture stream of every whole-model prefill graph on `device`."""
         self.memory = MemoryPool.on(self.memory, device)
         return self.memory
 
