@@ -14,6 +14,7 @@ import warnings
 from collections import OrderedDict
 
 import torch
+from torch import nn
 
 from .attention_megatron_tc import Attention, Batch, Packed
 from .cache_megatron_tc import AttentionLayerCache, GDNLayerCache, MegatronTCCache
@@ -192,19 +193,31 @@ def renew_packed(module) -> None:
                 setattr(m, name, Packed())
 
 
+def layer_template(layer):
+    """A copy of `layer` whose parameters are new, uninitialised tensors of the same shapes: the
+    module a `LayerGraph` captures. Its graphs copy a layer's weights into it before every replay,
+    so copying the values here would be a wasted pass over them (about 100 MB a layer at 1.1B)."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad) for p in layer.parameters()}
+    memo |= {id(value): Packed() for m in layer.modules() for value in vars(m).values() if isinstance(value, Packed)}
+    return copy.deepcopy(layer, memo)
+
+
 # prefills of at most this many activations (batch x prompt x hidden size) run layer by layer from
 # graphs. Measured on one H200 against the teacher's eager prefill (tools/bench/generate.py
-# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 1.06x as fast with them, 0.69x
-# eagerly; the 1.1B's (8.4M) 0.71x with them, 0.80x eagerly (--layer-graph-elements): there the
-# captures cost more than the launches they save
+# --eager-rounds): a SmolLM2-shaped student's 4k prefill (2.4M) 1.24x as fast with them, 0.70x
+# eagerly; the 1.1B's (8.4M) 0.90x with them, 1.13x eagerly (--layer-graph-elements; 0.71x and
+# 0.80x on another machine): there the captures and the weight copies cost more than the launches
+# they save
 LAYER_GRAPH_ELEMENTS = 1 << 22
 
 
 class LayerGraph:
-    """One decoder layer over B unpadded prompts of T tokens, captured over a copy of a layer of its
-    form and replayed for every layer of that form: before a replay, one multi-tensor copy brings
-    that layer's weights and inputs into the buffers the graph reads; after it, the keys and values
-    (or the GDN state and convolution tail) the graph wrote go into that layer's cache.
+    """One decoder layer over B unpadded prompts of T tokens, captured over `template` (a
+    `layer_template` of its form) and replayed for every layer of that form: before a replay, one
+    multi-tensor copy brings that layer's weights and inputs into the buffers the graph reads; after
+    it, the keys and values (or the GDN state and convolution tail) the graph wrote go into that
+    layer's cache. Graphs of one template at other prompt shapes read the same parameters: each
+    replay copies its layer's weights in first.
 
     The graph runs the eager forward's kernels (not `graph_work`'s fused ones: their Python wrappers
     would make the capture cost more host time than it saves), so its output equals the eager
@@ -213,9 +226,9 @@ class LayerGraph:
     layer's matmuls over T tokens. The capture runs on `stream` with no warm-up: a layer of this
     form has just run there on these shapes (`LayerGraphs`)."""
 
-    def __init__(self, layer, x: torch.Tensor, pool, stream: torch.cuda.Stream) -> None:
+    def __init__(self, template, x: torch.Tensor, pool, stream: torch.cuda.Stream) -> None:
         b, t = x.shape[:2]
-        self.layer = copy.deepcopy(layer)
+        self.layer = template
         self.x, self.pending = torch.zeros_like(x), torch.zeros_like(x)
         self.targets = [*self.layer.parameters(), self.x, self.pending]
         self.slots = torch.arange(t, device=x.device)
@@ -288,24 +301,33 @@ class LayerGraphs:
     than LAYER_GRAPH_ELEMENTS activations run eagerly. The graphs of the last `keep` prompt shapes are
     kept, in one memory pool (safe: every graph's outputs are read before another graph replays, and
     its inputs and packed weights are written anew before each of its replays); weights moved or
-    replaced drop them all."""
+    replaced drop them all. Each form's `layer_template` is made once and serves its graphs at every
+    prompt shape, so a new shape's captures need no copy of a layer."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep, self.enabled, self.memory = keep, True, None
         # (B, T, dtype) -> {form: its LayerGraph, or None once a layer of it ran eagerly at that shape}
         self.shapes: OrderedDict = OrderedDict()
         self.weights, self.sources, self.forms, self.usable = None, [], [], False
+        self.templates: dict = {}  # form -> its layer_template
+        self.template_weights = None  # the model's weight_pointers when the templates were made
 
     def clear(self) -> None:
-        """Drop every graph. Their memory pool outlives them (`MemoryPool`): the next captures take
-        the memory they held instead of asking the driver for it."""
+        """Drop every graph. Their memory pool (`MemoryPool`) and the layer templates outlive them:
+        the next captures take the memory the graphs held instead of asking the driver for it."""
         self.shapes.clear()
         self.weights, self.sources, self.forms = None, [], []
 
     def release(self) -> None:
-        """Drop every graph and return their memory pool's memory to the driver."""
+        """Drop every graph and template and return their memory pool's memory to the driver."""
         self.clear()
-        self.memory = None
+        self.memory, self.templates, self.template_weights = None, {}, None
+
+    def template(self, form: tuple, layer):
+        """The `layer_template` of `form`, made from `layer` (a layer of that form) when missing."""
+        if form not in self.templates:
+            self.templates[form] = layer_template(layer)
+        return self.templates[form]
 
     def shared_pool(self):
         """The id of the memory pool every layer graph is captured in (`capture_stream` made it)."""
@@ -327,6 +349,8 @@ class LayerGraphs:
         pointers = weight_pointers(model)
         if pointers != self.weights:
             self.clear()
+            if pointers != self.template_weights:  # buffers (RoPE tables) may have changed with them
+                self.templates, self.template_weights = {}, pointers
             self.weights = pointers
             self.sources = [list(layer.parameters()) for layer in model.model.layers]
             self.forms = [layer_form(layer) for layer in model.model.layers]
@@ -353,7 +377,7 @@ class LayerGraphs:
                 graphs[form] = None
                 return on_stream(stream, lambda: layer(x, pending, positions, batch, layer_cache))
             if graphs[form] is None:
-                graphs[form] = LayerGraph(layer, x, self.shared_pool, stream)
+                graphs[form] = LayerGraph(self.template(form, layer), x, self.shared_pool, stream)
             return graphs[form](self.sources[i], x, torch.zeros_like(x) if pending is None else pending, layer_cache)
 
         try:
@@ -362,7 +386,7 @@ class LayerGraphs:
             warnings.warn(f"capturing a prefill layer failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "prefilling eagerly", RuntimeWarning, stacklevel=3)
             self.enabled = False
-            self.clear()
+            self.release()
             return None
 
 

@@ -79,8 +79,9 @@ class MegatronTCForCausalLM(MegatronTCPreTrainedModel, GenerationMixin):
         return self.model.lm_head  # None when tied: the embedding is reused
 
     def release_graphs(self) -> None:
-        """Drop every captured CUDA graph (decoding step, prefills) and return the memory their pools
-        keep for later captures to the driver; the next generate captures anew."""
+        """Drop every captured CUDA graph (decoding step, prefills) and the prefill's layer templates,
+        and return the memory their pools keep for later captures to the driver; the next generate
+        captures anew."""
         self._graph = None
         self._prefills.release()
 

@@ -219,6 +219,38 @@ def test_a_first_prompt_runs_layer_by_layer_from_one_graph_per_form(monkeypatch,
         assert EagerLayerStandIn.built == 4 * shared + single, "graphs of replaced weights were kept"
 
 
+def test_one_layer_template_per_form_serves_every_prompt_shape(monkeypatch):
+    """The graphs of a form at every prompt shape capture one template: a copy of a layer of that
+    form with parameters of its own (not the model's, which each replay copies in) and no packed
+    weights of the layer's; a clear keeps it, replaced weights or a release drop it."""
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 8)
+    monkeypatch.setattr(graphs, "LayerGraph", EagerLayerStandIn)
+    model, graph_set = model_of(), graphs.PrefillGraphs()
+    layers = graph_set.layers
+
+    def first_prompt(t: int) -> None:
+        prefill(model, graph_set, MegatronTCCache(model.config, static_len=32), torch.randint(3, 300, (2, t)))
+
+    with torch.no_grad():
+        for t in (12, 9):
+            first_prompt(t)
+        (form, template), = layers.templates.items()  # the GDN layers' (one attention layer: eager)
+        assert [forms[form].layer for forms in layers.shapes.values()] == [template, template]
+        gdn = model.model.layers[1]
+        assert [p.shape for p in template.parameters()] == [p.shape for p in gdn.parameters()]
+        assert not {p.data_ptr() for p in template.parameters()} & {p.data_ptr() for p in model.parameters()}
+        assert gdn.mixer.packed_proj.value is not None  # the eager layers' concatenated projections
+        assert graphs.layer_template(gdn).mixer.packed_proj.value is None, "a template copied packed weights"
+        graph_set.clear()
+        first_prompt(12)
+        assert layers.templates[form] is template
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        first_prompt(12)
+        assert layers.templates[form] is not template, "a template of replaced weights (and buffers) was kept"
+        graph_set.release()
+        assert layers.templates == {}
+
+
 def test_a_failed_layer_capture_warns_once_and_prefills_eagerly(monkeypatch):
     class Failing(graphs.LayerGraph):
         def record(self, forward, pool, stream):
