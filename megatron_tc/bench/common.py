@@ -160,12 +160,14 @@ def measure_peaks(device: torch.device, quick: bool = False) -> dict[str, float]
 
 
 # ---- environment and results ---------------------------------------------------------------------
-def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by: str = "device"
-                 ) -> list[dict[str, Any]]:
+def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by: str = "device",
+                 ranges: str = "") -> list[dict[str, Any]]:
     """One warm call of `fn` under torch.profiler: a row with the host and device self time of all
     operators, then the `top` operators by device time (host time on CPU; by="host": by host time,
     the CUDA runtime's calls such as graph instantiation among them). Host time well above device
-    time means the host (launches, Python) is the bound, not the kernels."""
+    time means the host (launches, Python) is the bound, not the kernels. ranges: also a row per
+    `record_function` range whose name starts with it ({"range": name, calls, host_ms: the host
+    time inside it, all it called included}), after the operators and not among them."""
     if by not in ("device", "host"):
         raise ValueError(f"profile_rows orders by 'device' or 'host' time, not {by!r}")
     from torch.profiler import ProfilerActivity, profile
@@ -182,10 +184,24 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by:
              "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
              "device_ms": sum(device_us(e) for e in events) / 1e3}]
     order = (lambda e: (device_us(e), e.self_cpu_time_total)) if by == "device" else (lambda e: e.self_cpu_time_total)
-    for e in sorted(events, key=order, reverse=True)[:top]:
+    in_range = (lambda e: e.key.startswith(ranges)) if ranges else (lambda e: False)  # noqa: E731
+    for e in sorted((e for e in events if not in_range(e)), key=order, reverse=True)[:top]:
         rows.append({"op": e.key[:70], "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3,
                      "device_ms": device_us(e) / 1e3})
-    return rows
+    return rows + range_rows(prof, ranges) if ranges else rows
+
+
+def range_rows(prof, prefix: str) -> list[dict[str, Any]]:
+    """{"range", calls, host_ms} of each host-side `record_function` range of `prof` whose name
+    starts with `prefix`, by name (on CUDA a range also has a device-side copy: not counted)."""
+    from torch.autograd import DeviceType
+
+    spans: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name.startswith(prefix) and e.device_type == DeviceType.CPU:
+            span = spans.setdefault(e.name, [0, 0.0])
+            span[0], span[1] = span[0] + 1, span[1] + e.cpu_time_total
+    return [{"range": name, "calls": calls, "host_ms": us / 1e3} for name, (calls, us) in sorted(spans.items())]
 
 
 def host_syncs(fn: Callable[[], Any], device: torch.device, top: int = 3) -> dict[str, Any]:

@@ -201,13 +201,14 @@ def bench_stats(teacher, layers, student_arch, args, device, report) -> None:
 
 
 def profile_sweeps(rows: StatsRows, passes: list) -> None:
-    """--profile: the operators of each sweep, and the host's waits for the device in each sweep
-    and in the one-forward pass."""
-    for name, fn in passes:
-        for row in profile_rows(fn, rows.device):
-            rows.report.add("profile", {"pass": name, **row})
+    """--profile: the operators of each sweep and of the one-forward pass, with the host time of
+    each phase of the pass (its `stats.*` profiler ranges), and the host's waits for the device in
+    each of them."""
     if rows.strategies:
         passes = passes + [("collect_stats", rows.one_forward)]
+    for name, fn in passes:
+        for row in profile_rows(fn, rows.device, ranges="stats."):
+            rows.report.add("profile", {"pass": name, **row})
     for name, fn in passes:
         syncs = host_syncs(fn, rows.device)
         if syncs:
@@ -361,8 +362,8 @@ def _finish(report: Report) -> int:
         ("Check", "checks", ["check", "max_rel_err", "worst", "median_rel_err"]),
         ("Statistics pass vs teacher forward (same tokens)", "rows",
          ["pass", "impl", "tokens", "B", "T", "layers", "dtype", "ms", "tok_per_s", "ratio", "goal", "met", "note"]),
-        ("Sweep profiles (self time; all operators, then the heaviest)", "profile",
-         ["pass", "op", "calls", "host_ms", "device_ms"]),
+        ("Sweep profiles (self time; all operators, then the heaviest; then each phase's whole host time)",
+         "profile", ["pass", "op", "range", "calls", "host_ms", "device_ms"]),
         ("Host waits for the device (one warm call, CUDA sync debug mode)", "syncs", ["what", "host_syncs", "where"]),
         ("Phases of the statistics pass (ms: median (min-max); ratio: median over the forward's)", "phases",
          ["pass", "ms", "ratio", "sweep 1 ms", "sweep 2 ms", "repeats"]),

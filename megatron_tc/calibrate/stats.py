@@ -24,6 +24,10 @@ taking the interpreter lock) the one-forward pass measured twice as slow on an H
 two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
 larger kernels: the host's launches bound it on a GPU). Each sweep's work for one call and batch
 goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
+Under torch.profiler the pass's phases are ranges: `stats.sweep1.sums` (a stacked call of sweep 1,
+inside the teacher forward), `stats.sweep1.finish`, `stats.sweep2.closed_form` (a layer's readout
+mixers), `stats.sweep2.sums` (a call's readout sums) and `stats.sweep2.finish` (the reductions and
+the copy to the CPU).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from megatron_tc.parallel.comm import all_gather
 
@@ -110,21 +115,22 @@ def collect_attention_stats(
         seq_len = max(seq_len, batch["input_ids"].shape[1])
         shape = batch["input_ids"].shape
         sweep.add_batch(batch, layers_per_call if layers_per_call is not None else stacked_layers(arch, shape, tp))
-    flat = sweep.close()
-    full_meta = dict(meta)
-    full_meta.update(
-        layers=layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-        hidden_size=arch.hidden_size, layer_pattern=arch.layer_pattern, chunk_size=chunk_size,
-    )
-    full_meta.setdefault("seq_len", seq_len)
-    full_meta.setdefault("readout", {})
-    stats = TaylorStats(full_meta, flat)
-    stats.all_reduce_(dp_group)
-    if tp > 1:
-        gather_tp_heads(stats, tp_group)
-    if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
-        stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
-    return _to_cpu(stats)
+    with record_function("stats.sweep1.finish"):
+        flat = sweep.close()
+        full_meta = dict(meta)
+        full_meta.update(
+            layers=layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+            hidden_size=arch.hidden_size, layer_pattern=arch.layer_pattern, chunk_size=chunk_size,
+        )
+        full_meta.setdefault("seq_len", seq_len)
+        full_meta.setdefault("readout", {})
+        stats = TaylorStats(full_meta, flat)
+        stats.all_reduce_(dp_group)
+        if tp > 1:
+            gather_tp_heads(stats, tp_group)
+        if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+            stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
+        return _to_cpu(stats)
 
 
 STACK_BYTES = 2 << 30  # sweep 1's fp32 / fp64 temporaries of one stacked call, at most
@@ -203,11 +209,12 @@ def collect_readout_stats(
         for index in stats.layers:
             sweep.build(index)
         sweep.sum_batches(_progress(batches, num_batches, "readout sums", show))
-    reduced = TaylorStats({"layers": stats.layers}, sweep.close())
-    if sweep.tp > 1:
-        reduced.all_reduce_(tp_group)  # each layer's sums from the rank that made them
-    reduced.all_reduce_(dp_group)
-    stats.sums.update(_to_cpu(reduced).sums)
+    with record_function("stats.sweep2.finish"):
+        reduced = TaylorStats({"layers": stats.layers}, sweep.close())
+        if sweep.tp > 1:
+            reduced.all_reduce_(tp_group)  # each layer's sums from the rank that made them
+        reduced.all_reduce_(dp_group)
+        stats.sums.update(_to_cpu(reduced).sums)
     stats.meta["readout"].update(sweep.meta())
     return stats
 

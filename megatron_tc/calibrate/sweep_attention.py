@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from .capture import LayerIO, capture_layers
 from .graphs import LayerGraphs, graphs_allowed
@@ -72,6 +73,7 @@ class AttentionSweep:
             self.keep_io[-1][index] = dataclasses.replace(io, resid=None, qkv=None,
                                                           heads=io.heads if self.tp == 1 else None)
 
+    @record_function("stats.sweep1.sums")
     def _flush(self, waiting: list[tuple[int, LayerIO]]) -> None:
         ios = [io for _, io in waiting]
         run = self.graphs if ios[0].doc_ids is None else self.graphs.eager  # documents: host syncs (segment bounds)

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from megatron_tc.model.gdn import GatedDeltaNet
 from megatron_tc.model.ops.gated_delta_rule import PackedRows
@@ -70,6 +71,7 @@ class ReadoutSweep:
         """Output-gate candidates of closed form `name` at built layer `index`."""
         return len(self.mixers[name][index][1])
 
+    @record_function("stats.sweep2.closed_form")
     def build(self, index: int, shell_of: int | None = None) -> None:
         """Make layer `index`'s readout mixers (a collective under TP: every rank, every layer).
         shell_of: a built layer whose readout mixers take this layer's parameters (its sums are queued)."""
@@ -86,6 +88,7 @@ class ReadoutSweep:
         if index not in self.mine:
             del self.teacher_mixers[index]
 
+    @record_function("stats.sweep2.sums")
     def queue(self, indices: list[int], ios: list[LayerIO]) -> None:
         """Queue the sums of `indices` (this rank's built layers) over the same rows, their `ios`."""
         modules, tensors = [], [ios[0].position_ids, ios[0].doc_ids]

@@ -112,11 +112,21 @@ def test_bench_stats_quick(tmp_path):
                                                                "statistics pass, one forward (collect_stats)"]
     (calib,) = data["calibrate"]
     assert calib["wall_s"] > 0 and calib["converted_layers"] == 3
-    for name in ("sweep 1", "sweep 2"):  # each profiled: all operators, then the heaviest (host time on CPU)
-        total, *ops = [row for row in data["profile"] if row["pass"] == name]
+    phases = {"sweep 1": ["stats.sweep1.finish", "stats.sweep1.sums"],
+              "sweep 2": ["stats.sweep2.closed_form", "stats.sweep2.finish", "stats.sweep2.sums"]}
+    phases["collect_stats"] = phases["sweep 1"] + phases["sweep 2"]
+    for name, ranges in phases.items():  # all operators, the heaviest (host time on CPU), the phases
+        total, *ops = [row for row in data["profile"] if row["pass"] == name and "op" in row]
         assert total["op"] == "(all)" and len(ops) == 12 and total["device_ms"] == 0
         assert all(0 < op["host_ms"] <= total["host_ms"] and op["calls"] <= total["calls"] for op in ops)
         assert [op["host_ms"] for op in ops] == sorted((op["host_ms"] for op in ops), reverse=True)
+        assert not any(op["op"].startswith("stats.") for op in ops), "a phase's range listed as an operator"
+        spans = {row["range"]: row for row in data["profile"] if row["pass"] == name and "range" in row}
+        assert sorted(spans) == ranges
+        assert all(row["calls"] >= 1 and row["host_ms"] > 0 for row in spans.values())
+    layers = 3  # one closed form per converted layer and pass
+    assert {row["range"]: row["calls"] for row in data["profile"]
+            if row["pass"] == "sweep 2" and "range" in row}["stats.sweep2.closed_form"] == layers
     assert "syncs" not in data  # the host's waits for a device are counted on CUDA only
     assert "bench_stats" in summarize(tmp_path)
 

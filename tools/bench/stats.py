@@ -19,10 +19,12 @@ to the forward (goal: the statistics pass <= 1.5x); and the pass as the pipeline
 CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1) and their sums checked against the eager ones. Sweep 1 takes the fused Triton kernel on CUDA
 (`calibrate/moments_triton.py`, column impl); --sweep1-reference adds a row timing sweep 1 with
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
-measures the kernel's gain. --profile runs each sweep once more under torch.profiler and reports
-its host and device self time, in total and for the heaviest operators (is it bound by the host?),
-and counts the host's waits for the device (CUDA sync debug mode) in each sweep, in collect_stats
-and in a calibration with 10 alignment steps.
+measures the kernel's gain. --profile runs each sweep and collect_stats once more under
+torch.profiler and reports their host and device self time, in total and for the heaviest
+operators (is it bound by the host?), and the host time of each phase of the pass (its `stats.*`
+profiler ranges: sweep 1's stacked sums and finish, sweep 2's closed forms, sums and finish), and
+counts the host's waits for the device (CUDA sync debug mode) in each sweep, in collect_stats and
+in a calibration with 10 alignment steps.
 Checks: sweep-1 sums of one [1, 256] batch on the device against the same pass of an fp32 copy of
 the teacher on the CPU; with --sweep1-reference also the kernel's sums against the PyTorch chunks'
 on the device (same teacher and dtype).
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                         "alone (with and without the layer I/O kept, a call per layer), alternating over REPEATS rounds "
                         "(default 5) beside a teacher forward")
     p.add_argument("--profile", action="store_true",
-                   help="profile one warm call of each sweep (host and device time, heaviest operators) "
-                        "and count the host's waits for the device")
+                   help="profile one warm call of each sweep and of collect_stats (host and device time, "
+                        "heaviest operators, each phase's host time) and count the host's waits for the device")
     p.add_argument("--kernel-configs", action="store_true",
                    help="only sweep 1's kernel under each launch configuration, beside flash attention (CUDA)")
     p.add_argument("--kernel-shapes", nargs="+", default=["4,198,66,2048,64", "1,256,64,4096,128"],
