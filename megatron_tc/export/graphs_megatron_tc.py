@@ -310,18 +310,16 @@ class LayerGraphs:
         self.shapes: OrderedDict = OrderedDict()
         self.weights, self.sources, self.forms, self.usable = None, [], [], False
         self.templates: dict = {}  # form -> its layer_template
-        self.template_weights = None  # the model's weight_pointers when the templates were made
 
     def clear(self) -> None:
         """Drop every graph. Their memory pool (`MemoryPool`) and the layer templates outlive them:
         the next captures take the memory the graphs held instead of asking the driver for it."""
         self.shapes.clear()
-        self.weights, self.sources, self.forms = None, [], []
 
     def release(self) -> None:
         """Drop every graph and template and return their memory pool's memory to the driver."""
         self.clear()
-        self.memory, self.templates, self.template_weights = None, {}, None
+        self.memory, self.templates, self.weights = None, {}, None
 
     def template(self, form: tuple, layer):
         """The `layer_template` of `form`, made from `layer` (a layer of that form) when missing."""
@@ -347,11 +345,9 @@ class LayerGraphs:
         if not self.enabled or b * t * model.model.embed_tokens.weight.shape[1] > LAYER_GRAPH_ELEMENTS:
             return None
         pointers = weight_pointers(model)
-        if pointers != self.weights:
+        if pointers != self.weights:  # moved or replaced: the templates' buffers (RoPE tables) too
             self.clear()
-            if pointers != self.template_weights:  # buffers (RoPE tables) may have changed with them
-                self.templates, self.template_weights = {}, pointers
-            self.weights = pointers
+            self.weights, self.templates = pointers, {}
             self.sources = [list(layer.parameters()) for layer in model.model.layers]
             self.forms = [layer_form(layer) for layer in model.model.layers]
             # a model spread over devices (or moved layer by layer by accelerate's hooks) runs eagerly
