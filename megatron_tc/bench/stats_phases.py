@@ -6,7 +6,9 @@ min / median / max over the repeats, beside a plain teacher forward timed in the
                               (sweep 1 with the teacher forward, sweep 2: each ends with a device sync);
     ..., CUDA graphs:         the same with the per-layer CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1);
     ..., a readout call per layer: sweep 2's layers summed one per call, not in the groups
-                              `readout_stacked_layers` makes (as many as fit READOUT_GROUP_BYTES);
+                              `readout_windows` makes (as few as fit READOUT_GROUP_BYTES, of equal size);
+    ..., groups of the cap:   sweep 2's groups as many layers as fit, then the rest (22 layers: 18
+                              and 4), not equal ones (11 and 11);
     ..., fp32 projections:    sweep 2's q/k/v projections as fp32 GEMMs, not the 16-bit GEMMs with fp32
                               output that a 16-bit teacher's copied weights get (`readout.wide_linear`);
     sweep 1 alone:            `collect_attention_stats`, nothing kept for sweep 2;
@@ -86,6 +88,15 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
         finally:
             stats_module.readout_stacked_layers = saved
 
+    def groups_of_the_cap() -> None:
+        saved = stats_module.readout_windows
+        stats_module.readout_windows = lambda layers, per_call: [list(layers[i:i + per_call])
+                                                                 for i in range(0, len(layers), per_call)]
+        try:
+            one_pass()
+        finally:
+            stats_module.readout_windows = saved
+
     def fp32_projections() -> None:
         saved = readout_mixers.NARROW_DTYPES
         readout_mixers.NARROW_DTYPES = ()  # every readout mixer weight in fp32
@@ -96,6 +107,7 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
 
     variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, CUDA graphs": with_graphs,
                 "collect_stats, a readout call per layer": per_layer,
+                "collect_stats, groups of the cap": groups_of_the_cap,
                 "collect_stats, fp32 projections": fp32_projections,
                 "sweep 1 alone": sweep1(False), "sweep 1, layer I/O kept": sweep1(True),
                 "sweep 1, a call per layer": sweep1(False, 1)}

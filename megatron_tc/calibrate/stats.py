@@ -179,8 +179,9 @@ def collect_readout_stats(
     then works out the next group's closed forms (without waiting for the device) while the
     device sums. Consecutive kept batches are concatenated into calls of up to
     `readout_group_tokens` tokens (`capture.merge_layer_io`): a few calls instead of one per batch
-    (the pipeline's batches are single rows), and each call sums the layers `readout_stacked_layers`
-    gives (as many as fit the same READOUT_GROUP_BYTES), their heads stacked
+    (the pipeline's batches are single rows), and each call sums a group of `readout_windows`
+    (equal groups, each at most what `readout_stacked_layers` fits in the same READOUT_GROUP_BYTES),
+    their heads stacked
     (`readout.layers_readout_sums`: the recurrence and the reductions issued once for all of them).
     The sums are those of the batch-by-batch, layer-by-layer order up to the fp64 summation order
     and the fp32 rounding of operations on larger tensors (GEMM algorithms, reductions). Packed
@@ -199,7 +200,7 @@ def collect_readout_stats(
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
         per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
-        windows = [layers[i:i + per_call] for i in range(0, len(layers), per_call)]
+        windows = readout_windows(layers, per_call)
         for index in windows[0][1:]:
             sweep.build(index)
         layouts: list = []
@@ -277,6 +278,18 @@ def readout_stacked_layers(tokens: int, per_token: int) -> int:
     0.97x the time of a call per layer on two H200 machines, 1.12x on a third with an earlier
     sweep 2 (docs/benchmarks.md)."""
     return max(1, READOUT_GROUP_BYTES // (tokens * per_token))
+
+
+def readout_windows(layers: Sequence[int], per_call: int) -> list[list[int]]:
+    """Sweep 2's groups of kept layers, in order: as few as hold at most `per_call` layers each, of
+    equal size (the last may be smaller). The device waits while the host works out the first
+    group's closed forms, so that group is no larger than the others; and each size is a shape of
+    the stacked kernels that compile and tune on first use (22 layers, 18 a call: 11 and 11, not
+    18 and 4)."""
+    if not layers:
+        return []
+    size = -(-len(layers) // -(-len(layers) // per_call))  # ceil(n / ceil(n / per_call))
+    return [list(layers[i:i + size]) for i in range(0, len(layers), size)]
 
 
 def readout_group_tokens(arch, candidates: int, products: bool = True) -> int:

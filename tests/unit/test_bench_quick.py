@@ -141,7 +141,7 @@ def test_bench_stats_phases(tmp_path, monkeypatch):
     from megatron_tc.calibrate import readout_mixers
 
     originals = (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-                 stats_module.readout_stacked_layers, readout_mixers.NARROW_DTYPES)
+                 stats_module.readout_stacked_layers, stats_module.readout_windows, readout_mixers.NARROW_DTYPES)
     graphs_env = os.environ.get(GRAPHS_ENV)
     saved_rounds, save = [], Report.save
 
@@ -154,7 +154,8 @@ def test_bench_stats_phases(tmp_path, monkeypatch):
     assert [rounds for rounds in saved_rounds if rounds][:2] == [{1}, {2}]
     rows = {row["pass"]: row for row in data["phases"]}
     assert list(rows) == ["teacher forward", "collect_stats", "collect_stats, CUDA graphs",
-                          "collect_stats, a readout call per layer", "collect_stats, fp32 projections",
+                          "collect_stats, a readout call per layer", "collect_stats, groups of the cap",
+                          "collect_stats, fp32 projections",
                           "sweep 1 alone", "sweep 1, layer I/O kept", "sweep 1, a call per layer"]
     assert not data.get("rows") and not data.get("calibrate")
     median = lambda cell: float(cell.split(" ")[0])  # noqa: E731 - "median (min-max)"
@@ -163,7 +164,8 @@ def test_bench_stats_phases(tmp_path, monkeypatch):
         assert 0 < parts <= median(rows[name]["ms"]) * 1.01 + 0.2  # the medians of parts and whole (0.1 ms rounding)
     assert all(row["repeats"] == 2 and row["ratio"] > 0 for row in rows.values())
     assert (stats_module.collect_attention_stats, stats_module.collect_readout_stats,
-            stats_module.readout_stacked_layers, readout_mixers.NARROW_DTYPES) == originals
+            stats_module.readout_stacked_layers, stats_module.readout_windows,
+            readout_mixers.NARROW_DTYPES) == originals
     assert os.environ.get(GRAPHS_ENV) == graphs_env
 
 

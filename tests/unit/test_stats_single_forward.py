@@ -133,6 +133,22 @@ def test_sweep_2_reads_the_document_layout_once_and_every_layer_gets_it(monkeypa
     assert all(isinstance(docs, PackedRows) and docs is read[0][1] for _, docs in read)
 
 
+def test_readout_groups_are_as_few_as_fit_and_of_equal_size():
+    from megatron_tc.calibrate.stats import readout_windows
+
+    layers = list(range(22))
+    assert readout_windows(layers, 18) == [layers[:11], layers[11:]]
+    assert readout_windows(layers, 22) == [layers] and readout_windows(layers, 100) == [layers]
+    assert [len(w) for w in readout_windows(layers, 8)] == [8, 8, 6]
+    assert [len(w) for w in readout_windows(layers, 7)] == [6, 6, 6, 4]
+    assert readout_windows(layers, 1) == [[i] for i in layers]
+    assert readout_windows([3, 5, 9], 2) == [[3, 5], [9]] and readout_windows([], 4) == []
+    for per_call in range(1, 30):
+        windows = readout_windows(layers, per_call)
+        assert sum(windows, []) == layers and max(map(len, windows)) <= per_call
+        assert len(windows) == -(-22 // per_call) and len({len(w) for w in windows[:-1]}) <= 1
+
+
 def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
     from megatron_tc.calibrate.capture import LayerIO, merge_layer_io
 

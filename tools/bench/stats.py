@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=float, default=2000.0)
     p.add_argument("--phases", type=int, nargs="?", const=5, default=0, metavar="REPEATS",
                    help="only the phases of the pass (stats_phases.py): collect_stats with sweep 1 and sweep 2 timed "
-                        "apart, with CUDA graphs, with a readout call per layer, with fp32 projections, and sweep 1 "
-                        "alone (with and without the layer I/O kept, a call per layer), alternating over REPEATS rounds "
-                        "(default 5) beside a teacher forward")
+                        "apart, with CUDA graphs, with a readout call per layer, with sweep 2's groups as many layers "
+                        "as fit then the rest, with fp32 projections, and sweep 1 alone (with and without the layer "
+                        "I/O kept, a call per layer), alternating over REPEATS rounds (default 5) beside a teacher "
+                        "forward")
     p.add_argument("--profile", action="store_true",
                    help="profile one warm call of each sweep and of collect_stats (host and device time, "
                         "heaviest operators, each phase's host time) and count the host's waits for the device")
