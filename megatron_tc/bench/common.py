@@ -163,11 +163,13 @@ def measure_peaks(device: torch.device, quick: bool = False) -> dict[str, float]
 def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by: str = "device",
                  ranges: str = "") -> list[dict[str, Any]]:
     """One warm call of `fn` under torch.profiler: a row with the host and device self time of all
-    operators, then the `top` operators by device time (host time on CPU; by="host": by host time,
-    the CUDA runtime's calls such as graph instantiation among them). Host time well above device
-    time means the host (launches, Python) is the bound, not the kernels. ranges: also a row per
-    `record_function` range whose name starts with it ({"range": name, calls, host_ms: the host
-    time inside it, all it called included}), after the operators and not among them."""
+    operators (the device time of each kernel counted once, with the operator that launched it), on
+    CUDA a `device_busy_row`, then the `top` operators and kernels by device time (host time on
+    CPU; by="host": by host time, the CUDA runtime's calls such as graph instantiation among them).
+    Host time well above device time means the host (launches, Python) is the bound, not the
+    kernels. ranges: also a row per `record_function` range whose name starts with it
+    (`range_rows`: the host time inside it, all it called included, and the device time of what it
+    launched), after the operators and not among them."""
     if by not in ("device", "host"):
         raise ValueError(f"profile_rows orders by 'device' or 'host' time, not {by!r}")
     from torch.profiler import ProfilerActivity, profile
@@ -180,9 +182,14 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by:
         sync(device)
     events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
     device_us = lambda e: getattr(e, "self_device_time_total", 0.0) if cuda else 0.0  # noqa: E731
+    from torch.autograd import DeviceType
+
+    on_host = [e for e in events if e.device_type == DeviceType.CPU]  # a kernel's own entry would count it twice
     rows = [{"op": "(all)", "calls": sum(e.count for e in events),
              "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
-             "device_ms": sum(device_us(e) for e in events) / 1e3}]
+             "device_ms": sum(device_us(e) for e in on_host) / 1e3}]
+    busy = device_busy_row(prof) if cuda else None
+    rows += [busy] if busy else []
     order = (lambda e: (device_us(e), e.self_cpu_time_total)) if by == "device" else (lambda e: e.self_cpu_time_total)
     in_range = (lambda e: e.key.startswith(ranges)) if ranges else (lambda e: False)  # noqa: E731
     for e in sorted((e for e in events if not in_range(e)), key=order, reverse=True)[:top]:
@@ -192,16 +199,53 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by:
 
 
 def range_rows(prof, prefix: str) -> list[dict[str, Any]]:
-    """{"range", calls, host_ms} of each host-side `record_function` range of `prof` whose name
-    starts with `prefix`, by name (on CUDA a range also has a device-side copy: not counted)."""
+    """{"range", calls, host_ms, device_ms} of each host-side `record_function` range of `prof`
+    whose name starts with `prefix`, by name: the host time inside it and the device time of the
+    kernels its operators launched (0 off CUDA; the range's own device-side copy is not counted)."""
     from torch.autograd import DeviceType
 
     spans: dict[str, list[float]] = {}
     for e in prof.events():
         if e.name.startswith(prefix) and e.device_type == DeviceType.CPU:
-            span = spans.setdefault(e.name, [0, 0.0])
-            span[0], span[1] = span[0] + 1, span[1] + e.cpu_time_total
-    return [{"range": name, "calls": calls, "host_ms": us / 1e3} for name, (calls, us) in sorted(spans.items())]
+            span = spans.setdefault(e.name, [0, 0.0, 0.0])
+            span[0], span[1], span[2] = span[0] + 1, span[1] + e.cpu_time_total, span[2] + _launched_us(e)
+    return [{"range": name, "calls": calls, "host_ms": host / 1e3, "device_ms": device / 1e3}
+            for name, (calls, host, device) in sorted(spans.items())]
+
+
+def _launched_us(event) -> float:
+    """Device time (us) of the kernels launched by `event` and the operators under it."""
+    own = sum(kernel.duration for kernel in getattr(event, "kernels", None) or [])
+    return own + sum(_launched_us(child) for child in event.cpu_children)
+
+
+def device_busy_row(prof) -> dict[str, Any] | None:
+    """{"op": "(device busy)", host_ms: the profiled call's wall time, device_ms: the time at least
+    one kernel or copy ran}: a device busy for a small part of the wall time waits for its host.
+    None without device events (off CUDA)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    if not spans:
+        return None
+    first = min(e.time_range.start for e in events)
+    last = max(e.time_range.end for e in events)
+    return {"op": "(device busy)", "calls": len(spans), "host_ms": (last - first) / 1e3,
+            "device_ms": covered(spans) / 1e3}
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals (start, end) (overlapping ones counted once)."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (0.0 if end is None else end - start)
 
 
 def host_syncs(fn: Callable[[], Any], device: torch.device, top: int = 3) -> dict[str, Any]:

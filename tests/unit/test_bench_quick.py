@@ -123,12 +123,21 @@ def test_bench_stats_quick(tmp_path):
         assert not any(op["op"].startswith("stats.") for op in ops), "a phase's range listed as an operator"
         spans = {row["range"]: row for row in data["profile"] if row["pass"] == name and "range" in row}
         assert sorted(spans) == ranges
-        assert all(row["calls"] >= 1 and row["host_ms"] > 0 for row in spans.values())
+        assert all(row["calls"] >= 1 and row["host_ms"] > 0 and row["device_ms"] == 0 for row in spans.values())
     layers = 3  # one closed form per converted layer and pass
     assert {row["range"]: row["calls"] for row in data["profile"]
             if row["pass"] == "sweep 2" and "range" in row}["stats.sweep2.closed_form"] == layers
     assert "syncs" not in data  # the host's waits for a device are counted on CUDA only
     assert "bench_stats" in summarize(tmp_path)
+
+
+def test_device_busy_time_counts_overlapping_spans_once():
+    from megatron_tc.bench.common import covered
+
+    assert covered([]) == 0
+    assert covered([(5.0, 7.0)]) == 2.0
+    assert covered([(0.0, 4.0), (1.0, 2.0), (3.0, 6.0), (10.0, 11.0)]) == 7.0  # nested, overlapping, apart
+    assert covered([(10.0, 11.0), (0.0, 1.0), (1.0, 3.0)]) == 4.0  # unsorted, touching
 
 
 def test_bench_stats_phases(tmp_path, monkeypatch):

@@ -21,8 +21,9 @@ CUDA graphs ($MEGATRON_TC_STATS_GRAPHS=1) and their sums checked against the eag
 the PyTorch chunks ($MEGATRON_TC_STATS_KERNEL=reference), not counted in the total, so one run
 measures the kernel's gain. --profile runs each sweep and collect_stats once more under
 torch.profiler and reports their host and device self time, in total and for the heaviest
-operators (is it bound by the host?), and the host time of each phase of the pass (its `stats.*`
-profiler ranges: sweep 1's stacked sums and finish, sweep 2's closed forms, sums and finish), and
+operators (is it bound by the host?), on CUDA the device's busy time against the call's wall time,
+and the host time and launched device time of each phase of the pass (its `stats.*` profiler
+ranges: sweep 1's stacked sums and finish, sweep 2's closed forms, sums and finish), and
 counts the host's waits for the device (CUDA sync debug mode) in each sweep, in collect_stats and
 in a calibration with 10 alignment steps.
 Checks: sweep-1 sums of one [1, 256] batch on the device against the same pass of an fp32 copy of
