@@ -2,8 +2,9 @@
 (tools/bench/stats_host.py): PyTorch operators (counted where they reach the kernels, below
 autograd) and CPU time of
 
-    default: one layer's default GDN init with the values closed forms read (`default_gdn_state`,
-           all but the q/k/v/o projections), once per layer and pass;
+    default: the values of one layer's default GDN init (`default_gdn_state`) that its readout
+           mixer's closed form reads (not those it replaces, such as the output gate that the
+           readout leaves to `finish`), once per layer and pass;
     build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
            teacher's weights, the statistics and that default init), once per layer and pass;
     sums:  one batch's readout sums of that layer (the GDN recurrence, the fp64 products; the
@@ -75,11 +76,12 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     io, attention = kept[1], teacher.layers[1].mixer
     student, candidates = readout_mixer(closed_form, stats, teacher, arch, 1, seed)
 
+    ready = default_gdn_state(arch, 1, seed)  # its values drawn by the closed form's first build
+    readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready, into=student)
+
     def default():
         state = default_gdn_state(arch, 1, seed)
-        return {key: state[key] for key in state if key.split("_proj.")[0] not in ("q", "k", "v", "o")}
-
-    ready = default_gdn_state(arch, 1, seed)  # its values drawn by the closed form's first build
+        return {key: state[key] for key in ready.drawn}
 
     def build():  # into the previous layer's mixer, as the pass reuses it
         return readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready, into=student)

@@ -86,6 +86,11 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
         raise KeyError(f"no default init rule for GDN parameter {key!r} ({type(module).__name__})")
 
     @property
+    def drawn(self) -> tuple[str, ...]:
+        """The keys whose values have been read (drawn) so far, in the order they were."""
+        return tuple(self._values)
+
+    @property
     def layout(self) -> Mapping[str, torch.Tensor]:
         """The state dict's `meta` tensors (shapes and dtypes, nothing drawn); read only."""
         return self._meta

@@ -127,6 +127,7 @@ def test_copying_the_teacher_never_draws_the_projections_it_replaces():
     teacher = {k: torch.randn(shape) for k, shape in shapes.items()}  # the teacher attention's weights
     params = copy_teacher(LayerContext(0, arch, teacher, default))
     assert list(params) == list(default)
-    assert not {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"} & set(default._values)
+    assert not {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"} & set(default.drawn)
+    assert list(default.drawn) == [k for k in default if k in default.drawn]  # read in the state dict's order
     for key in ("a_proj.weight", "g_proj.weight", "A_log"):
         assert torch.equal(params[key], reference_state(arch, 0, 0)[key])
