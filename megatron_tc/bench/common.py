@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.autograd import DeviceType
 
 
 # ---- devices and timing ----------------------------------------------------------------------
@@ -182,8 +183,6 @@ def profile_rows(fn: Callable[[], Any], device: torch.device, top: int = 12, by:
         sync(device)
     events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
     device_us = lambda e: getattr(e, "self_device_time_total", 0.0) if cuda else 0.0  # noqa: E731
-    from torch.autograd import DeviceType
-
     on_host = [e for e in events if e.device_type == DeviceType.CPU]  # a kernel's own entry would count it twice
     rows = [{"op": "(all)", "calls": sum(e.count for e in events),
              "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
@@ -202,8 +201,6 @@ def range_rows(prof, prefix: str) -> list[dict[str, Any]]:
     """{"range", calls, host_ms, device_ms} of each host-side `record_function` range of `prof`
     whose name starts with `prefix`, by name: the host time inside it and the device time of the
     kernels its operators launched (0 off CUDA; the range's own device-side copy is not counted)."""
-    from torch.autograd import DeviceType
-
     spans: dict[str, list[float]] = {}
     for e in prof.events():
         if e.name.startswith(prefix) and e.device_type == DeviceType.CPU:
@@ -223,8 +220,6 @@ def device_busy_row(prof) -> dict[str, Any] | None:
     """{"op": "(device busy)", host_ms: the profiled call's wall time, device_ms: the time at least
     one kernel or copy ran}: a device busy for a small part of the wall time waits for its host.
     None without device events (off CUDA)."""
-    from torch.autograd import DeviceType
-
     events = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
