@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from typing import Any, Callable
+from unittest.mock import patch
 
 import torch
 from tqdm.auto import tqdm
@@ -80,30 +81,17 @@ def bench_phases(teacher, batches, layers, meta: dict, strategies, student_arch,
         with env(GRAPHS_ENV, "1"):
             one_pass()
 
-    def per_layer() -> None:
-        saved = stats_module.readout_stacked_layers
-        stats_module.readout_stacked_layers = lambda tokens, per_token: 1
-        try:
-            one_pass()
-        finally:
-            stats_module.readout_stacked_layers = saved
+    def one_pass_with(owner, name: str, value) -> Callable[[], None]:
+        """`one_pass` with owner.name set to `value` (restored after)."""
+        def run() -> None:
+            with patch.object(owner, name, value):
+                one_pass()
+        return run
 
-    def groups_of_the_cap() -> None:
-        saved = stats_module.readout_windows
-        stats_module.readout_windows = lambda layers, per_call: [list(layers[i:i + per_call])
-                                                                 for i in range(0, len(layers), per_call)]
-        try:
-            one_pass()
-        finally:
-            stats_module.readout_windows = saved
-
-    def fp32_projections() -> None:
-        saved = readout_mixers.NARROW_DTYPES
-        readout_mixers.NARROW_DTYPES = ()  # every readout mixer weight in fp32
-        try:
-            one_pass()
-        finally:
-            readout_mixers.NARROW_DTYPES = saved
+    per_layer = one_pass_with(stats_module, "readout_stacked_layers", lambda tokens, per_token: 1)
+    groups_of_the_cap = one_pass_with(stats_module, "readout_windows", lambda layers, per_call: [
+        list(layers[i:i + per_call]) for i in range(0, len(layers), per_call)])
+    fp32_projections = one_pass_with(readout_mixers, "NARROW_DTYPES", ())  # every readout mixer weight in fp32
 
     variants = {"teacher forward": forward, "collect_stats": one_pass, "collect_stats, CUDA graphs": with_graphs,
                 "collect_stats, a readout call per layer": per_layer,
