@@ -62,6 +62,13 @@ def _rank() -> str:
     return os.environ.get("RANK", "0")
 
 
+def say(line: str) -> None:
+    """`line` on stderr in one write. The ranks of a launch share the stream: print writes the
+    newline apart, and another rank's line could land between the two."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_tc.calibrate.strategies  # noqa: F401  (registers every init, ablations included, before the check)
     from megatron_tc.config import ConfigError, load_config, split_cli_args
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         path, overrides = split_cli_args(rest)
         cfg = load_config(path, overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr, flush=True)
+        say(f"config error: {err}")
         leave_after_error()  # every rank refuses the same config: each prints its line before any exits
         return 2
     from megatron_tc.distill.runner import StoppedBySignal, run_pipeline
@@ -81,27 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_pipeline(cfg, force=force, stop_after=args.stop_after)
     except ConfigError as err:  # checks that need the world size or the teacher
-        print(f"config error: {err}", file=sys.stderr, flush=True)
+        say(f"config error: {err}")
         forget_frames(err)
         leave_after_error()
         return 2
     except user_errors() as err:  # the other ranks learn of it as a peer gone (below)
-        print(f"error on rank {_rank()}: {err}", file=sys.stderr, flush=True)
+        say(f"error on rank {_rank()}: {err}")
         forget_frames(err)  # they hold the run's process groups, which leaving must close
         leave_after_error()
         return 2
     except RuntimeError as err:
         if not peer_failed(err):
             raise
-        print(f"rank {_rank()}: stopped because another rank failed (its error is above)", file=sys.stderr,
-              flush=True)
+        say(f"rank {_rank()}: stopped because another rank failed (its error is above)")
         mark_stopping()
         # launchers report the first rank to exit non-zero: let the failing rank, already exiting
         # when its peers learn of it, go first so its code (2 for bad input) is the job's
         time.sleep(PEER_EXIT_GRACE_S)
         return 1
     except StoppedBySignal as stop:  # the code a shell gives a process the signal ended: not finished
-        print(str(stop), file=sys.stderr)
+        say(str(stop))
         shutdown_distributed()
         return 128 + stop.signum
     shutdown_distributed()

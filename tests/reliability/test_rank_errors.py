@@ -45,3 +45,24 @@ def test_a_failure_on_one_rank_is_named_there_and_the_other_rank_exits_cleanly(t
         f"error on rank 0: {tmp_path / 'empty'} has no config.json and no .gguf file: not a Hugging Face model "
         "directory",
         "rank 1: stopped because another rank failed (its error is above)"]), out[-3000:]
+
+
+def test_a_rank_says_its_line_in_one_write(monkeypatch):
+    """Ranks share stderr: a line written in pieces (print writes its newline apart) can be split by
+    another rank's line."""
+    from megatron_tc.distill.cli import say
+
+    class Stream:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    stream = Stream()
+    monkeypatch.setattr(sys, "stderr", stream)
+    say("config error: bad")
+    assert stream.writes == ["config error: bad\n"]
