@@ -48,5 +48,7 @@ def test_profile_rows_count_kernels_once_and_see_the_device_idle():
     assert matmuls["device_ms"] == pytest.approx(timed["ms"], rel=0.25)
     # one stream, kernels one after another: their summed time is the busy time (not twice it)
     assert busy["device_ms"] == pytest.approx(total["device_ms"], rel=0.15)
-    assert matmuls["device_ms"] <= busy["device_ms"] * 1.01
+    # the range's kernels are part of the busy time (their records may overlap by a few us where
+    # one kernel starts as the last ends: the summed durations can pass the union by that much)
+    assert matmuls["device_ms"] <= busy["device_ms"] * 1.05
     assert busy["host_ms"] >= busy["device_ms"] + 1e3 * HOST_PAUSE_S * 0.9
