@@ -311,8 +311,10 @@ def run(args: Any) -> int:
         teacher, _ = load_gguf_teacher(args.gguf)
         report.note(f"teacher weights from {args.gguf}")
     else:
+        if not args.quick:
+            report.note(f"teacher: random weights of the {getattr(args, 'preset', 'smollm2-135m')} shape")
         with torch.device(device):
-            teacher = HybridLM(PRESETS["tiny" if args.quick else "smollm2-135m"]())
+            teacher = HybridLM(PRESETS["tiny" if args.quick else getattr(args, "preset", "smollm2-135m")]())
     teacher = teacher.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32).eval()
     pattern = quarter_pattern(teacher.arch.num_layers)
     keep = [i for i, kind in enumerate(pattern) if kind == "A"]

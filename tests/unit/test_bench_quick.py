@@ -131,6 +131,18 @@ def test_bench_stats_quick(tmp_path):
     assert "bench_stats" in summarize(tmp_path)
 
 
+def test_bench_stats_preset_picks_the_teacher_shape(tmp_path):
+    """--preset (without --quick) builds the teacher of that shape: tiny's quarter pattern converts 3
+    of its 4 layers, where the default SmolLM2 shape converts 22."""
+    out = tmp_path / "stats.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--batch", "1", "--seq", "32", "--num-batches", "1",
+            "--chunk-size", "16", "--readout", "", "--no-calibrate", "--budget-ms", "10", "--out", str(out)]
+    assert load_tool("bench_stats").main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and data["notes"] == ["teacher: random weights of the tiny shape"]
+    assert {row["layers"] for row in data["rows"]} == {3} and data["pattern"] == quarter_pattern(4)
+
+
 def test_device_busy_time_counts_overlapping_spans_once():
     from megatron_tc.bench.common import covered
 

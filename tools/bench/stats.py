@@ -2,12 +2,13 @@
 """Statistics pass vs a plain teacher forward over the same tokens, and the calibration wall time
 of SmolLM2 (statistics + `taylor_calibrate` closed form + per-layer alignment).
 
-    python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf] [--batch 4 --seq 2048
+    python tools/bench/stats.py [--out FILE] [--quick] [--gguf SmolLM2.gguf | --preset llama3-8b] [--batch 4 --seq 2048
         --num-batches 2] [--readout taylor_calibrate] [--calib-tokens 8192 --calib-seq 512]
         [--align-steps N] [--no-calibrate | --calibrate-only] [--packed-docs [MEAN]] [--sweep1-reference]
         [--profile] [--phases [REPEATS]] [--kernel-configs [--kernel-shapes B,H,HKV,T,D ...]]
 
-Teacher: SmolLM2-135M from --gguf, else random weights of its shape; bf16 on CUDA (--dtype).
+Teacher: SmolLM2-135M from --gguf, else random weights of the --preset shape (default SmolLM2-135M;
+llama3-8b for the pass at the scale of a real teacher); bf16 on CUDA (--dtype).
 Tokens: random ids (the cost does not depend on them). The converted layers are those of the
 `uniform` policy keeping a quarter of the layers as attention.
 
@@ -51,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_tc.bench.common import parse_args  # noqa: E402
+from megatron_tc.bench.models import PRESETS  # noqa: E402
 from megatron_tc.bench.stats_run import run  # noqa: E402
 
 
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model on CPU (seconds)")
     p.add_argument("--device", default="auto")
     p.add_argument("--gguf", default=None, help="SmolLM2 GGUF (else random weights of its shape)")
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS),
+                   help="the teacher's shape, random weights (ignored with --gguf or --quick)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="teacher dtype (default bf16 on CUDA)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
