@@ -299,6 +299,19 @@ def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
 
 
 
+def bench_teacher(args: Any, device: torch.device, report: Report) -> HybridLM:
+    """SmolLM2 from --gguf, else random weights of the --preset shape (tiny with --quick)."""
+    if args.gguf:
+        teacher, _ = load_gguf_teacher(args.gguf)
+        report.note(f"teacher weights from {args.gguf}")
+        return teacher
+    preset = "tiny" if args.quick else getattr(args, "preset", "smollm2-135m")
+    if not args.quick:
+        report.note(f"teacher: random weights of the {preset} shape")
+    with torch.device(device):
+        return HybridLM(PRESETS[preset]())
+
+
 def run(args: Any) -> int:
     """Checks, the statistics pass against the forward and (unless args.no_calibrate) calibration."""
     device = pick_device(args.device)
@@ -307,15 +320,8 @@ def run(args: Any) -> int:
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)
     report = Report("stats", args.out, device, args)
-    if args.gguf:
-        teacher, _ = load_gguf_teacher(args.gguf)
-        report.note(f"teacher weights from {args.gguf}")
-    else:
-        if not args.quick:
-            report.note(f"teacher: random weights of the {getattr(args, 'preset', 'smollm2-135m')} shape")
-        with torch.device(device):
-            teacher = HybridLM(PRESETS["tiny" if args.quick else getattr(args, "preset", "smollm2-135m")]())
-    teacher = teacher.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32).eval()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    teacher = bench_teacher(args, device, report).to(device=device, dtype=dtype).eval()
     pattern = quarter_pattern(teacher.arch.num_layers)
     keep = [i for i, kind in enumerate(pattern) if kind == "A"]
     layers = converted_layers(pattern)
