@@ -221,8 +221,8 @@ def device_busy_row(prof) -> dict[str, Any] | None:
     one kernel or copy ran}: a device busy for a small part of the wall time waits for its host.
     None without device events (off CUDA)."""
     events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     if not spans:
         return None
     first = min(e.time_range.start for e in events)

@@ -298,7 +298,6 @@ def bench_calibrate(teacher, keep, pattern, args, device, report) -> None:
             report.add("syncs", {"what": f"calibrate_student ({steps} alignment steps)", **syncs})
 
 
-
 def bench_teacher(args: Any, device: torch.device, report: Report) -> HybridLM:
     """SmolLM2 from --gguf, else random weights of the --preset shape (tiny with --quick)."""
     if args.gguf:
