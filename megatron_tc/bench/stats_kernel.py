@@ -30,18 +30,18 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
 def kernel_rows(shape: tuple[int, int, int, int, int], device: torch.device, budget_ms: float) -> list[dict[str, Any]]:
     """One row per launch configuration of the kernel on bf16 q [B, H, T, D], k/v [B, HKV, T, D]
     (causal rows, no documents), then flash attention's row; ms from `time_fn`."""
-    from megatron_tc.calibrate.moments_triton import attention_rows
+    from megatron_tc.calibrate.moments_triton import attention_closed
 
     b, h, hkv, t, d = shape
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, n, t, d, generator=gen, device=device).bfloat16() for n in (h, hkv, hkv))
     lo = torch.zeros(b, t, dtype=torch.long, device=device)
-    kbar = running_mean_values(k.float(), lo)
+    kbar, vbar = running_mean_values(torch.cat([k, v], 1), lo).chunk(2, dim=1)
     label = f"{b}x{h}x{t}x{d} (kv heads {hkv})"
     rows = []
     for block_n, warps, stages in CONFIGS:
-        call = lambda: attention_rows(q, k, v, d**-0.5, lo, lo, kbar=kbar, block_n=block_n,  # noqa: E731
-                                      num_warps=warps, num_stages=stages)
+        call = lambda: attention_closed(q, k, v, d**-0.5, lo, lo, kbar, vbar, block_n=block_n,  # noqa: E731
+                                        num_warps=warps, num_stages=stages)
         try:
             ms = time_fn(call, device, budget_ms=budget_ms).ms
         except Exception as exc:  # a configuration the compiler refuses (registers, shared memory)

@@ -8,11 +8,12 @@ model's masks (`model.ops.attention_mask`), so memory is B*H*chunk*T, never B*H*
 statistic of a chunk comes from one logits tensor in a few passes (batched row dot products as
 matmuls), with the distribution's log taken from the logits, never as log(probabilities).
 
-Two paths produce the same per-query-row statistics (ROW_KEYS + the sink-free output y_ns): the
-PyTorch chunks above (`_chunk_rows`; CPU, fallback, reference) and, on CUDA with triton, a fused
-flash-attention-style kernel (`moments_triton.attention_rows`: one pass over the visible keys,
-no logits in memory). `close_rows` turns either into the per-head sums. $MEGATRON_TC_STATS_KERNEL
-picks: auto (default), triton, reference.
+Two paths produce the same per-query-row statistics (CLOSED_ROW_KEYS + the attention output y):
+the PyTorch chunks above (`_chunk_rows`, closed by `close_rows`; CPU, fallback, reference) and, on
+CUDA with triton, a fused flash-attention-style kernel (`moments_triton.attention_closed`: one
+pass over the visible keys, no logits in memory, the rows closed in the same program). Either's
+rows are summed per head in fp64. $MEGATRON_TC_STATS_KERNEL picks: auto (default), triton,
+reference.
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def _sink_index(doc_ids: torch.Tensor | None, b: int, t: int, device: torch.devi
 STATS_KERNEL_ENV = "MEGATRON_TC_STATS_KERNEL"  # auto (CUDA + triton), triton, reference
 CLOSE_ROWS = 8192  # queries closed at once (bounds the [B, H, rows, D] fp32 temporaries)
 ROW_KEYS = ("m", "z_rest", "ent_sum", "dist_sum", "n", "var", "s_sink")
+# what `close_rows` sums per head, in its order (the Triton kernel's closed planes)
+CLOSED_ROW_KEYS = ("dist", "entropy", "sink", "logit_var", "zero_order_err", "dist_nosink", "conc", "conc_nosink",
+                   "self")
 
 
 @functools.cache
@@ -140,7 +144,7 @@ def _chunk_rows(
     s: torch.Tensor, mask: torch.Tensor, dist: torch.Tensor, sink: torch.Tensor, v: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-query-row statistics of one chunk from its logits, in a few passes (the PyTorch
-    reference of `moments_triton.attention_rows`).
+    reference of `moments_triton.attention_closed`'s walk over the keys).
 
     s [B, H, c, Tk] fp32 logits (overwritten), mask [B, 1, c, Tk] bool, dist [c, Tk] query-key
     distance, sink [B, c] position of each query's sink among the Tk keys (-1: not among them),
@@ -182,13 +186,13 @@ def close_rows(
     rows: dict[str, torch.Tensor], y_ns: torch.Tensor, v_sink: torch.Tensor, d_sink: torch.Tensor,
     vbar: torch.Tensor, s_self: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-head fp64 sums over the queries of a slice from their per-row statistics (shared by
-    the PyTorch chunks and the Triton kernel).
+    """Per-head fp64 sums over the queries of a slice from their per-row statistics (the PyTorch
+    chunks' close; the Triton kernel runs the same per-row formulas in `moments_triton._close_rows`).
 
     rows {key: [B, H or 1, c]} (ROW_KEYS, see `_chunk_rows`), y_ns [B, H, c, D], v_sink
     [B, Hkv, c, D] the value at each query's sink, d_sink [B, 1, c] the distance to it, vbar
     [B, Hkv, c, D] the mean visible value (the zero-order term), s_self [B, H, c] each query's
-    logit on its own key (gives the "self" sum). Returns (sums [H], y [B, H, c, D]).
+    logit on its own key (gives the "self" sum). Returns (sums [H] of CLOSED_ROW_KEYS, y [B, H, c, D]).
 
     The sink-free distribution q = e / z_rest is exactly representable however much mass the
     sink holds (in fp32, its p would underflow): entropy_ns = log z_rest - sum q s0 and
@@ -228,15 +232,16 @@ def close_rows(
     return dict(zip(per_row, totals.unbind(0))), y.view(b, h, c, d)
 
 
-def running_mean_values(v: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """vbar [B, H, T, D]: mean of v [B, H, T, D] over the visible keys lo[b, t]..t (fp64 cumsum)."""
+def running_mean_values(v: torch.Tensor, lo: torch.Tensor, v64: torch.Tensor | None = None) -> torch.Tensor:
+    """vbar [B, H, T, D] fp32: mean of v [B, H, T, D] over the visible keys lo[b, t]..t (an fp64
+    cumsum; v64: v in fp64 when the caller has it)."""
     b, h, t, d = v.shape
-    csum = torch.cat([v.new_zeros(b, h, 1, d, dtype=F64), v.to(F64).cumsum(dim=2)], dim=2)  # [B, H, T+1, D]
+    csum = (v.to(F64) if v64 is None else v64).cumsum(dim=2)  # [B, H, T, D]: sum over 0..t
     index = torch.arange(t, device=v.device)
-    upper = csum[:, :, 1:]
-    lower = csum.gather(2, lo[:, None, :, None].expand(-1, h, -1, d))
+    below = csum.gather(2, (lo - 1).clamp_min(0)[:, None, :, None].expand(-1, h, -1, d))  # sum over 0..lo-1
+    below.masked_fill_((lo == 0)[:, None, :, None], 0.0)
     count = (index[None] - lo + 1).to(F64)[:, None, :, None]
-    return ((upper - lower) / count).float()
+    return csum.sub_(below).div_(count).float()
 
 
 def attention_sums(
@@ -260,56 +265,37 @@ def attention_sums(
     hkv = k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key heads ({hkv})")
-    vf = v.float()
     sink_index = _sink_index(doc_ids, b, t, q.device)
     k_index = torch.arange(t, device=q.device)
     lo = sink_index if sliding_window is None else torch.maximum(sink_index, k_index[None] - sliding_window + 1)
-    v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
-    d_sink = (k_index[None] - sink_index).float()[:, None]  # [B, 1, T]
-    sums: dict[str, torch.Tensor] = {}  # the first slice's sums, then added into
-    ys = []
     kernel = use_stats_kernel(q)
     if kernel and doc_ids is not None and not documents_are_contiguous(doc_ids):
         if os.environ.get(STATS_KERNEL_ENV) == "triton":
             raise ValueError("the stats kernel needs each document id in one contiguous run per row (as packing "
                              f"writes them); unset ${STATS_KERNEL_ENV} to use the PyTorch path for these doc_ids")
         kernel = False  # an id that returns later in a row: the PyTorch chunks mask by id equality
+    kv64 = torch.cat([k, v], 1).to(F64)  # [B, 2 Hkv, T, D]: the running means' and the moments' input
     if kernel:
-        from .moments_triton import attention_rows
+        from .moments_triton import attention_closed
 
-        kbar, vbar = running_mean_values(torch.cat([k, v], 1).float(), lo).chunk(2, dim=1)  # [B, Hkv, T, D]
-        rows, y_ns = attention_rows(q, k, v, scale, lo, sink_index, kbar=kbar)
-        s_self = rows.pop("s_self")  # [B, Hq, T] each query's logit on its own key
-        pieces = ((rows, y_ns, slice(0, t)),)
+        kbar, vbar = running_mean_values(kv64, lo, kv64).chunk(2, dim=1)  # [B, Hkv, T, D]
+        rows, y = attention_closed(q, k, v, scale, lo, sink_index, kbar, vbar)  # closed in the kernel
+        stacked = torch.stack([rows[key] for key in CLOSED_ROW_KEYS])  # [K, B, H, T]
+        sums = dict(zip(CLOSED_ROW_KEYS, torch.sum(stacked, dim=(1, 3), dtype=F64).unbind(0)))
     else:
-        vbar = running_mean_values(vf, lo)  # [B, Hkv, T, D]
-        qf = q.float().view(b, hkv, hq // hkv, t, d)
-        s_self = (qf * scale * k.float()[:, :, None]).sum(-1).view(b, hq, t)
-        pieces = _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index)
-    for rows, y_ns, span in pieces:
-        for start in range(0, y_ns.shape[2], CLOSE_ROWS):  # bounded fp32 temporaries per slice
-            part = slice(start, start + CLOSE_ROWS)
-            at = slice(span.start + start, min(span.start + start + CLOSE_ROWS, span.stop))
-            chunk, y = close_rows({key: r[:, :, part] for key, r in rows.items()}, y_ns[:, :, part],
-                                  v_sink[:, :, at], d_sink[..., at], vbar[:, :, at], s_self[:, :, at])
-            if sums:
-                add_into(sums, chunk)
-            else:
-                sums = chunk
-            ys.append(y)
-    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
-    y64 = y.to(F64)
-    energy = y64.pow(2).sum(dim=-1)  # [B, H, T] |y_t|^2
+        vbar = running_mean_values(v, lo, kv64[:, hkv:])  # [B, Hkv, T, D]
+        sums, y = _reference_sums(q, k, v, scale, doc_ids, sliding_window, chunk_size, sink_index, vbar)
+    energy = torch.linalg.vector_norm(y, dim=-1, dtype=F64).square()  # [B, H, T] |y_t|^2, no fp64 copy of y
     sums["out_energy"] = energy.sum(dim=(0, 2))
     sums["y_rms"] = energy.div(d).sqrt().sum(dim=(0, 2))
-    sums["y_sum"], sums["y_sq"] = _first_moments(y64)
+    sums["y_sum"], sums["y_sq"] = _first_moments(y.to(F64))
     # sum_t |O_h y_t|^2 = <O_h^T O_h, sum_t y_t y_t^T>: from y_sq, exact in fp64, no [B, H, T, hidden]
     o_heads = o_weight.to(F64).view(o_weight.shape[0], hq * d).t().view(hq, d, -1)  # [H, D, hidden]
     gram = o_heads @ o_heads.transpose(1, 2)  # O_h^T O_h [H, D, D]
     sums["out_energy_o"] = (gram * sums["y_sq"]).sum(dim=(1, 2))
-    kv_sum, kv_sq = _first_moments(torch.stack([k, v]).to(F64).view(2 * b, hkv, t, d), groups=2)
-    sums["k_sum"], sums["v_sum"] = kv_sum.unbind(0)
-    sums["k_sq"], sums["v_sq"] = kv_sq.unbind(0)
+    kv_sum, kv_sq = _first_moments(kv64)  # [2 Hkv, D], [2 Hkv, D, D]
+    sums["k_sum"], sums["v_sum"] = kv_sum.chunk(2)
+    sums["k_sq"], sums["v_sq"] = kv_sq.chunk(2)
     return sums, y
 
 
@@ -330,6 +316,32 @@ def _first_moments(x64: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, to
     sq = (x64.transpose(-1, -2) @ x64).sum(dim=1)  # [groups, H, D, D]
     total = x64.sum(dim=(1, 3))  # [groups, H, D]
     return (total[0], sq[0]) if groups == 1 else (total, sq)
+
+
+def _reference_sums(q, k, v, scale, doc_ids, sliding_window, chunk_size, sink_index, vbar):
+    """`close_rows` sums [H] over the PyTorch chunks' rows, and y [B, Hq, T, D] (the kernel-free
+    path of `attention_sums`)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    vf = v.float()
+    v_sink = vf.gather(2, sink_index[:, None, :, None].expand(b, hkv, t, d))  # [B, Hkv, T, D]
+    d_sink = (torch.arange(t, device=q.device)[None] - sink_index).float()[:, None]  # [B, 1, T]
+    qf = q.float().view(b, hkv, hq // hkv, t, d)
+    s_self = (qf * scale * k.float()[:, :, None]).sum(-1).view(b, hq, t)
+    sums: dict[str, torch.Tensor] = {}  # the first slice's sums, then added into
+    ys = []
+    for rows, y_ns, span in _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index):
+        for start in range(0, y_ns.shape[2], CLOSE_ROWS):  # bounded fp32 temporaries per slice
+            part = slice(start, start + CLOSE_ROWS)
+            at = slice(span.start + start, min(span.start + start + CLOSE_ROWS, span.stop))
+            chunk, y = close_rows({key: r[:, :, part] for key, r in rows.items()}, y_ns[:, :, part],
+                                  v_sink[:, :, at], d_sink[..., at], vbar[:, :, at], s_self[:, :, at])
+            if sums:
+                add_into(sums, chunk)
+            else:
+                sums = chunk
+            ys.append(y)
+    return sums, ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
 
 
 def _reference_rows(q, k, vf, scale, doc_ids, sliding_window, chunk_size, sink_index):

@@ -8,8 +8,9 @@ walk: by linearity it is q . (the mean visible key), from a running mean of the 
 (so one pass, and no E[s^2] - E[s]^2 cancellation). The document's first token (the "sink") is kept
 out of the online softmax; its logit, and the logit on the query's own key, are computed on their
 own. Key blocks every row of the program sees whole, none of them a sink (the causal interior),
-run without masks. The closing formulas (`moments.close_rows`) are shared with the PyTorch
-reference, which stays the CPU path and the fallback.
+run without masks. The rows are closed in the same program (`_close_rows`: the per-row formulas of
+`moments.close_rows`, the PyTorch reference, which stays the CPU path and the fallback), so only
+the closed statistics and the attention output leave it.
 
 Visibility needs no doc ids: documents are contiguous runs, so key j is visible to query i iff
 lo[i] <= j <= i with lo = max(sink index, i - window + 1) (what `attention_sums` computes).
@@ -22,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .moments import NEG, ROW_KEYS, running_mean_values
+from .moments import CLOSED_ROW_KEYS, NEG
 
 NEG_C = tl.constexpr(NEG)  # a jit function reads only constexpr globals
-KERNEL_ROW_KEYS = ROW_KEYS + ("s_self",)  # and each query's logit on its own key
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _key_block(
 
 @triton.jit
 def _rows_kernel(
-    Q, K, V, KBAR, LO, SINK,
+    Q, K, V, KBAR, VBAR, LO, SINK,
     OUT_ROWS, OUT_Y,
     scale, T, H, GROUP, D, PLANE,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sbb, sbh,
@@ -154,46 +154,81 @@ def _rows_kernel(
             m, z, ent, dsum, m2, acc, BLOCK_N, True, HI_LO, IEEE, UPCAST)
 
     cnt = (offs_m - lo + 1).to(tl.float32)  # visible keys lo..i
-    y = acc / tl.where(z > 0, z, 1.0)[:, None]
     row = pid_bh.to(tl.int64) * T + offs_m
-    stride = PLANE  # B*H*T: one plane per statistic
-    base = OUT_ROWS + row
-    tl.store(base, m, mask=row_ok)
-    tl.store(base + stride, z, mask=row_ok)
-    tl.store(base + 2 * stride, ent, mask=row_ok)
-    tl.store(base + 3 * stride, dsum, mask=row_ok)
-    tl.store(base + 4 * stride, cnt, mask=row_ok)
-    tl.store(base + 5 * stride, m2 / tl.maximum(cnt, 1.0), mask=row_ok)
-    tl.store(base + 6 * stride, s_sink, mask=row_ok)
-    tl.store(base + 7 * stride, s_self, mask=row_ok)
-    tl.store(OUT_Y + row[:, None] * D + offs_d[None, :], y, mask=row_ok[:, None] & d_ok[None, :])
+    v_sink = tl.load(v_base + sink[:, None] * svt + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
+    vbar = tl.load(VBAR + b * sbb + hk * sbh + offs_m[:, None] * D + offs_d[None, :], mask=rd_mask, other=0.0)
+    _close_rows(OUT_ROWS + row, PLANE, OUT_Y + row[:, None] * D + offs_d[None, :], row_ok, rd_mask,
+                m, z, ent, dsum, cnt, m2 / tl.maximum(cnt, 1.0), s_sink, s_self, acc, v_sink, vbar,
+                (offs_m - sink).to(tl.float32))
 
 
-def attention_rows(
+@triton.jit
+def _xlogx(x):
+    return tl.where(x > 0, x * tl.log(tl.where(x > 0, x, 1.0)), 0.0)
+
+
+@triton.jit
+def _close_rows(
+    base, PLANE, y_ptrs, row_ok, out_mask, m, z, ent_sum, dist_sum, n, var, s_sink, s_self, acc, v_sink, vbar,
+    d_sink,
+):
+    """`moments.close_rows` per row, in the kernel: each CLOSED_ROW_KEYS statistic of the rows
+    (one plane each from `base`) and their attention output y (at `y_ptrs`), from the walk's
+    running state (acc: the un-normalised sink-free output)."""
+    m = tl.where(m > NEG_C / 2, m, s_sink)
+    l_sink = s_sink - m
+    ok = z > 0
+    z_safe = tl.where(ok, z, 1.0)
+    log_rest = tl.where(ok, tl.log(z_safe), float("-inf"))
+    top = tl.maximum(log_rest, l_sink)
+    log_z = top + tl.log(tl.exp(log_rest - top) + tl.exp(l_sink - top))
+    p_sink = tl.exp(l_sink - log_z)
+    z_ns = tl.exp(log_rest - log_z)
+    dist_ns = dist_sum / z_safe
+    ent_ns = tl.log(z_safe) - ent_sum / z_safe
+    y = (z_ns / z_safe)[:, None] * acc + p_sink[:, None] * v_sink
+    err = tl.where(out_mask, y - vbar, 0.0)
+    zero_err = tl.sum(err * err, axis=1)
+    ent = z_ns * ent_ns - _xlogx(z_ns) - _xlogx(p_sink)
+    n_ns = n - (s_sink > NEG_C / 2).to(tl.float32)
+    has2 = n >= 2
+    tl.store(base, z_ns * dist_ns + p_sink * d_sink, mask=row_ok)
+    tl.store(base + PLANE, ent, mask=row_ok)
+    tl.store(base + 2 * PLANE, p_sink, mask=row_ok)
+    tl.store(base + 3 * PLANE, tl.maximum(var, 0.0), mask=row_ok)
+    tl.store(base + 4 * PLANE, zero_err, mask=row_ok)
+    tl.store(base + 5 * PLANE, tl.where(has2 & ok, dist_ns, 0.0), mask=row_ok)
+    tl.store(base + 6 * PLANE, tl.where(has2, 1 - ent / tl.log(tl.maximum(n, 2.0)), 0.0), mask=row_ok)
+    conc_ns = 1 - ent_ns / tl.log(tl.maximum(n_ns, 2.0))
+    tl.store(base + 7 * PLANE, tl.where((n_ns >= 2) & ok, conc_ns, 0.0), mask=row_ok)
+    tl.store(base + 8 * PLANE, tl.exp(s_self - m - log_z), mask=row_ok)
+    tl.store(y_ptrs, y, mask=out_mask)
+
+
+def attention_closed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lo: torch.Tensor, sink: torch.Tensor,
-    kbar: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int = 3,
+    kbar: torch.Tensor, vbar: torch.Tensor, block_m: int = 64, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int = 3,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-row statistics of softmax attention, one pass over the visible keys.
+    """Per-row statistics of softmax attention, one pass over the visible keys, closed per row in
+    the same kernel (`moments.close_rows`' per-row formulas).
 
     q [B, Hq, T, D], k/v [B, Hkv, T, D] (fp32, bf16 or fp16, any strides with unit last stride);
     lo [B, T] first visible key of each query, sink [B, T] its document's first token (the sink is
-    visible iff sink >= lo); kbar [B, Hkv, T, D] fp32 the mean key over lo..t of each query
-    (`moments.running_mean_values`; computed when not given). Returns ({key: [B, Hq, T] fp32} for
-    KERNEL_ROW_KEYS, y_ns [B, Hq, T, D] fp32:
-    the attention output of the non-sink distribution, 0 where no non-sink key is visible).
+    visible iff sink >= lo); kbar/vbar [B, Hkv, T, D] the mean key and value over lo..t of each
+    query (`moments.running_mean_values`). Returns ({key: [B, Hq, T] fp32} for CLOSED_ROW_KEYS,
+    y [B, Hq, T, D] fp32 the attention output).
     """
     b, h, t, d = q.shape
     hkv = k.shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key heads ({hkv})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    if kbar is None:
-        kbar = running_mean_values(k.float(), lo)
-    kbar = kbar.float()
-    if kbar.stride(3) != 1 or kbar.stride(2) != d:
-        kbar = kbar.contiguous()
-    rows = torch.empty(len(KERNEL_ROW_KEYS), b, h, t, dtype=torch.float32, device=q.device)
+    kbar, vbar = kbar.float(), vbar.float()
+    # one stride pair serves both means: [B, Hkv] planes of contiguous [T, D] rows
+    if any(x.stride(3) != 1 or x.stride(2) != d or x.stride()[:2] != kbar.stride()[:2] for x in (kbar, vbar)):
+        kbar, vbar = kbar.contiguous(), vbar.contiguous()
+    rows = torch.empty(len(CLOSED_ROW_KEYS), b, h, t, dtype=torch.float32, device=q.device)
     y = torch.empty(b, h, t, d, dtype=torch.float32, device=q.device)
     lo32 = lo.to(torch.int32).contiguous()
     sink32 = sink.to(torch.int32).contiguous()
@@ -209,11 +244,11 @@ def attention_rows(
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     grid = (triton.cdiv(t, block_m), b * h)
     _rows_kernel[grid](
-        q, k, v, kbar, lo32, sink32, rows, y, float(scale), t, h, h // hkv, d, b * h * t,
+        q, k, v, kbar, vbar, lo32, sink32, rows, y, float(scale), t, h, h // hkv, d, b * h * t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kbar.stride(0), kbar.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HI_LO=low, IEEE=not low,
         UPCAST=low and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
-    return dict(zip(KERNEL_ROW_KEYS, rows.unbind(0))), y
+    return dict(zip(CLOSED_ROW_KEYS, rows.unbind(0))), y

@@ -89,8 +89,8 @@ def test_kernel_rows_rescale_across_key_blocks(monkeypatch):
     query block whose documents start late skips the key blocks before them."""
     from megatron_tc.calibrate import moments_triton
 
-    real = moments_triton.attention_rows
-    monkeypatch.setattr(moments_triton, "attention_rows",
+    real = moments_triton.attention_closed
+    monkeypatch.setattr(moments_triton, "attention_closed",
                         lambda *a, **kw: real(*a, block_m=16, block_n=16))
     q, k, v, o_weight, doc_ids = make_case(2, 2, 1, 77, 16, True, 3.0, torch.float32, seed=3)
     # increasing logits along the keys: the running max grows block after block
@@ -149,7 +149,7 @@ from megatron_tc.calibrate.moments_triton import _rows_kernel
 
 ints = ["T", "H", "GROUP", "D", "PLANE", "sqb", "sqh", "sqt", "skb", "skh", "skt", "svb", "svh", "svt", "sbb", "sbh"]
 consts = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, HI_LO=True, IEEE=False, UPCAST=False)
-signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KBAR": "*fp32", "LO": "*i32", "SINK": "*i32", "OUT_ROWS": "*fp32",
+signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KBAR": "*fp32", "VBAR": "*fp32", "LO": "*i32", "SINK": "*i32", "OUT_ROWS": "*fp32",
              "OUT_Y": "*fp32", "scale": "fp32", **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
 kernel = triton.compile(ASTSource(fn=_rows_kernel, signature=signature, constexprs=consts),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
