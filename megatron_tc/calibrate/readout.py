@@ -251,14 +251,22 @@ def layers_readout_sums(
     raw = raw.float()
     b, t, _, d = raw.shape
     normed = stacked_norm([mixer.o_norm for mixer in mixers], raw.view(b, t, layers, h, d)).view(b, t, layers * h, d)
-    yt = concat([y.float().transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D]
-    # [C + 2, B, T, L*H, D]: the gated read of every candidate, the raw read, the teacher's heads
     gates = None if gates[0] is None else concat(gates, 3)  # [B, T, C', L*H*D]
-    reads = torch.cat(gated_reads(normed, gates, candidates[0]) + [raw[None], yt[None]])
-    # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
-    # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
-    with_y = _sum64(reads * yt, (1, 2, 4)).view(n + 2, layers, h)  # u.y per candidate, raw.y, y.y
-    squares = _sum64(reads[:n + 1].square(), (1, 2, 4)).view(n + 1, layers, h)  # u.u per candidate, raw.raw
+    if gates is None and not products and use_stats_kernel(raw):  # every candidate reads `normed`
+        from .read_sums_triton import read_sums
+
+        yt = concat([y.transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D] in the teacher's dtype
+        uy, ry, yy, uu, rr = read_sums(normed, raw, yt).view(layers, h, 5).unbind(-1)
+        with_y = torch.stack([uy] * n + [ry, yy])  # [C + 2, L, H]: u.y per candidate, raw.y, y.y
+        squares = torch.stack([uu] * n + [rr])  # u.u per candidate, raw.raw
+    else:
+        yt = concat([y.float().transpose(1, 2) for y in ys], 2)  # [B, T, L*H, D]
+        # [C + 2, B, T, L*H, D]: the gated read of every candidate, the raw read, the teacher's heads
+        reads = torch.cat(gated_reads(normed, gates, candidates[0]) + [raw[None], yt[None]])
+        # fp32 products summed in fp64 (no fp64 copies of the [C, B, T, H, D] tensors): the sums
+        # differ from squaring in fp64 by fp32 rounding of each product (< 1e-7 relative)
+        with_y = _sum64(reads * yt, (1, 2, 4)).view(n + 2, layers, h)  # u.y per candidate, raw.y, y.y
+        squares = _sum64(reads[:n + 1].square(), (1, 2, 4)).view(n + 1, layers, h)  # u.u per candidate, raw.raw
     beta_sums, g_sums = (_sum64(z.float(), (0, 1)).view(layers, h) for z in (beta, g))
     grids = layers_value_silu_grid(mixers, values).view(layers, h, -1)
     count = torch.full((), float(b * t), dtype=F64, device=q.device)  # a fill, not a host copy

@@ -1,5 +1,6 @@
 """Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks on CUDA, and
-sweep 2's value-grid kernel (`calibrate.value_grid_triton`) == its PyTorch reference.
+sweep 2's value-grid and read-sums kernels (`calibrate.value_grid_triton`, `read_sums_triton`) ==
+their references.
 
 Run on a GPU machine: `python -m pytest -q tests/gpu/test_stats_kernel_cuda.py` (well under
 a minute; each dtype/block shape compiles once, a few seconds). Both paths compute in fp32 from
@@ -97,6 +98,23 @@ def test_value_grid_kernel_matches_the_reference_cuda(monkeypatch, tokens, heads
     monkeypatch.delenv(STATS_KERNEL_ENV, raising=False)
     grid = readout.layers_value_silu_grid([type("Mixer", (), {"num_heads": heads})()], [v])
     assert torch.equal(grid, got)  # the pass takes the kernel on CUDA
+
+
+@pytest.mark.parametrize("shape", [(4, 2048, 64, 128), (2, 777, 9, 64), (1, 300, 2, 80)])
+def test_read_sums_kernel_equals_fp64_products_cuda(shape):
+    """An 8B group's reads (4 x 2048 tokens, 64 heads of 128) and shapes off the 64-blocks: u, r
+    fp32 and a bf16 teacher's heads y, against the products formed and summed in fp64."""
+    from megatron_tc.calibrate.read_sums_triton import read_sums
+
+    gen = torch.Generator(device="cuda").manual_seed(shape[1])
+    u, r, y = (torch.randn(*shape, generator=gen, device="cuda") * s for s in (1.0, 3.0, 0.5))
+    y = y.bfloat16()
+    yf = y.float()
+    want = torch.stack([(a * b).sum((0, 1, 3), dtype=torch.float64)
+                        for a, b in ((u, yf), (r, yf), (yf, yf), (u, u), (r, r))], dim=1)
+    # the same fp32 products (the PyTorch path's) summed in fp64 in another order: the cross sums
+    # of a million random products cancel to ~1e-3 of their terms, so fp64 order still shows
+    torch.testing.assert_close(read_sums(u, r, y), want, rtol=1e-9, atol=0)
 
 
 def test_finished_sums_come_from_the_gpu_exactly_after_the_kernels_that_make_them():
