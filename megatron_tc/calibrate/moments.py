@@ -307,15 +307,10 @@ def split_layers(sums: dict[str, torch.Tensor], layers: int) -> list[dict[str, t
     return [{key: chunks[i] for key, chunks in parts.items()} for i in range(layers)]
 
 
-def _first_moments(x64: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_t x_t [H, D], sum_t x_t x_t^T [H, D, D]) over the batch and tokens of fp64 x [B, H, T, D];
-    with `groups` > 1 the batch is `groups` stacked tensors and each gets its own sums (a leading
-    [groups] dimension): two reductions for all of them."""
-    bg, h, t, d = x64.shape
-    x64 = x64.view(groups, bg // groups, h, t, d)
-    sq = (x64.transpose(-1, -2) @ x64).sum(dim=1)  # [groups, H, D, D]
-    total = x64.sum(dim=(1, 3))  # [groups, H, D]
-    return (total[0], sq[0]) if groups == 1 else (total, sq)
+def _first_moments(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_t x_t [H, D], sum_t x_t x_t^T [H, D, D]) over the batch and tokens of fp64 x [B, H, T, D]."""
+    sq = (x64.transpose(-1, -2) @ x64).sum(dim=0)  # [H, D, D]
+    return x64.sum(dim=(0, 2)), sq
 
 
 def _reference_sums(q, k, v, scale, doc_ids, sliding_window, chunk_size, sink_index, vbar):
