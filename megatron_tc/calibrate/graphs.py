@@ -97,8 +97,8 @@ class _Captured:
 
     def record(self, fn: LayerFn, spec: Hashable, pool) -> None:
         """Capture on a side stream (the default stream cannot be captured). Not through
-        `torch.cuda.graph`: it synchronizes and empties the device and pinned-memory caches before
-        each capture, which the sweeps then refill (pinned copies of every closed form)."""
+        `torch.cuda.graph`: it synchronizes and empties the device's memory cache before each
+        capture, which the sweeps then refill."""
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

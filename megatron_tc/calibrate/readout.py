@@ -61,12 +61,17 @@ def empty_readout_sums(
 ) -> dict[str, torch.Tensor]:
     """Zero fp64 readout sums of one layer on `device` (the teacher's); without `products`, no
     PRODUCT_KEYS (as `readout_sums` returns them)."""
+    return zero_views(readout_sum_shapes(num_candidates, num_heads, products), device)[0]
+
+
+def readout_sum_shapes(num_candidates: int, num_heads: int, products: bool = True) -> dict[str, tuple[int, ...]]:
+    """The shapes of one layer's readout sums (`empty_readout_sums`)."""
     c, h = num_candidates, num_heads
     shapes = {
         "G": (c * h, c * h), "r": (c * h,), "uy": (c, h), "uu": (c, h), "yy": (h,), "YY": (), "beta": (h,),
         "g": (h,), "count": (), "ry": (h,), "rr": (h,), "vgrid": (h, len(VALUE_SCALE_GRID)),
     }
-    return zero_views({k: shape for k, shape in shapes.items() if products or k not in PRODUCT_KEYS}, device)[0]
+    return {k: shape for k, shape in shapes.items() if products or k not in PRODUCT_KEYS}
 
 
 @torch.no_grad()

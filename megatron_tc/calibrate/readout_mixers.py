@@ -3,6 +3,7 @@ parameters, built from the teacher's weights where they are (nothing here waits 
 and the teacher attention's per-head output the readout sums compare it with."""
 from __future__ import annotations
 
+import copy
 from typing import Mapping, Sequence
 
 import torch
@@ -22,12 +23,13 @@ def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`; a CPU tensor goes to a GPU through pinned memory without waiting for
-    the kernels queued there (a plain copy synchronizes the stream)."""
+    """`tensor` on `device`; a CPU tensor goes to a GPU without waiting for the kernels queued
+    there: an asynchronous copy from pageable memory is staged by the driver before it returns (no
+    pinned allocation, no wait for the device), where a blocking copy synchronizes the stream."""
     if tensor.device == device or tensor.is_meta:  # meta: a placeholder the readout never reads
         return tensor
     if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        return tensor.to(device, non_blocking=True)
     return tensor.to(device)
 
 
@@ -61,13 +63,33 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it.
     into: a readout mixer of this closed form (another layer's) whose parameters are replaced
     instead of building a module (its previous layer's parameters are gone)."""
-    device = model_device(model)
+    params, candidates = closed_form_parameters(strategy, stats, model, student_arch, index, seed, teacher_mixer,
+                                                default)
+    moved = to_device_all(device_tensors(params, candidates), model_device(model))
+    return mixer_with(strategy, student_arch, index, params, candidates, moved, into)
+
+
+def closed_form_parameters(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
+                           seed: int = 0, teacher_mixer: nn.Module | None = None,
+                           default: Mapping[str, torch.Tensor] | None = None) -> tuple[dict, list]:
+    """(parameters, output-gate candidates) of the strategy's closed form at layer `index`, where
+    they are made (the teacher's device or the CPU); `readout_mixer`'s arguments."""
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
     default = default_gdn_state(student_arch, index, seed) if default is None else default
     ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
     params = strategy.closed_form(ctx)
-    candidates = strategy.gate_candidates(ctx, params)
-    moved = _to_device_all(params | {f"candidate.{i}": c for i, c in enumerate(candidates) if c is not None}, device)
+    return params, strategy.gate_candidates(ctx, params)
+
+
+def device_tensors(params: Mapping[str, torch.Tensor], candidates: list) -> dict[str, torch.Tensor]:
+    """What of a closed form goes to the device: every parameter and each candidate (`candidate.{i}`)."""
+    return dict(params) | {f"candidate.{i}": c for i, c in enumerate(candidates) if c is not None}
+
+
+def mixer_with(strategy: Strategy, student_arch, index: int, params: Mapping[str, torch.Tensor], candidates: list,
+               moved: Mapping[str, torch.Tensor], into: GatedDeltaNet | None = None) -> tuple[GatedDeltaNet, list]:
+    """The readout mixer of `closed_form_parameters`' result, `moved`: its `device_tensors` on the
+    device; into: a module to take them (else one is built)."""
     if into is None:
         with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
             mixer = GatedDeltaNet(student_arch, index, init=False).eval()
@@ -82,6 +104,19 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     assign_parameters(mixer, {k: moved[k] for k in params}, narrow)
     mixer.value_groups = student_arch.gdn_kv_heads // student_arch.num_kv_heads if strategy.values_repeat_kv else 1
     return mixer, [None if c is None else moved[f"candidate.{i}"] for i, c in enumerate(candidates)]
+
+
+def shell_like(mixer: nn.Module) -> nn.Module:
+    """A module of `mixer`'s structure for `mixer_with(..., into=)` to fill, without running its
+    constructor (Linear inits on `meta` are most of a readout mixer's build on the host): its
+    own dicts of parameters, buffers and submodules, which share `mixer`'s tensors until assigned."""
+    shell = copy.copy(mixer)
+    for key, value in vars(mixer).items():
+        if isinstance(value, (dict, set)):  # parameters, buffers, submodules, hooks: the shell's own
+            vars(shell)[key] = type(value)(value)
+    vars(shell).pop("_assign_slots", None)  # points at `mixer`'s submodules
+    shell._modules = type(mixer._modules)((name, shell_like(child)) for name, child in mixer._modules.items())
+    return shell
 
 
 def assign_parameters(mixer: nn.Module, tensors: Mapping[str, torch.Tensor],
@@ -109,42 +144,53 @@ def assign_parameters(mixer: nn.Module, tensors: Mapping[str, torch.Tensor],
             module._buffers[name] = value
 
 
-def _to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """`tensors` on `device`; to a GPU the CPU ones travel packed, one pinned buffer per dtype
-    (one host-to-device copy instead of one per tensor, none waiting for the device)."""
+def to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`; to a GPU the CPU ones travel packed, one buffer per dtype (one
+    asynchronous host-to-device copy instead of one per tensor, none waiting for the device)."""
     if device.type != "cuda":
         return {k: _to_device(v, device) for k, v in tensors.items()}
-    return pack_to(tensors, device, pin=True)
+    return pack_to(tensors, device, non_blocking=True)
 
 
-def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
-    """`tensors` with every CPU one moved to `device` through one buffer per dtype (pinned:
-    `pin`, non-blocking); the values come back as views of it, shapes and dtypes unchanged."""
+def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool
+            ) -> dict[str, torch.Tensor]:
+    """`tensors` with every CPU one moved to `device` through one buffer per dtype; the values come
+    back as views of it, shapes and dtypes unchanged."""
     on_cpu = {k: v for k, v in tensors.items() if v.device.type == "cpu"}
-    out = dict(tensors) | move_packed(on_cpu, device, pin)
+    out = dict(tensors) | move_packed(on_cpu, device, non_blocking)
     return {k: _to_device(v, device) for k, v in out.items()}
 
 
-def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
+def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool = False
+                ) -> dict[str, torch.Tensor]:
     """`tensors` on `device` through one flat buffer per dtype: one copy per dtype, not one per
-    tensor (pinned and non-blocking with `pin`, for CPU tensors); views of that buffer. From a
-    GPU to the CPU the buffers are pinned (a pageable copy stages through a driver buffer: 7.7 ms
-    of device time for SmolLM2's finished sums on an H200) and one wait covers them all."""
+    tensor (asynchronous with `non_blocking`, for CPU tensors); views of that buffer. From a
+    GPU to the CPU the copy stages through pinned memory (a pageable copy stages through a driver
+    buffer: 7.7 ms of device time for SmolLM2's finished sums on an H200), one wait covers every
+    dtype, and the views are of one pageable buffer per dtype: the caller holds no pinned memory,
+    and the host makes no allocation per tensor (hundreds of sums: a clone each is host time the
+    device waits through)."""
     groups: dict[torch.dtype, list[str]] = {}
     for key, value in tensors.items():
         groups.setdefault(value.dtype, []).append(key)
-    out, waits = {}, set()
-    for keys in groups.values():
+    flats, waits, staged = {}, set(), set()
+    for dtype, keys in groups.items():
         flat = torch.cat([tensors[k].reshape(-1) for k in keys])
         if flat.is_cuda and device.type == "cpu":
-            moved = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)
+            flats[dtype] = torch.empty(flat.shape, dtype=dtype, pin_memory=True).copy_(flat, non_blocking=True)
             waits.add(flat.device)
+            staged.add(dtype)
         else:
-            moved = (flat.pin_memory() if pin else flat).to(device, non_blocking=pin)
-        for key, piece in zip(keys, moved.split([tensors[k].numel() for k in keys])):
-            out[key] = piece.view(tensors[key].shape)
+            flats[dtype] = flat.to(device, non_blocking=non_blocking)
     for source in waits:  # the non-blocking copies above are done before the CPU reads them
         torch.cuda.current_stream(source).synchronize()
+    out = {}
+    for dtype, keys in groups.items():
+        flat = flats[dtype]
+        if dtype in staged:
+            flat = torch.empty(flat.shape, dtype=dtype).copy_(flat)
+        for key, piece in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+            out[key] = piece.view(tensors[key].shape)
     return out
 
 

@@ -18,16 +18,16 @@ and sweep 2 reads them instead of running the teacher again: one teacher forward
 the same sums bit for bit. Reading kept layers, sweep 2 goes a group of layers at a time, so the
 host's work on the next group's closed forms (and the default inits they start from: a few CPU
 draws) overlaps the device's sums of this one: that work never waits for the device (no copies to
-the CPU, pinned copies to it).
+the CPU; a group's parameters in one asynchronous copy to it).
 The closed forms run on the calling thread: on a second host thread (many small operators, each
 taking the interpreter lock) the one-forward pass measured twice as slow on an H200 as the
 two-forward one. Sweep 1 sums several layers of a batch in one call, their heads stacked (fewer,
 larger kernels: the host's launches bound it on a GPU). Each sweep's work for one call and batch
 goes through `graphs.LayerGraphs` (eager unless $MEGATRON_TC_STATS_GRAPHS=1).
 Under torch.profiler the pass's phases are ranges: `stats.sweep1.sums` (a stacked call of sweep 1,
-inside the teacher forward), `stats.sweep1.finish`, `stats.sweep2.closed_form` (a layer's readout
-mixers), `stats.sweep2.sums` (a call's readout sums) and `stats.sweep2.finish` (the reductions and
-the copy to the CPU).
+inside the teacher forward), `stats.sweep1.finish`, `stats.sweep2.closed_form` (a group of
+layers' readout mixers), `stats.sweep2.sums` (a call's readout sums) and `stats.sweep2.finish` (the
+reductions and the copy to the CPU).
 """
 from __future__ import annotations
 
@@ -68,9 +68,9 @@ def _rank0(group) -> bool:
 
 def _to_cpu(stats: TaylorStats) -> TaylorStats:
     """A finished pass hands out CPU tensors (as `TaylorStats.load` does): one copy per dtype of
-    all sums flattened together, not one wait for the device per sum (800 of them for SmolLM2)."""
-    moved = move_packed(stats.sums, torch.device("cpu"))
-    stats.sums = {k: v.clone() for k, v in moved.items()}  # own storage each: files never share one
+    all sums flattened together, not one wait for the device per sum (800 of them for SmolLM2);
+    the sums are views of one buffer per dtype, and a file saved from them holds each value once."""
+    stats.sums = move_packed(stats.sums, torch.device("cpu"))
     return stats
 
 
@@ -128,9 +128,10 @@ def collect_attention_stats(
         stats.all_reduce_(dp_group)
         if tp > 1:
             gather_tp_heads(stats, tp_group)
+        stats = _to_cpu(stats)  # the one wait for the device
         if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
-            stats.meta["tokens"] = int(flat[f"layers.{layers[0]}.count"].item()) if layers else 0
-        return _to_cpu(stats)
+            stats.meta["tokens"] = int(stats.sums[f"layers.{layers[0]}.count"]) if layers else 0
+        return stats
 
 
 STACK_BYTES = 2 << 30  # sweep 1's fp32 / fp64 temporaries of one stacked call, at most
@@ -194,21 +195,19 @@ def collect_readout_stats(
     show = progress and _rank0(dp_group)
     if layer_io is not None:
         layers = list(stats.layers)
-        sweep.build(layers[0])
+        sweep.build(layers[:1])
         per_token = max(readout_bytes_per_token(model.arch, sweep.candidates(name, layers[0]), sweep.products[name])
                         for name in sweep.names)  # the closed forms' calls run one after another
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
         per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
         windows = readout_windows(layers, per_call)
-        for index in windows[0][1:]:
-            sweep.build(index)
+        sweep.build(windows[0][1:])
         layouts: list = []
         for w, window in enumerate(_progress(windows, len(windows), "readout sums (layer groups)", show)):
             sweep.sum_kept_window(window, windows[w + 1] if w + 1 < len(windows) else [], layer_io, merge, layouts)
     else:
-        for index in stats.layers:
-            sweep.build(index)
+        sweep.build(stats.layers)
         sweep.sum_batches(_progress(batches, num_batches, "readout sums", show))
     with record_function("stats.sweep2.finish"):
         reduced = TaylorStats({"layers": stats.layers}, sweep.close())

@@ -23,9 +23,11 @@ from megatron_tc.model.ops.gated_delta_rule import PackedRows
 
 from .capture import LayerIO, capture_layers, merge_layer_io
 from .graphs import LayerGraphs, graphs_allowed
-from .moments import add_into
-from .readout import empty_readout_sums, layers_readout_sums
-from .readout_mixers import model_device, readout_mixer, teacher_heads
+from .moments import add_into, zero_views
+from .readout import layers_readout_sums, readout_sum_shapes
+from .readout_mixers import (
+    closed_form_parameters, device_tensors, mixer_with, model_device, shell_like, teacher_heads, to_device_all,
+)
 from .statsfile import TaylorStats
 from .strategies import Strategy, default_gdn_state
 
@@ -72,21 +74,44 @@ class ReadoutSweep:
         return len(self.mixers[name][index][1])
 
     @record_function("stats.sweep2.closed_form")
-    def build(self, index: int, shell_of: int | None = None) -> None:
-        """Make layer `index`'s readout mixers (a collective under TP: every rank, every layer).
-        shell_of: a built layer whose readout mixers take this layer's parameters (its sums are queued)."""
+    def build(self, indices: Sequence[int], shells: Sequence[int] = ()) -> None:
+        """Make the readout mixers of layers `indices` (a collective under TP: every rank, every
+        layer), the device's share of their closed forms in one copy. shells: built layers whose
+        readout mixers take these layers' parameters, position by position (their sums are
+        queued); the layers past them get new modules."""
+        if not indices:
+            return
         arch, device = self.model.arch, model_device(self.model)
-        self.teacher_mixers[index] = whole_mixer(self.model, index, self.tp_group)
-        default = default_gdn_state(self.student_arch, index, self.seed)  # once for every closed form
-        for name, strategy in self.closed_forms.items():
-            shell = self.mixers[name][shell_of][0] if shell_of is not None else None
-            self.mixers[name][index] = readout_mixer(strategy, self.stats, self.model, self.student_arch, index,
-                                                     self.seed, self.teacher_mixers[index], default, into=shell)
-            empty = empty_readout_sums(self.candidates(name, index), arch.num_heads, arch.head_dim, device,
-                                       self.products[name])
-            self.part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
-        if index not in self.mine:
-            del self.teacher_mixers[index]
+        made = []  # (name, index, parameters, candidates)
+        for index in indices:
+            self.teacher_mixers[index] = whole_mixer(self.model, index, self.tp_group)
+            default = default_gdn_state(self.student_arch, index, self.seed)  # once for every closed form
+            for name, strategy in self.closed_forms.items():
+                made.append((name, index, *closed_form_parameters(
+                    strategy, self.stats, self.model, self.student_arch, index, self.seed, self.teacher_mixers[index],
+                    default)))
+            if index not in self.mine:
+                del self.teacher_mixers[index]
+        moved = to_device_all({(i, key): value for i, (_, _, params, candidates) in enumerate(made)
+                                for key, value in device_tensors(params, candidates).items()}, device)
+        per_mixer: list[dict] = [{} for _ in made]
+        for (i, key), value in moved.items():
+            per_mixer[i][key] = value
+        for (name, index, params, candidates), moved_here in zip(made, per_mixer):
+            position = list(indices).index(index)
+            into = self.mixers[name][shells[position]][0] if position < len(shells) else self.new_shell(name)
+            self.mixers[name][index] = mixer_with(self.closed_forms[name], self.student_arch, index, params,
+                                                  candidates, moved_here, into)
+        for name in self.names:  # zero sums of the layers, one buffer per closed form
+            shapes = readout_sum_shapes(self.candidates(name, indices[0]), arch.num_heads, self.products[name])
+            for index, empty in zip(indices, zero_views(shapes, device, copies=len(indices))):
+                self.part.update({f"readout.{name}.layers.{index}.{k}": v for k, v in empty.items()})
+
+    def new_shell(self, name: str) -> GatedDeltaNet | None:
+        """A module for a new readout mixer of closed form `name`: the structure of one already
+        built (`shell_like`), or None (the first: `mixer_with` constructs it)."""
+        built = self.mixers[name]
+        return shell_like(next(iter(built.values()))[0]) if built else None
 
     @record_function("stats.sweep2.sums")
     def queue(self, indices: list[int], ios: list[LayerIO]) -> None:
@@ -115,8 +140,8 @@ class ReadoutSweep:
             if layouts[group] is not None:
                 ios = [dataclasses.replace(io, doc_ids=layouts[group]) for io in ios]
             self.queue(ours, list(ios))
-        for position, index in enumerate(next_window):  # under TP collectives: every rank in the same order
-            self.build(index, shell_of=window[position] if position < len(window) else None)
+        if next_window:  # under TP collectives: every rank in the same order
+            self.build(next_window, shells=window)
         for index in window:
             self.teacher_mixers.pop(index, None)  # a gathered layer lives while its sums are made
 

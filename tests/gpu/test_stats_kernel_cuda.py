@@ -131,7 +131,30 @@ def test_finished_sums_come_from_the_gpu_exactly_after_the_kernels_that_make_the
     out = _to_cpu(TaylorStats({}, sums)).sums
     for key, value in expected.items():
         assert out[key].device.type == "cpu" and out[key].dtype == value.dtype
+        assert not out[key].is_pinned(), key  # the pinned staging buffer is not what the stats keep
         assert torch.equal(out[key], value), key
+
+
+def test_closed_forms_go_to_the_gpu_without_waiting_for_it():
+    """Sweep 2 moves a group's closed forms while the device still sums the previous group: the
+    asynchronous copy from pageable memory must neither synchronize nor wait for the queued kernels."""
+    from megatron_tc.calibrate.readout_mixers import to_device_all
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b_proj.weight": torch.randn(9, 576, generator=g), "dt_bias": torch.randn(9, generator=g),
+               "index": torch.arange(7), "narrow": torch.randn(64, 64, generator=g).bfloat16()}
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(16):  # hundreds of milliseconds queued on the stream
+        a = a @ a / a.norm()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = to_device_all(tensors, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the kernels above
+    for key, value in tensors.items():
+        assert moved[key].is_cuda and torch.equal(moved[key].cpu(), value), key
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

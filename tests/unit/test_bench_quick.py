@@ -124,9 +124,8 @@ def test_bench_stats_quick(tmp_path):
         spans = {row["range"]: row for row in data["profile"] if row["pass"] == name and "range" in row}
         assert sorted(spans) == ranges
         assert all(row["calls"] >= 1 and row["host_ms"] > 0 and row["device_ms"] == 0 for row in spans.values())
-    layers = 3  # one closed form per converted layer and pass
-    assert {row["range"]: row["calls"] for row in data["profile"]
-            if row["pass"] == "sweep 2" and "range" in row}["stats.sweep2.closed_form"] == layers
+    calls = {row["range"]: row["calls"] for row in data["profile"] if row["pass"] == "sweep 2" and "range" in row}
+    assert calls["stats.sweep2.closed_form"] == 1  # the two-forward sweep builds its 3 layers' mixers at once
     assert "syncs" not in data  # the host's waits for a device are counted on CUDA only
     assert "bench_stats" in summarize(tmp_path)
 

@@ -173,11 +173,12 @@ def test_kept_batches_merge_in_order_up_to_the_token_cap_and_only_when_alike():
 
 def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_one(monkeypatch):
     from megatron_tc.calibrate import readout_mixers
+    from megatron_tc.calibrate.readout_mixers import shell_like
     from megatron_tc.calibrate.stats import collect_attention_stats, pack_to, readout_mixer
 
     tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 1, 3), "d": torch.randn(()),
                "e": torch.randn(4, 2).t()}  # e: not contiguous
-    moved = pack_to(tensors, torch.device("cpu"), pin=False)
+    moved = pack_to(tensors, torch.device("cpu"), non_blocking=False)
     assert moved.keys() == tensors.keys()
     for key, value in tensors.items():
         assert moved[key].shape == value.shape and moved[key].dtype == value.dtype and torch.equal(moved[key], value)
@@ -187,13 +188,20 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
     stats = collect_attention_stats(model, row_batches(ids, doc_ids, range(2)), LAYERS,
                                     {"teacher_sha256": "t", "seq_len": 24}, chunk_size=5, progress=False)
     arch = model.arch.with_pattern("GAG")
-    packed = lambda tensors, device: pack_to(tensors, device, pin=False)  # noqa: E731 (the GPU's packing, on the CPU)
+    packed = lambda tensors, device: pack_to(tensors, device, non_blocking=False)  # noqa: E731 (the GPU's packing, on the CPU)
     for name in ("taylor", "taylor_fit-closed"):
         fresh, want = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1])
-        monkeypatch.setattr(readout_mixers, "_to_device_all", packed)
+        monkeypatch.setattr(readout_mixers, "to_device_all", packed)
         shell, _ = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[0])
+        before = {k: v.clone() for k, v in shell.state_dict().items() if not v.is_meta}
+        copied, got_copied = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1], into=shell_like(shell))
+        assert all(torch.equal(shell.state_dict()[k], v) for k, v in before.items())  # the template is untouched
         reused, got = readout_mixer(get_strategy(name), stats, model, arch, LAYERS[1], into=shell)
         monkeypatch.undo()
+        assert copied is not shell and all(a is not b for a, b in zip(copied.modules(), shell.modules()))
+        for key, value in copied.state_dict().items():
+            assert value.is_meta or torch.equal(value, reused.state_dict()[key]), (name, key)
+        assert [c is None or torch.equal(c, w) for c, w in zip(got_copied, got)] == [True] * len(got)
         assert reused is shell and reused.layer_idx == fresh.layer_idx == LAYERS[1]
         assert reused.state_dict().keys() == fresh.state_dict().keys()
         for key, value in fresh.state_dict().items():
@@ -204,7 +212,7 @@ def test_packed_copies_give_back_every_tensor_and_a_reused_mixer_equals_a_new_on
         assert [c is None or torch.equal(c, w) for c, w in zip(got, want)] == [True] * len(want)
 
 
-def test_finished_sums_come_to_the_cpu_exactly_and_each_in_its_own_storage():
+def test_finished_sums_come_to_the_cpu_exactly_in_one_buffer_per_dtype(tmp_path):
     from megatron_tc.calibrate.stats import _to_cpu
     from megatron_tc.calibrate.statsfile import TaylorStats
 
@@ -218,7 +226,14 @@ def test_finished_sums_come_to_the_cpu_exactly_and_each_in_its_own_storage():
     for key, value in expected.items():
         assert out[key].dtype == value.dtype and out[key].shape == value.shape and out[key].device.type == "cpu"
         assert torch.equal(out[key], value), key
-        assert out[key].untyped_storage().nbytes() == value.numel() * value.element_size(), key
+        assert out[key].untyped_storage().data_ptr() != sums[key].untyped_storage().data_ptr(), key  # a copy
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in out.values()}
+    assert len(storages) == 3 and sum(storages.values()) == sum(v.numel() * v.element_size() for v in out.values())
+    out["layers.0.k_sq"].zero_()  # a sum changed in place leaves its neighbours in the buffer alone
+    assert torch.equal(out["layers.1.y_sum"], expected["layers.1.y_sum"])
+    TaylorStats({"layers": [0, 1]}, out).save(tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)["sums"]
+    assert all(torch.equal(loaded[k], out[k]) for k in out)
 
 
 @pytest.mark.parametrize("io_cache_budget", [None, 0])
