@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_tc.model.fused import fused, rms_norm
-from megatron_tc.model.gdn import GatedDeltaNet
+from megatron_tc.model.gdn import GatedDeltaNet, convolved_heads, decay_and_write
 from megatron_tc.model.ops import gated_delta_rule
+from megatron_tc.model.ops.gated_delta_rule import PackedRows
 
 from .moments import use_stats_kernel, zero_views
 
@@ -233,22 +234,28 @@ def layers_readout_sums(
     host issues the recurrence, norms and reductions once for all of them. Only the projections
     run per layer. Returns each layer's sums."""
     n, layers = len(candidates[0]), len(mixers)
-    h = mixers[0].num_heads
-    qkv, decays, writes, gates, values = [], [], [], [], []
+    first = mixers[0]
+    h = first.num_heads
+    projections, decays, writes, gates, values = [], [], [], [], []
     for mixer, cands, x in zip(mixers, candidates, xs):
         # one fp32 copy of x for the gates and the output-gate candidates, and for the projections
         # unless their weights are in x's dtype (`wide_linear` then multiplies there)
         wide = x.float()
         projected = x if mixer.q_proj.weight.dtype == x.dtype else wide
-        qkv.append(mixer.qkv(projected, doc_ids))
+        projections.append([getattr(mixer, f"{name}_proj")(projected) for name in "qkv"])
         values.append(value_inputs(mixer, projected))
-        g, beta = mixer.gates(wide)
-        decays.append(g)
-        writes.append(beta)
+        decays.append(mixer.a_proj(wide))
+        writes.append(mixer.b_proj(wide))
         gates.append(gate_values(wide, cands))
-    q, k, v = (concat(parts, 2) for parts in zip(*qkv))  # [B, T, L*H, D]
-    g, beta = concat(decays, 2), concat(writes, 2)  # [B, T, L*H]
-    first = mixers[0]
+    # the convolutions and gates of every layer at once, their channels and heads side by side
+    # (each value is that of the layer's own `qkv` and `gates`): a few calls, not a few per layer
+    conv = ([concat([getattr(m, f"{name}_conv1d").weight for m in mixers], 0) for name in "qkv"]
+            if first.conv_size > 0 else None)
+    raw_doc_ids = doc_ids.doc_ids if isinstance(doc_ids, PackedRows) else doc_ids
+    (q, k, v), _ = convolved_heads([concat(parts, 2) for parts in zip(*projections)], conv, first.head_dim,
+                                   h // first.kv_heads, raw_doc_ids)  # [B, T, L*H, D]
+    g, beta = decay_and_write(concat(decays, 2), concat(writes, 2), concat([m.A_log for m in mixers], 0),
+                              concat([m.dt_bias for m in mixers], 0))  # [B, T, L*H]
     raw, _ = gated_delta_rule(
         q.float(), k.float(), v.float(), g, beta, scale=first.head_dim**-0.5, doc_ids=doc_ids,
         use_qk_l2norm=True, chunk_size=first.chunk_size, backend="chunk" if not q.is_cuda else "auto",

@@ -52,6 +52,38 @@ MAX_A_LOG = 30.0  # exp(30) ~ 1e13: far beyond any trained decay rate, still fin
 MIN_LOG_DECAY = -1e4
 
 
+def decay_and_write(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log decay g and write strength beta [B, T, H] fp32 from the a_proj / b_proj outputs [B, T, H]
+    and the per-head A_log, dt_bias [H]. Per head and token: several layers' heads side by side
+    (their outputs and parameters concatenated) give each layer's values."""
+    return fused("gdn_gates", gdn_gates, a)(a, b, a_log, dt_bias, MAX_A_LOG, MIN_LOG_DECAY)
+
+
+def convolved_heads(
+    projected: list[torch.Tensor], conv_weights: list[torch.Tensor] | None, head_dim: int, kv_group: int,
+    doc_ids: torch.Tensor | None = None, states: list[torch.Tensor | None] | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]:
+    """((q [B, T, H, D], k, v [B, T, Hkv * kv_group, D]), new conv states) from the q/k/v projections
+    [B, T, C]: each through its causal conv + SiLU (conv_weights [C, 1, K] each; None: SiLU only)
+    with `states` before it, split into heads, k/v heads repeated `kv_group` times. Per channel and
+    head: several layers' channels side by side (projections and conv weights concatenated) give
+    each layer's heads side by side."""
+    b, t, _ = projected[0].shape
+    out, new_states = [], []
+    for i, y in enumerate(projected):
+        if conv_weights is not None:
+            y, state = causal_short_conv(y, conv_weights[i], states[i] if states is not None else None, doc_ids)
+            new_states.append(state)
+        else:
+            y = F.silu(y)
+        out.append(y.view(b, t, -1, head_dim))
+    q, k, v = out
+    if kv_group > 1:
+        k, v = k.repeat_interleave(kv_group, dim=2), v.repeat_interleave(kv_group, dim=2)
+    return (q, k, v), new_states
+
+
 def default_a_log(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """fla's default A_log, shaped and typed as `like` [H]: log A with A ~ U(0, 16)."""
     return torch.empty_like(like).uniform_(0, 16, generator=generator).log()
@@ -111,31 +143,21 @@ class GatedDeltaNet(nn.Module):
         """Log decay g and write strength beta, both [B, T, H] in fp32."""
         # exp(A_log) must stay finite: inf * softplus(...) = inf * 0 is NaN. A decay below -1e4
         # per token is already exp(-1e4) = 0, so the floor changes no value, only avoids -inf.
-        a, b = self.a_proj(x), self.b_proj(x)
-        return fused("gdn_gates", gdn_gates, a)(a, b, self.A_log, self.dt_bias, MAX_A_LOG, MIN_LOG_DECAY)
+        return decay_and_write(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias)
 
     def qkv(
         self, x: torch.Tensor, doc_ids: torch.Tensor | PackedRows | None = None, cache: GDNCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, T, H, D], k, v [B, T, H, D] (k/v repeated to H heads), before the L2 norm."""
-        b, t, _ = x.shape
         if isinstance(doc_ids, PackedRows):  # the convolution's masks: device ops of fixed shape
             doc_ids = doc_ids.doc_ids
-        out = []
-        for name in ("q", "k", "v"):
-            y = getattr(self, f"{name}_proj")(x)
-            if self.conv_size > 0:
-                state = cache.conv.get(name) if cache is not None else None
-                y, new_state = causal_short_conv(y, getattr(self, f"{name}_conv1d").weight, state, doc_ids)
-                if cache is not None:
-                    cache.conv[name] = new_state
-            else:
-                y = F.silu(y)
-            out.append(y.view(b, t, -1, self.head_dim))
-        q, k, v = out
-        group = self.num_heads // self.kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        projected = [getattr(self, f"{name}_proj")(x) for name in "qkv"]
+        weights = [getattr(self, f"{name}_conv1d").weight for name in "qkv"] if self.conv_size > 0 else None
+        states = [cache.conv.get(name) for name in "qkv"] if cache is not None and weights else None
+        (q, k, v), new_states = convolved_heads(projected, weights, self.head_dim, self.num_heads // self.kv_heads,
+                                                doc_ids, states)
+        if cache is not None and weights:
+            cache.conv.update(zip("qkv", new_states))
         return q, k, v
 
     def forward(

@@ -61,3 +61,30 @@ def test_state_dict_names_follow_contract():
 def test_pattern_must_match_layer_count():
     with pytest.raises(ArchConfigError, match="layer_pattern"):
         tiny_arch(layer_pattern="AGA")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"gdn_conv_size": 4, "gdn_expand_kv": False}], ids=["silu", "conv_gqa"])
+def test_gdn_convolutions_and_gates_of_layers_side_by_side_are_each_layers_own(overrides):
+    """Several layers' q/k/v convolutions and gates in one call (channels and heads concatenated,
+    as the statistics pass's readout sums run them) give each layer's own values, bit for bit."""
+    from megatron_tc.model.gdn import GatedDeltaNet, convolved_heads, decay_and_write
+
+    arch = tiny_arch(**overrides)
+    torch.manual_seed(0)
+    mixers = [GatedDeltaNet(arch, i).eval() for i in range(3)]
+    xs = [torch.randn(2, 9, arch.hidden_size) for _ in mixers]
+    doc_ids = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    with torch.no_grad():
+        own = [m.qkv(x, doc_ids) for m, x in zip(mixers, xs)]
+        own_gates = [m.gates(x) for m, x in zip(mixers, xs)]
+        projected = [torch.cat([getattr(m, f"{n}_proj")(x) for m, x in zip(mixers, xs)], -1) for n in "qkv"]
+        conv = ([torch.cat([getattr(m, f"{n}_conv1d").weight for m in mixers]) for n in "qkv"]
+                if arch.gdn_conv_size else None)
+        together, _ = convolved_heads(projected, conv, arch.head_dim, arch.num_heads // mixers[0].kv_heads, doc_ids)
+        gates = decay_and_write(*(torch.cat(parts, -1) for parts in (
+            [m.a_proj(x) for m, x in zip(mixers, xs)], [m.b_proj(x) for m, x in zip(mixers, xs)],
+            [m.A_log for m in mixers], [m.dt_bias for m in mixers])))
+    for i in range(3):
+        assert torch.equal(together[i], torch.cat([o[i] for o in own], dim=2)), "qkv"[i]
+    for i in range(2):
+        assert torch.equal(gates[i], torch.cat([o[i] for o in own_gates], dim=2)), ("g", "beta")[i]
