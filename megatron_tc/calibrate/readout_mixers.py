@@ -108,8 +108,9 @@ def mixer_with(strategy: Strategy, student_arch, index: int, params: Mapping[str
 
 def shell_like(mixer: nn.Module) -> nn.Module:
     """A module of `mixer`'s structure for `mixer_with(..., into=)` to fill, without running its
-    constructor (Linear inits on `meta` are most of a readout mixer's build on the host): its
-    own dicts of parameters, buffers and submodules, which share `mixer`'s tensors until assigned."""
+    constructor (whose Linear inits, on `meta`, cost the host about as much as the rest of a
+    readout mixer's build): its own dicts of parameters, buffers and submodules, which share
+    `mixer`'s tensors until assigned."""
     shell = copy.copy(mixer)
     for key, value in vars(mixer).items():
         if isinstance(value, (dict, set)):  # parameters, buffers, submodules, hooks: the shell's own
