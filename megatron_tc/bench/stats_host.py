@@ -7,6 +7,8 @@ autograd) and CPU time of
            readout leaves to `finish`), once per layer and pass;
     build: one layer's readout mixer (`calibrate.stats.readout_mixer`: the closed form from the
            teacher's weights, the statistics and that default init), once per layer and pass;
+    group build: the readout mixers of `stack` layers built together as sweep 2 builds a group
+           (`Strategy.closed_forms`, one copy to the device), per layer;
     sums:  one batch's readout sums of that layer (the GDN recurrence, the fp64 products; the
            teacher's attention heads are those its forward made), once per layer and batch;
     stacked sums: the same of `stack` layers in one `layers_readout_sums` call (their heads
@@ -27,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tc.calibrate.capture import capture_layers
 from megatron_tc.calibrate.readout import layers_readout_sums, readout_sums
+from megatron_tc.calibrate.readout_mixers import device_tensors, layer_context, mixer_with, to_device_all
 from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
 from megatron_tc.calibrate.strategies import default_gdn_state, get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
@@ -63,7 +66,8 @@ def cpu_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
 
 
 def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
-    """(default, build, sums, stacked_sums(stack)) of `measure` for layer 1 of a 2-layer teacher of `arch`'s layer shape (random
+    """(default, build, group_build(stack), sums, stacked_sums(stack)) of `measure` for layer 1 of a 2-layer teacher of
+    `arch`'s layer shape (random
     weights, fp32, one row of `tokens` random ids)."""
     arch = replace(arch, num_layers=2, layer_pattern="AA")
     torch.manual_seed(seed)
@@ -86,6 +90,18 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     def build():  # into the previous layer's mixer, as the pass reuses it
         return readout_mixer(closed_form, stats, teacher, arch, 1, seed, default=ready, into=student)
 
+    shells: list = []  # the modules a group fills, made by its first call (the pass reuses them too)
+
+    def group_build(stack: int):  # `stack` copies of the layer, as ReadoutSweep.build makes a group
+        contexts = [layer_context(stats, teacher, arch, 1, seed, default=ready) for _ in range(stack)]
+        made = [(p, closed_form.gate_candidates(c, p)) for c, p in zip(contexts, closed_form.closed_forms(contexts))]
+        moved = to_device_all({(i, k): v for i, (p, c) in enumerate(made) for k, v in device_tensors(p, c).items()},
+                              next(teacher.parameters()).device)
+        built = [mixer_with(closed_form, arch, 1, p, c, {k: v for (j, k), v in moved.items() if j == i},
+                            shells[i] if i < len(shells) else None) for i, (p, c) in enumerate(made)]
+        shells[len(shells):] = [mixer for mixer, _ in built[len(shells):]]
+        return built
+
     @torch.no_grad()
     def sums():  # what collect_readout_stats runs for one layer and batch (the attention's heads kept)
         y = teacher_heads(attention, io.x, io.position_ids, None, io.heads)
@@ -99,13 +115,18 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
                                    [io.out] * stack, [attention.o_proj.weight] * stack, None,
                                    closed_form.readout_products)
 
-    return default, build, sums, stacked_sums
+    return default, build, group_build, sums, stacked_sums
 
 
 def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int, stack: int = 8) -> list[dict]:
-    default, build, sums, stacked_sums = layer_work(arch, strategy, tokens)
-    work = (("default", "layer", default), ("build", "layer", build), ("sums", "layer and batch", sums))
+    default, build, group_build, sums, stacked_sums = layer_work(arch, strategy, tokens)
+    work = (("default", "layer", default), ("build", "layer", build))
     rows = [{"work": name, "per": per, "ops": count_ops(fn), "cpu_ms": cpu_ms(fn, repeats)} for name, per, fn in work]
+    grouped = lambda: group_build(stack)  # noqa: E731
+    grouped()  # its modules made, as every group after a pass's first finds them
+    rows.append({"work": f"build, {stack} layers together", "per": "layer", "ops": round(count_ops(grouped) / stack, 1),
+                 "cpu_ms": {k: round(v / stack, 3) for k, v in cpu_ms(grouped, repeats).items()}})
+    rows.append({"work": "sums", "per": "layer and batch", "ops": count_ops(sums), "cpu_ms": cpu_ms(sums, repeats)})
     stacked = lambda: stacked_sums(stack)  # noqa: E731
     per_layer = {k: round(v / stack, 3) for k, v in cpu_ms(stacked, repeats).items()}
     rows.append({"work": f"sums, {stack} layers stacked", "per": "layer and batch",

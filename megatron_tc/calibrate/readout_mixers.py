@@ -74,11 +74,18 @@ def closed_form_parameters(strategy: Strategy, stats: TaylorStats, model: nn.Mod
                            default: Mapping[str, torch.Tensor] | None = None) -> tuple[dict, list]:
     """(parameters, output-gate candidates) of the strategy's closed form at layer `index`, where
     they are made (the teacher's device or the CPU); `readout_mixer`'s arguments."""
-    teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
-    default = default_gdn_state(student_arch, index, seed) if default is None else default
-    ctx = LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
+    ctx = layer_context(stats, model, student_arch, index, seed, teacher_mixer, default)
     params = strategy.closed_form(ctx)
     return params, strategy.gate_candidates(ctx, params)
+
+
+def layer_context(stats: TaylorStats, model: nn.Module, student_arch, index: int, seed: int = 0,
+                  teacher_mixer: nn.Module | None = None, default: Mapping[str, torch.Tensor] | None = None
+                  ) -> LayerContext:
+    """What a closed form of layer `index` reads (`readout_mixer`'s arguments)."""
+    teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
+    default = default_gdn_state(student_arch, index, seed) if default is None else default
+    return LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
 
 
 def device_tensors(params: Mapping[str, torch.Tensor], candidates: list) -> dict[str, torch.Tensor]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from megatron_tc.model.config import ArchConfig
 
 from .default_init import default_gdn_state  # noqa: F401 (the strategies API: callers import it from here)
+from .moments import DENOMINATOR
 from .readout import solve_joint_scales
 from .statsfile import TaylorStats
 
@@ -173,6 +174,11 @@ class Strategy:
     def closed_form(self, ctx: LayerContext) -> State:
         return copy_teacher(ctx)
 
+    def closed_forms(self, ctxs: Sequence[LayerContext]) -> list[State]:
+        """`closed_form` of several layers (the statistics pass builds a group at once); a strategy
+        may compute them together, each layer's values its own."""
+        return [self.closed_form(ctx) for ctx in ctxs]
+
     def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
         return []
 
@@ -217,9 +223,22 @@ def _need(ctx: LayerContext, sums: dict[str, torch.Tensor], keys: tuple[str, ...
                             "written by an older version: recompute it with tools/stats.py (or the stats stage)")
 
 
-def paper_mean_distance(stats: TaylorStats, index: int) -> torch.Tensor:
-    """[H] mean over query tokens of sum_j p_ij max(i - j, 0.5), floored at 0.5."""
-    return (stats.mean(index, "dist") + PAPER_SELF_DISTANCE * stats.mean(index, "self")).clamp_min(PAPER_MIN_DISTANCE)
+def paper_mean_distance(stats: TaylorStats, index: int | Sequence[int]) -> torch.Tensor:
+    """[H] mean over query tokens of sum_j p_ij max(i - j, 0.5), floored at 0.5; [L, H] for a
+    sequence of L layers."""
+    return (layer_means(stats, index, "dist") + PAPER_SELF_DISTANCE * layer_means(stats, index, "self")
+            ).clamp_min(PAPER_MIN_DISTANCE)
+
+
+def layer_means(stats: TaylorStats, index: int | Sequence[int], key: str) -> torch.Tensor:
+    """`stats.mean(index, key)` [H]; for a sequence of L layers [L, H], each row that layer's own
+    (the sums stacked, then one division)."""
+    if isinstance(index, int):
+        return stats.mean(index, key)
+    layers = [stats.layer(i) for i in index]
+    sums, counts = (torch.stack([layer[k] for layer in layers]) for k in (key, DENOMINATOR[key]))
+    counts = counts.view(counts.shape + (1,) * (sums.dim() - counts.dim()))  # a layer's count: per layer
+    return sums / counts.clamp_min(1.0)
 
 
 def paper_decay_rate(distance: torch.Tensor) -> torch.Tensor:
@@ -233,18 +252,20 @@ def softplus_inverse(y: torch.Tensor) -> torch.Tensor:
 
 def paper_write_strength(entropy: torch.Tensor) -> torch.Tensor:
     """[H] beta* = 0.3 + 0.4 c, c = 1 - (e - min e) / max(max e - min e, 1e-3) over the layer's
-    heads (e: mean attention entropy): the most concentrated head writes hardest."""
-    spread = (entropy.max() - entropy.min()).clamp_min(PAPER_ENTROPY_SPREAD)
-    concentration = 1.0 - (entropy - entropy.min()) / spread
+    heads (e: mean attention entropy): the most concentrated head writes hardest. [L, H]: per row."""
+    low, high = entropy.amin(dim=-1, keepdim=True), entropy.amax(dim=-1, keepdim=True)
+    spread = (high - low).clamp_min(PAPER_ENTROPY_SPREAD)
+    concentration = 1.0 - (entropy - low) / spread
     return PAPER_BETA_RANGE[0] + (PAPER_BETA_RANGE[1] - PAPER_BETA_RANGE[0]) * concentration
 
 
 def paper_b_proj(weight: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """Row h of the default b_proj [H, hidden] rescaled to mean |w| = logit(beta_h) / sqrt(hidden)
-    (a negative logit flips the row's sign). This sets the row's scale, not the mean write strength."""
+    (a negative logit flips the row's sign). This sets the row's scale, not the mean write strength.
+    weight [L, H, hidden] and beta [L, H]: each layer's rows."""
     w = weight.double()
-    row_mean = w.abs().mean(dim=1, keepdim=True).clamp_min(1e-8)
-    return (logit(beta.double()) / math.sqrt(w.shape[1]))[:, None] * w / row_mean
+    row_mean = w.abs().mean(dim=-1, keepdim=True).clamp_min(1e-8)
+    return (logit(beta.double()) / math.sqrt(w.shape[-1]))[..., None] * w / row_mean
 
 
 def paper_value_scale(ry: torch.Tensor, rr: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -284,19 +305,29 @@ class Taylor(Strategy):
                         "scale on the raw read folded into v_proj; g_proj = alpha W_v")
 
     def closed_form(self, ctx: LayerContext) -> State:
-        if ctx.arch.gdn_kv_heads != ctx.arch.num_heads:
-            raise StrategyError(f"{self.name} scales values per query head: set gdn_expand_kv: true (the default)")
-        stats = _stats(ctx)
-        _need(ctx, stats.layer(ctx.index), ("self", "y_rms"), "attention statistics")
-        params = copy_teacher(ctx, replaced=("g_proj.weight",))  # set in finish
-        rate = paper_decay_rate(paper_mean_distance(stats, ctx.index))
-        params["A_log"] = torch.zeros_like(params["A_log"])
-        params["dt_bias"] = softplus_inverse(rate).to(params["dt_bias"].dtype)
-        beta = paper_write_strength(stats.mean(ctx.index, "entropy"))
-        params["b_proj.weight"] = paper_b_proj(ctx.default["b_proj.weight"], beta).to(params["b_proj.weight"].dtype)
-        if "b_proj.bias" in params:  # the authors' b_proj has no bias
-            params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
-        return params
+        return self.closed_forms([ctx])[0]
+
+    def closed_forms(self, ctxs: Sequence[LayerContext]) -> list[State]:
+        """The layers' per-head rates and write strengths as [L, H] tensors: a few operators for
+        all of them, not a few per layer (the host issues them while the device sums)."""
+        for ctx in ctxs:
+            if ctx.arch.gdn_kv_heads != ctx.arch.num_heads:
+                raise StrategyError(f"{self.name} scales values per query head: set gdn_expand_kv: true (the default)")
+            _need(ctx, _stats(ctx).layer(ctx.index), ("self", "y_rms"), "attention statistics")
+        stats, indices = _stats(ctxs[0]), [ctx.index for ctx in ctxs]
+        dt_bias = softplus_inverse(paper_decay_rate(paper_mean_distance(stats, indices)))  # [L, H]
+        beta = paper_write_strength(layer_means(stats, indices, "entropy"))
+        b_proj = paper_b_proj(torch.stack([ctx.default["b_proj.weight"] for ctx in ctxs]), beta)
+        out = []
+        for i, ctx in enumerate(ctxs):
+            params = copy_teacher(ctx, replaced=("g_proj.weight",))  # set in finish
+            params["A_log"] = torch.zeros_like(params["A_log"])
+            params["dt_bias"] = dt_bias[i].to(params["dt_bias"].dtype)
+            params["b_proj.weight"] = b_proj[i].to(params["b_proj.weight"].dtype)
+            if "b_proj.bias" in params:  # the authors' b_proj has no bias
+                params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
+            out.append(params)
+        return out
 
     def gate_candidates(self, ctx: LayerContext, params: State) -> list[torch.Tensor | None]:
         return [None]  # the raw read (ry, rr) does not depend on the output gate

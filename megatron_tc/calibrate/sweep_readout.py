@@ -26,7 +26,7 @@ from .graphs import LayerGraphs, graphs_allowed
 from .moments import add_into, zero_views
 from .readout import layers_readout_sums, readout_sum_shapes
 from .readout_mixers import (
-    closed_form_parameters, device_tensors, mixer_with, model_device, shell_like, teacher_heads, to_device_all,
+    device_tensors, layer_context, mixer_with, model_device, shell_like, teacher_heads, to_device_all,
 )
 from .statsfile import TaylorStats
 from .strategies import Strategy, default_gdn_state
@@ -82,16 +82,18 @@ class ReadoutSweep:
         if not indices:
             return
         arch, device = self.model.arch, model_device(self.model)
-        made = []  # (name, index, parameters, candidates)
+        contexts = []  # one default init per layer for every closed form
         for index in indices:
             self.teacher_mixers[index] = whole_mixer(self.model, index, self.tp_group)
-            default = default_gdn_state(self.student_arch, index, self.seed)  # once for every closed form
-            for name, strategy in self.closed_forms.items():
-                made.append((name, index, *closed_form_parameters(
-                    strategy, self.stats, self.model, self.student_arch, index, self.seed, self.teacher_mixers[index],
-                    default)))
+            default = default_gdn_state(self.student_arch, index, self.seed)
+            contexts.append(layer_context(self.stats, self.model, self.student_arch, index, self.seed,
+                                          self.teacher_mixers[index], default))
             if index not in self.mine:
                 del self.teacher_mixers[index]
+        made = []  # (name, index, parameters, candidates)
+        for name, strategy in self.closed_forms.items():  # the group's layers together (`Strategy.closed_forms`)
+            for ctx, params in zip(contexts, strategy.closed_forms(contexts)):
+                made.append((name, ctx.index, params, strategy.gate_candidates(ctx, params)))
         moved = to_device_all({(i, key): value for i, (_, _, params, candidates) in enumerate(made)
                                 for key, value in device_tensors(params, candidates).items()}, device)
         per_mixer: list[dict] = [{} for _ in made]

@@ -154,8 +154,8 @@ class GatedDeltaNet(nn.Module):
         projected = [getattr(self, f"{name}_proj")(x) for name in "qkv"]
         weights = [getattr(self, f"{name}_conv1d").weight for name in "qkv"] if self.conv_size > 0 else None
         states = [cache.conv.get(name) for name in "qkv"] if cache is not None and weights else None
-        (q, k, v), new_states = convolved_heads(projected, weights, self.head_dim, self.num_heads // self.kv_heads,
-                                                doc_ids, states)
+        group = self.num_heads // self.kv_heads
+        (q, k, v), new_states = convolved_heads(projected, weights, self.head_dim, group, doc_ids, states)
         if cache is not None and weights:
             cache.conv.update(zip("qkv", new_states))
         return q, k, v

@@ -440,3 +440,26 @@ def test_a_placeholder_left_unset_is_an_error():
     with pytest.raises(StrategyError, match=r"'forgetful' left \['g_proj.weight'\] of layer 0 unset"):
         Forgetful().init_layer(ctx)
     assert "g_proj.weight" not in default._values
+
+
+@pytest.mark.parametrize("name", ["taylor", "taylor_calibrate", "taylor_fit"])
+def test_closed_forms_of_several_layers_are_each_layers_own(setup, name):
+    """The statistics pass builds a group of layers at once (`Strategy.closed_forms`): every
+    parameter equals the one-layer closed form's, bit for bit."""
+    teacher, stats = setup[0], setup[1]
+    strategy = get_strategy(name)
+    arch = teacher.arch.with_pattern(PATTERN)
+
+    def context(layer):
+        state = {k: v.detach() for k, v in teacher.layers[layer].mixer.state_dict().items()}
+        return LayerContext(layer, arch, state, default_gdn_state(arch, layer), stats)
+
+    together = strategy.closed_forms([context(layer) for layer in CONVERTED])
+    for layer, params in zip(CONVERTED, together):
+        alone = strategy.closed_form(context(layer))
+        assert params.keys() == alone.keys()
+        for key, value in alone.items():
+            if value is None or value.is_meta:
+                assert params[key] is None or params[key].is_meta, (layer, key)
+            else:
+                assert params[key].dtype == value.dtype and torch.equal(params[key], value), (layer, key)

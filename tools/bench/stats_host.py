@@ -5,9 +5,10 @@
         [--tokens 64] [--repeats 15] [--stack 8] [--quick]
 
 Prints one JSON line per piece of work: `default` (one layer's default GDN init), `build` (one
-layer's readout mixer from it, once per layer and pass), `sums` (one batch's readout sums of that
-layer) and the same sums of --stack layers in one call, per layer: PyTorch operators dispatched and
-the process's CPU ms (min / median / max). Run with OMP_NUM_THREADS=1 to compare revisions.
+layer's readout mixer from it, once per layer and pass), the readout mixers of --stack layers built
+together (as sweep 2 builds a group), `sums` (one batch's readout sums of that layer) and the same
+sums of --stack layers in one call; per layer: PyTorch operators dispatched and the process's CPU
+ms (min / median / max). Run with OMP_NUM_THREADS=1 to compare revisions.
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readout", default="taylor_calibrate", help="the strategy whose readout mixer is built")
     p.add_argument("--tokens", type=int, default=64, help="tokens of the batch the sums read")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--stack", type=int, default=8, help="layers of the stacked sums' call")
+    p.add_argument("--stack", type=int, default=8, help="layers of the stacked sums' call and of the group build")
     p.add_argument("--quick", action="store_true", help="the tiny preset, 3 repeats (seconds)")
     args = p.parse_args(argv)
     if args.quick:
