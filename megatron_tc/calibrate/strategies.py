@@ -310,6 +310,8 @@ class Taylor(Strategy):
     def closed_forms(self, ctxs: Sequence[LayerContext]) -> list[State]:
         """The layers' per-head rates and write strengths as [L, H] tensors: a few operators for
         all of them, not a few per layer (the host issues them while the device sums)."""
+        if not ctxs:
+            return []
         for ctx in ctxs:
             if ctx.arch.gdn_kv_heads != ctx.arch.num_heads:
                 raise StrategyError(f"{self.name} scales values per query head: set gdn_expand_kv: true (the default)")
