@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_tc.calibrate.capture import capture_layers
 from megatron_tc.calibrate.readout import layers_readout_sums, readout_sums
-from megatron_tc.calibrate.readout_mixers import device_tensors, layer_context, mixer_with, to_device_all
+from megatron_tc.calibrate.readout_mixers import device_tensors, layer_context, mixer_with, to_device_each
 from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
 from megatron_tc.calibrate.strategies import default_gdn_state, get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
@@ -95,10 +95,9 @@ def layer_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
     def group_build(stack: int):  # `stack` copies of the layer, as ReadoutSweep.build makes a group
         contexts = [layer_context(stats, teacher, arch, 1, seed, default=ready) for _ in range(stack)]
         made = [(p, closed_form.gate_candidates(c, p)) for c, p in zip(contexts, closed_form.closed_forms(contexts))]
-        moved = to_device_all({(i, k): v for i, (p, c) in enumerate(made) for k, v in device_tensors(p, c).items()},
-                              next(teacher.parameters()).device)
-        built = [mixer_with(closed_form, arch, 1, p, c, {k: v for (j, k), v in moved.items() if j == i},
-                            shells[i] if i < len(shells) else None) for i, (p, c) in enumerate(made)]
+        moved = to_device_each([device_tensors(p, c) for p, c in made], next(teacher.parameters()).device)
+        built = [mixer_with(closed_form, arch, 1, p, c, moved[i], shells[i] if i < len(shells) else None)
+                 for i, (p, c) in enumerate(made)]
         shells[len(shells):] = [mixer for mixer, _ in built[len(shells):]]
         return built
 

@@ -63,20 +63,11 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
     layer's `default_gdn_state(student_arch, index, seed)`, when the caller already has it.
     into: a readout mixer of this closed form (another layer's) whose parameters are replaced
     instead of building a module (its previous layer's parameters are gone)."""
-    params, candidates = closed_form_parameters(strategy, stats, model, student_arch, index, seed, teacher_mixer,
-                                                default)
-    moved = to_device_all(device_tensors(params, candidates), model_device(model))
-    return mixer_with(strategy, student_arch, index, params, candidates, moved, into)
-
-
-def closed_form_parameters(strategy: Strategy, stats: TaylorStats, model: nn.Module, student_arch, index: int,
-                           seed: int = 0, teacher_mixer: nn.Module | None = None,
-                           default: Mapping[str, torch.Tensor] | None = None) -> tuple[dict, list]:
-    """(parameters, output-gate candidates) of the strategy's closed form at layer `index`, where
-    they are made (the teacher's device or the CPU); `readout_mixer`'s arguments."""
     ctx = layer_context(stats, model, student_arch, index, seed, teacher_mixer, default)
     params = strategy.closed_form(ctx)
-    return params, strategy.gate_candidates(ctx, params)
+    candidates = strategy.gate_candidates(ctx, params)
+    moved = to_device_all(device_tensors(params, candidates), model_device(model))
+    return mixer_with(strategy, student_arch, index, params, candidates, moved, into)
 
 
 def layer_context(stats: TaylorStats, model: nn.Module, student_arch, index: int, seed: int = 0,
@@ -95,8 +86,8 @@ def device_tensors(params: Mapping[str, torch.Tensor], candidates: list) -> dict
 
 def mixer_with(strategy: Strategy, student_arch, index: int, params: Mapping[str, torch.Tensor], candidates: list,
                moved: Mapping[str, torch.Tensor], into: GatedDeltaNet | None = None) -> tuple[GatedDeltaNet, list]:
-    """The readout mixer of `closed_form_parameters`' result, `moved`: its `device_tensors` on the
-    device; into: a module to take them (else one is built)."""
+    """The readout mixer of a closed form's parameters and candidates, `moved`: their
+    `device_tensors` on the device; into: a module to take them (else one is built)."""
     if into is None:
         with torch.device("meta"):  # every weight comes from `params`: no init, no RNG use
             mixer = GatedDeltaNet(student_arch, index, init=False).eval()
@@ -158,6 +149,15 @@ def to_device_all(tensors: Mapping[str, torch.Tensor], device: torch.device) -> 
     if device.type != "cuda":
         return {k: _to_device(v, device) for k, v in tensors.items()}
     return pack_to(tensors, device, non_blocking=True)
+
+
+def to_device_each(groups: Sequence[Mapping[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Each mapping of `groups` on `device`, all of them through one `to_device_all`."""
+    moved = to_device_all({(i, key): value for i, group in enumerate(groups) for key, value in group.items()}, device)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in groups]
+    for (i, key), value in moved.items():
+        out[i][key] = value
+    return out
 
 
 def pack_to(tensors: Mapping[str, torch.Tensor], device: torch.device, non_blocking: bool

@@ -26,7 +26,7 @@ from .graphs import LayerGraphs, graphs_allowed
 from .moments import add_into, zero_views
 from .readout import layers_readout_sums, readout_sum_shapes
 from .readout_mixers import (
-    device_tensors, layer_context, mixer_with, model_device, shell_like, teacher_heads, to_device_all,
+    device_tensors, layer_context, mixer_with, model_device, shell_like, teacher_heads, to_device_each,
 )
 from .statsfile import TaylorStats
 from .strategies import Strategy, default_gdn_state
@@ -90,20 +90,15 @@ class ReadoutSweep:
                                           self.teacher_mixers[index], default))
             if index not in self.mine:
                 del self.teacher_mixers[index]
-        made = []  # (name, index, parameters, candidates)
+        made = []  # (name, position in the group, parameters, candidates)
         for name, strategy in self.closed_forms.items():  # the group's layers together (`Strategy.closed_forms`)
-            for ctx, params in zip(contexts, strategy.closed_forms(contexts)):
-                made.append((name, ctx.index, params, strategy.gate_candidates(ctx, params)))
-        moved = to_device_all({(i, key): value for i, (_, _, params, candidates) in enumerate(made)
-                                for key, value in device_tensors(params, candidates).items()}, device)
-        per_mixer: list[dict] = [{} for _ in made]
-        for (i, key), value in moved.items():
-            per_mixer[i][key] = value
-        for (name, index, params, candidates), moved_here in zip(made, per_mixer):
-            position = list(indices).index(index)
+            for position, (ctx, params) in enumerate(zip(contexts, strategy.closed_forms(contexts))):
+                made.append((name, position, params, strategy.gate_candidates(ctx, params)))
+        moved = to_device_each([device_tensors(params, candidates) for _, _, params, candidates in made], device)
+        for (name, position, params, candidates), moved_here in zip(made, moved):
             into = self.mixers[name][shells[position]][0] if position < len(shells) else self.new_shell(name)
-            self.mixers[name][index] = mixer_with(self.closed_forms[name], self.student_arch, index, params,
-                                                  candidates, moved_here, into)
+            self.mixers[name][indices[position]] = mixer_with(self.closed_forms[name], self.student_arch,
+                                                              indices[position], params, candidates, moved_here, into)
         for name in self.names:  # zero sums of the layers, one buffer per closed form
             shapes = readout_sum_shapes(self.candidates(name, indices[0]), arch.num_heads, self.products[name])
             for index, empty in zip(indices, zero_views(shapes, device, copies=len(indices))):
