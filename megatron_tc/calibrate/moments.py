@@ -18,11 +18,11 @@ reference.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Sequence
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from megatron_tc.model.ops import attention_mask, positions_from_doc_ids
 
@@ -65,10 +65,16 @@ def empty_layer_sums(
 def zero_views(shapes: dict[str, tuple[int, ...]], device: torch.device | str | None = None, copies: int = 1
                ) -> list[dict[str, torch.Tensor]]:
     """`copies` dicts of zero fp64 tensors of `shapes`, all views of one buffer (one fill)."""
-    sizes = [math.prod(shape) for shape in shapes.values()]
-    flat = torch.zeros(copies, sum(sizes), dtype=F64, device=device)
-    return [{key: piece.view(shape) for (key, shape), piece in zip(shapes.items(), row.split(sizes))}
-            for row in flat.unbind(0)]
+    templates = _shape_templates(tuple(shapes.values()))
+    flat = torch.zeros(copies, sum(t.numel() for t in templates), dtype=F64, device=device)
+    # torch's C++ unflatten: the views without a Python call each (a pass makes thousands)
+    return [dict(zip(shapes, _unflatten_dense_tensors(row, templates))) for row in flat.unbind(0)]
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_templates(shapes: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
+    """Storage-less tensors of `shapes` (what `_unflatten_dense_tensors` reads of them)."""
+    return [torch.empty(shape, dtype=F64, device="meta") for shape in shapes]
 
 
 def _sink_index(doc_ids: torch.Tensor | None, b: int, t: int, device: torch.device) -> torch.Tensor:
@@ -387,9 +393,10 @@ def layers_input_sums(
     stacked = [torch.stack(list(group)) for group in (xs, resids, outs)]  # 3 x [L, B, T, hidden]
     energies = [torch.linalg.vector_norm(group.flatten(1), dim=1, dtype=F64).square() for group in stacked]
     x_sums = stacked[0].flatten(1, 2).sum(dim=1, dtype=F64)  # [L, hidden]
-    return [{"count": count, "count2": counts[0], "count3": counts[1], "x_sum": x_sums[i],
-             "x_energy": energies[0][i], "resid_energy": energies[1][i], "Y_energy": energies[2][i]}
-            for i in range(len(xs))]
+    per_layer = zip(x_sums.unbind(0), *(energy.unbind(0) for energy in energies))  # views, one call per kind
+    return [{"count": count, "count2": counts[0], "count3": counts[1], "x_sum": x_sum,
+             "x_energy": x_energy, "resid_energy": resid_energy, "Y_energy": out_energy}
+            for x_sum, x_energy, resid_energy, out_energy in per_layer]
 
 
 def _visible_keys(b: int, t: int, doc_ids: torch.Tensor | None, window: int | None, device):
@@ -402,7 +409,7 @@ def _visible_keys(b: int, t: int, doc_ids: torch.Tensor | None, window: int | No
     return n.clamp(max=window), pos < window
 
 
-def add_into(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:
-    """total[key] += part[key] for every key of `part`, as one multi-tensor add (same devices and dtypes)."""
+def add_into(total: dict, part: dict) -> None:
+    """total[key] += part[key] for every key of `part` (tensors), as one multi-tensor add (same devices and dtypes)."""
     keys = list(part)
     torch._foreach_add_([total[key] for key in keys], [part[key] for key in keys])

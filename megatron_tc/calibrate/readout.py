@@ -54,6 +54,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # the sums of the candidates' reads mapped through o_proj (the [U; Y] products): only the
 # fitted-gate strategies read them, and they are the largest device work and memory of sweep 2
 PRODUCT_KEYS = ("G", "r", "YY")
+READ_SUM_KEYS = ("uy", "uu", "yy", "beta", "g", "count", "ry", "rr", "vgrid")  # the others, in their order
 
 
 def empty_readout_sums(
@@ -282,15 +283,15 @@ def layers_readout_sums(
     beta_sums, g_sums = (_sum64(z.float(), (0, 1)).view(layers, h) for z in (beta, g))
     grids = layers_value_silu_grid(mixers, values).view(layers, h, -1)
     count = torch.full((), float(b * t), dtype=F64, device=q.device)  # a fill, not a host copy
+    # each layer's sums as views, one unbind per kind of sum (not an indexing call per layer and sum);
+    # the authors' value scale is an OLS fit of the raw read (before o_norm) to y: ry, rr
+    per_kind = {"uy": with_y[:n], "uu": squares[:n], "yy": with_y[n + 1], "beta": beta_sums, "g": g_sums,
+                "ry": with_y[n], "rr": squares[n], "vgrid": grids}
+    views = {key: value.unbind(1 if key in ("uy", "uu") else 0) for key, value in per_kind.items()}
     result = []
     for i in range(layers):
         sums = o_proj_products(reads[:n, :, :, i * h:(i + 1) * h].contiguous(), outs[i], o_weights[i]) if products else {}
-        result.append(sums | {
-            "uy": with_y[:n, i], "uu": squares[:n, i], "yy": with_y[n + 1, i], "beta": beta_sums[i], "g": g_sums[i],
-            "count": count,
-            # the authors' value scale is an OLS fit of the raw read (before o_norm) to y
-            "ry": with_y[n, i], "rr": squares[n, i], "vgrid": grids[i],
-        })
+        result.append(sums | {key: views[key][i] if key in views else count for key in READ_SUM_KEYS})
     return result
 
 

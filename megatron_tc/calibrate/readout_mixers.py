@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_tc.model.gdn import GatedDeltaNet
 
@@ -183,7 +184,10 @@ def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, non_b
         groups.setdefault(value.dtype, []).append(key)
     flats, waits, staged = {}, set(), set()
     for dtype, keys in groups.items():
-        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+        # torch's C++ flatten / unflatten: hundreds of views made without a Python call each
+        flat = _flatten_dense_tensors([tensors[k] for k in keys])
+        if len(keys) == 1 and flat.device == device:  # a view of that one tensor, where the caller gets a copy
+            flat = flat.clone()
         if flat.is_cuda and device.type == "cpu":
             flats[dtype] = torch.empty(flat.shape, dtype=dtype, pin_memory=True).copy_(flat, non_blocking=True)
             waits.add(flat.device)
@@ -197,8 +201,7 @@ def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, non_b
         flat = flats[dtype]
         if dtype in staged:
             flat = torch.empty(flat.shape, dtype=dtype).copy_(flat)
-        for key, piece in zip(keys, flat.split([tensors[k].numel() for k in keys])):
-            out[key] = piece.view(tensors[key].shape)
+        out.update(zip(keys, _unflatten_dense_tensors(flat, [tensors[k] for k in keys])))
     return out
 
 

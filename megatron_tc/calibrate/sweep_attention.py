@@ -80,11 +80,8 @@ class AttentionSweep:
         tensors = [ios[0].position_ids, ios[0].doc_ids]
         for io in ios:
             tensors += [io.x, io.resid, io.out, *(io.qkv if io.qkv is not None else (None,) * 3)]
-        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in waiting]
-        for (i, key), value in run([io.mixer for io in ios], tensors).items():
-            per_layer[i][key] = value
-        for (index, _), part in zip(waiting, per_layer):
-            add_into(self.sums[index], part)
+        got = run([io.mixer for io in ios], tensors)  # {(i, key): the i-th layer's sum}
+        add_into({(i, key): self.sums[waiting[i][0]][key] for i, key in got}, got)  # one add for the call
         waiting.clear()
 
     def close(self) -> dict[str, torch.Tensor]:

@@ -68,3 +68,20 @@ def test_the_stack_fits_its_memory_and_the_kernel_grid():
     assert stacked_layers(smollm2, (1, 2048)) == stats_module.STACK_BYTES // (per_layer // 4) == 91
     assert stacked_layers(smollm2, (1, 16)) == 65535 // 9  # short rows: the grid (rows of programs) bounds it
     assert stacked_layers(smollm2, (64, 32768)) == 1  # larger than the budget alone: a call per layer
+
+
+def test_zero_sums_are_views_of_one_zeroed_buffer_each_copy_its_own():
+    shapes = {"a": (2, 3), "empty": (0, 4), "scalar": (), "b": (5,)}
+    copies = moments.zero_views(shapes, "cpu", copies=3)
+    assert len(copies) == 3
+    storages = set()
+    for copy in copies:
+        assert list(copy) == list(shapes)
+        for key, shape in shapes.items():
+            assert copy[key].shape == shape and copy[key].dtype == torch.float64 and not copy[key].any(), key
+        storages |= {v.untyped_storage().data_ptr() for v in copy.values() if v.numel()}
+    assert len(storages) == 1  # one fill for every sum of every copy
+    copies[1]["a"] += 1.0
+    copies[1]["scalar"] += 2.0
+    assert not copies[0]["a"].any() and not copies[2]["a"].any() and not copies[1]["b"].any()
+    assert float(copies[1]["scalar"]) == 2.0 and float(copies[2]["scalar"]) == 0.0
