@@ -63,24 +63,27 @@ class DefaultGDNState(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._values:
             meta = self._meta[key]  # KeyError for a name the layer does not have
-            generator = torch.Generator().manual_seed(parameter_seed(self._seed, self._index, key))
             value = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
             with torch.no_grad():
-                self._values[key] = self._draw(key, value, generator)
+                self._values[key] = self._draw(key, value)
         return self._values[key]
 
-    def _draw(self, key: str, value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def _generator(self, key: str) -> torch.Generator:
+        return torch.Generator().manual_seed(parameter_seed(self._seed, self._index, key))
+
+    def _draw(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """value filled by `key`'s rule; a generator made only for a random one (zeros and ones need none)."""
         owner, _, name = key.rpartition(".")
         module = self._modules[owner]
         if key == "A_log":
-            return default_a_log(value, generator)
+            return default_a_log(value, self._generator(key))
         if key == "dt_bias":
-            return default_dt_bias(value, generator)
+            return default_dt_bias(value, self._generator(key))
         if isinstance(module, nn.Linear):
-            return value.normal_(0.0, self._std, generator=generator) if name == "weight" else value.zero_()
+            return value.normal_(0.0, self._std, generator=self._generator(key)) if name == "weight" else value.zero_()
         if isinstance(module, nn.Conv1d):  # PyTorch's init of weight and bias: U(+-1/sqrt(fan_in))
             bound = 1 / math.sqrt(module.weight[0].numel())  # fan_in: in-channels per group x kernel size
-            return value.uniform_(-bound, bound, generator=generator)
+            return value.uniform_(-bound, bound, generator=self._generator(key))
         if isinstance(module, RMSNorm):
             return value.fill_(0.0 if module.unit_offset else 1.0)  # RMSNorm.reset_parameters' rule
         raise KeyError(f"no default init rule for GDN parameter {key!r} ({type(module).__name__})")

@@ -3,7 +3,6 @@ parameters, built from the teacher's weights where they are (nothing here waits 
 and the teacher attention's per-head output the readout sums compare it with."""
 from __future__ import annotations
 
-import copy
 from typing import Mapping, Sequence
 
 import torch
@@ -110,12 +109,14 @@ def shell_like(mixer: nn.Module) -> nn.Module:
     constructor (whose Linear inits, on `meta`, cost the host about as much as the rest of a
     readout mixer's build): its own dicts of parameters, buffers and submodules, which share
     `mixer`'s tensors until assigned."""
-    shell = copy.copy(mixer)
-    for key, value in vars(mixer).items():
-        if isinstance(value, (dict, set)):  # parameters, buffers, submodules, hooks: the shell's own
-            vars(shell)[key] = type(value)(value)
-    vars(shell).pop("_assign_slots", None)  # points at `mixer`'s submodules
-    shell._modules = type(mixer._modules)((name, shell_like(child)) for name, child in mixer._modules.items())
+    shell = object.__new__(type(mixer))  # no copy.copy: its pickling protocol costs more than the rest
+    state = vars(shell)
+    state.update(vars(mixer))
+    # the dicts a readout mixer's build changes are the shell's own; the hook dicts stay shared
+    # (nothing hooks a readout mixer); the slots `assign_parameters` keeps point at `mixer`'s submodules
+    state.pop("_assign_slots", None)
+    state.update(_parameters=dict(mixer._parameters), _buffers=dict(mixer._buffers),
+                 _modules={name: shell_like(child) for name, child in mixer._modules.items()})
     return shell
 
 

@@ -117,6 +117,11 @@ def _placeholder(default: State, key: str) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device="meta")
 
 
+def _zeros_as(placeholder: torch.Tensor) -> torch.Tensor:
+    """Zeros on the CPU, shaped and typed as `placeholder` (`copy_teacher`'s `meta` tensors too)."""
+    return torch.zeros(placeholder.shape, dtype=placeholder.dtype)
+
+
 def _stats(ctx: LayerContext) -> TaylorStats:
     if ctx.stats is None:
         raise StrategyError(f"layer {ctx.index}: this strategy needs Taylor statistics (run tools/stats.py)")
@@ -322,12 +327,13 @@ class Taylor(Strategy):
         b_proj = paper_b_proj(torch.stack([ctx.default["b_proj.weight"] for ctx in ctxs]), beta)
         out = []
         for i, ctx in enumerate(ctxs):
-            params = copy_teacher(ctx, replaced=("g_proj.weight",))  # set in finish
-            params["A_log"] = torch.zeros_like(params["A_log"])
+            # g_proj is set in finish; the gates' parameters here: none of their defaults is drawn
+            params = copy_teacher(ctx, replaced=("g_proj.weight", "A_log", "dt_bias", "b_proj.bias"))
+            params["A_log"] = _zeros_as(params["A_log"])
             params["dt_bias"] = dt_bias[i].to(params["dt_bias"].dtype)
             params["b_proj.weight"] = b_proj[i].to(params["b_proj.weight"].dtype)
             if "b_proj.bias" in params:  # the authors' b_proj has no bias
-                params["b_proj.bias"] = torch.zeros_like(params["b_proj.bias"])
+                params["b_proj.bias"] = _zeros_as(params["b_proj.bias"])
             out.append(params)
         return out
 

@@ -152,8 +152,10 @@ class ReadoutSweep:
     def close(self) -> dict[str, torch.Tensor]:
         """The sums in strategy-major order: `readout.{name}.layers.{l}.{key}`."""
         self.graphs.close()
-        prefixes = [f"readout.{name}.layers.{index}." for name in self.closed_forms for index in self.stats.layers]
-        return {k: v for prefix in prefixes for k, v in self.part.items() if k.startswith(prefix)}
+        order = {f"readout.{name}.layers.{index}": i for i, (name, index) in
+                 enumerate((name, index) for name in self.closed_forms for index in self.stats.layers)}
+        rank = {k: order.get(k.rpartition(".")[0]) for k in self.part}  # its layer's place (sorted stays stable)
+        return {k: self.part[k] for k in sorted((k for k in self.part if rank[k] is not None), key=rank.__getitem__)}
 
     def meta(self) -> dict[str, dict]:
         """Per readout name: its candidates and whether the sums after o_proj are there."""
