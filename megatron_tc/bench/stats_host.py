@@ -13,6 +13,12 @@ autograd) and CPU time of
            teacher's attention heads are those its forward made), once per layer and batch;
     stacked sums: the same of `stack` layers in one `layers_readout_sums` call (their heads
            stacked, as sweep 2 runs the kept layers), per layer: operators and CPU time over `stack`.
+    pass, narrow layers: a whole `collect_stats` (both sweeps, one forward) on a teacher of the
+           preset's layers and heads at widths where the arithmetic is small next to the host's
+           work (head_dim 8), two batches of one row, a quarter of its layers kept as attention;
+           beside it the plain forward over the same batches and the pass's CPU time over it. The
+           CPU runs the PyTorch references of the kernels a GPU runs, so the pass issues more
+           operators here; the bookkeeping between them is the same.
 
 On a GPU the host issues the same operators of `build` (its math runs on the CPU either way) and
 those of `sums` with the recurrence through fla instead of the PyTorch chunks counted here.
@@ -30,9 +36,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_tc.calibrate.capture import capture_layers
 from megatron_tc.calibrate.readout import layers_readout_sums, readout_sums
 from megatron_tc.calibrate.readout_mixers import device_tensors, layer_context, mixer_with, to_device_each
-from megatron_tc.calibrate.stats import collect_attention_stats, readout_closed_forms, readout_mixer, teacher_heads
+from megatron_tc.calibrate.stats import (
+    collect_attention_stats, collect_stats, readout_closed_forms, readout_mixer, teacher_heads,
+)
+from megatron_tc.calibrate.student import converted_layers
 from megatron_tc.calibrate.strategies import default_gdn_state, get_strategy
 from megatron_tc.model import ArchConfig, HybridLM
+
+from .models import quarter_pattern
 
 
 class OpCount(TorchDispatchMode):
@@ -130,4 +141,42 @@ def measure(arch: ArchConfig, strategy: str, tokens: int, repeats: int, stack: i
     per_layer = {k: round(v / stack, 3) for k, v in cpu_ms(stacked, repeats).items()}
     rows.append({"work": f"sums, {stack} layers stacked", "per": "layer and batch",
                  "ops": round(count_ops(stacked) / stack, 1), "cpu_ms": per_layer})
+    return rows
+
+
+def narrow(arch: ArchConfig, head_dim: int = 8) -> ArchConfig:
+    """`arch`'s layers, heads and KV heads at small widths: head_dim `head_dim`, hidden size
+    heads x head_dim, a 256-token vocabulary."""
+    hidden = arch.num_heads * head_dim
+    return replace(arch, vocab_size=256, hidden_size=hidden, head_dim=head_dim, intermediate_size=2 * hidden)
+
+
+def pass_work(arch: ArchConfig, strategy: str, tokens: int, seed: int = 0):
+    """(forward, collect) of the "pass, narrow layers" rows: the plain forward of a `narrow(arch)`
+    teacher over two batches of one row of `tokens` random ids, and `collect_stats` over them with
+    `strategy`'s readout (a quarter of the layers kept as attention, the rest converted)."""
+    arch = narrow(arch)
+    torch.manual_seed(seed)
+    teacher = HybridLM(arch).eval()
+    pattern = quarter_pattern(arch.num_layers)
+    batches = [{"input_ids": torch.randint(0, arch.vocab_size, (1, tokens))} for _ in range(2)]
+
+    @torch.no_grad()
+    def forward():
+        for batch in batches:
+            teacher(batch["input_ids"])
+
+    def collect():
+        return collect_stats(teacher, batches, converted_layers(pattern), {"teacher_sha256": "bench"},
+                             readout_strategies=[get_strategy(strategy)], student_arch=arch.with_pattern(pattern),
+                             seed=seed, progress=False)
+
+    return forward, collect
+
+
+def measure_pass(arch: ArchConfig, strategy: str, tokens: int, repeats: int) -> list[dict]:
+    forward, collect = pass_work(arch, strategy, tokens)
+    rows = [{"work": f"{name}, narrow layers", "per": "pass", "tokens": tokens, "ops": count_ops(fn),
+             "cpu_ms": cpu_ms(fn, repeats)} for name, fn in (("forward", forward), ("pass", collect))]
+    rows[1]["x_forward"] = round(rows[1]["cpu_ms"]["median"] / rows[0]["cpu_ms"]["median"], 2)
     return rows
