@@ -187,14 +187,14 @@ def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device, non_b
     for dtype, keys in groups.items():
         # torch's C++ flatten / unflatten: hundreds of views made without a Python call each
         flat = _flatten_dense_tensors([tensors[k] for k in keys])
-        if len(keys) == 1 and flat.device == device:  # a view of that one tensor, where the caller gets a copy
-            flat = flat.clone()
         if flat.is_cuda and device.type == "cpu":
             flats[dtype] = torch.empty(flat.shape, dtype=dtype, pin_memory=True).copy_(flat, non_blocking=True)
             waits.add(flat.device)
             staged.add(dtype)
         else:
-            flats[dtype] = flat.to(device, non_blocking=non_blocking)
+            moved = flat.to(device, non_blocking=non_blocking)
+            # the flatten of one tensor is a view of it, moved to its own device itself: the caller gets a copy
+            flats[dtype] = moved.clone() if moved.data_ptr() == tensors[keys[0]].data_ptr() else moved
     for source in waits:  # the non-blocking copies above are done before the CPU reads them
         torch.cuda.current_stream(source).synchronize()
     out = {}
