@@ -73,10 +73,11 @@ def readout_mixer(strategy: Strategy, stats: TaylorStats, model: nn.Module, stud
 def layer_context(stats: TaylorStats, model: nn.Module, student_arch, index: int, seed: int = 0,
                   teacher_mixer: nn.Module | None = None, default: Mapping[str, torch.Tensor] | None = None
                   ) -> LayerContext:
-    """What a closed form of layer `index` reads (`readout_mixer`'s arguments)."""
+    """What a closed form of layer `index` reads (`readout_mixer`'s arguments); read only: a readout
+    mixer keeps the teacher's weights it copies as they are, without a copy."""
     teacher_mixer = model.layers[index].mixer if teacher_mixer is None else teacher_mixer
     default = default_gdn_state(student_arch, index, seed) if default is None else default
-    return LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats)
+    return LayerContext(index, student_arch, _mixer_state(teacher_mixer), default, stats, read_only=True)
 
 
 def device_tensors(params: Mapping[str, torch.Tensor], candidates: list) -> dict[str, torch.Tensor]:

@@ -45,6 +45,9 @@ class LayerContext:
     teacher: State
     default: State
     stats: TaylorStats | None = None
+    # the strategy's output is only read (the statistics pass's readout mixers): the teacher's and
+    # the default's tensors it keeps as they are may be shared instead of copied
+    read_only: bool = False
 
 
 @dataclass
@@ -77,10 +80,11 @@ class AlignSettings:
     best_state: str = "before_update"
 
 
-def expand_kv(weight: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
-    """[Hkv*D, ...] -> [gdn_kv_heads*D, ...]: each KV head repeated to its query heads (GQA)."""
+def expand_kv(weight: torch.Tensor, arch: ArchConfig, share: bool = False) -> torch.Tensor:
+    """[Hkv*D, ...] -> [gdn_kv_heads*D, ...]: each KV head repeated to its query heads (GQA); a
+    new tensor, or with `share` `weight` itself where nothing is repeated."""
     if arch.gdn_kv_heads == arch.num_kv_heads:
-        return weight.clone()
+        return weight if share else weight.clone()
     group = arch.gdn_kv_heads // arch.num_kv_heads
     heads = weight.reshape(arch.num_kv_heads, arch.head_dim, *weight.shape[1:])
     return heads.repeat_interleave(group, dim=0).reshape(arch.gdn_kv_heads * arch.head_dim, *weight.shape[1:])
@@ -96,18 +100,21 @@ def copy_teacher(ctx: LayerContext, replaced: tuple[str, ...] = ()) -> State:
     """q/k/v/o projections (and q/k/v biases) from the teacher, GQA-expanded; the rest default
     (the defaults of what the teacher replaces are never read: DefaultGDNState does not draw them).
     replaced: parameters the strategy sets itself from other values (in its closed form or
-    finish): they hold `meta` placeholders of their shape and dtype, their defaults never drawn."""
+    finish): they hold `meta` placeholders of their shape and dtype, their defaults never drawn.
+    With `ctx.read_only` the values are the teacher's and the default's tensors themselves (no
+    copy, on the device no kernel) where nothing changes them."""
+    keep = (lambda tensor: tensor) if ctx.read_only else torch.Tensor.clone
     copied = {f"{name}_proj.{kind}" for name in "qkvo" for kind in ("weight", "bias")}
-    params = {k: None if k in copied else _placeholder(ctx.default, k) if k in replaced else ctx.default[k].clone()
+    params = {k: None if k in copied else _placeholder(ctx.default, k) if k in replaced else keep(ctx.default[k])
               for k in ctx.default}  # the default's key order
-    params["q_proj.weight"] = ctx.teacher["q_proj.weight"].clone()
-    params["o_proj.weight"] = ctx.teacher["o_proj.weight"].clone()
+    params["q_proj.weight"] = keep(ctx.teacher["q_proj.weight"])
+    params["o_proj.weight"] = keep(ctx.teacher["o_proj.weight"])
     for name in ("k", "v"):
-        params[f"{name}_proj.weight"] = expand_kv(ctx.teacher[f"{name}_proj.weight"], ctx.arch)
+        params[f"{name}_proj.weight"] = expand_kv(ctx.teacher[f"{name}_proj.weight"], ctx.arch, ctx.read_only)
     if ctx.arch.attention_bias:
-        params["q_proj.bias"] = ctx.teacher["q_proj.bias"].clone()
+        params["q_proj.bias"] = keep(ctx.teacher["q_proj.bias"])
         for name in ("k", "v"):
-            params[f"{name}_proj.bias"] = expand_kv(ctx.teacher[f"{name}_proj.bias"], ctx.arch)
+            params[f"{name}_proj.bias"] = expand_kv(ctx.teacher[f"{name}_proj.bias"], ctx.arch, ctx.read_only)
     return params
 
 

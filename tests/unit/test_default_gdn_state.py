@@ -131,3 +131,25 @@ def test_copying_the_teacher_never_draws_the_projections_it_replaces():
     assert list(default.drawn) == [k for k in default if k in default.drawn]  # read in the state dict's order
     for key in ("a_proj.weight", "g_proj.weight", "A_log"):
         assert torch.equal(params[key], reference_state(arch, 0, 0)[key])
+
+
+@pytest.mark.parametrize("name", ["attention_bias", "short_conv", "kv_heads"])
+def test_a_read_only_copy_shares_what_it_keeps_and_equals_the_copying_one(name):
+    arch = ARCHS[name]
+    q, kv, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
+    shapes = {"q_proj.weight": (q, hidden), "k_proj.weight": (kv, hidden), "v_proj.weight": (kv, hidden),
+              "o_proj.weight": (hidden, q)} | ({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)}
+                                              if arch.attention_bias else {})
+    teacher = {k: torch.randn(shape) for k, shape in shapes.items()}
+    default = default_gdn_state(arch, 0)
+    copied = copy_teacher(LayerContext(0, arch, teacher, default), replaced=("g_proj.weight",))
+    shared = copy_teacher(LayerContext(0, arch, teacher, default, read_only=True), replaced=("g_proj.weight",))
+    assert list(shared) == list(copied)
+    for key, value in copied.items():
+        assert shared[key].shape == value.shape and shared[key].dtype == value.dtype, key
+        if not value.is_meta:
+            assert torch.equal(shared[key], value), key
+            source = teacher[key] if key in teacher else default[key]
+            assert value.data_ptr() != source.data_ptr(), key  # the copying one owns its tensors
+            repeated = key[:7] in ("k_proj.", "v_proj.") and arch.num_kv_heads != arch.gdn_kv_heads  # GQA: new either way
+            assert (shared[key].data_ptr() == source.data_ptr()) != repeated, key
