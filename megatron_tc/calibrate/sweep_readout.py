@@ -152,10 +152,11 @@ class ReadoutSweep:
     def close(self) -> dict[str, torch.Tensor]:
         """The sums in strategy-major order: `readout.{name}.layers.{l}.{key}`."""
         self.graphs.close()
-        order = {f"readout.{name}.layers.{index}": i for i, (name, index) in
-                 enumerate((name, index) for name in self.closed_forms for index in self.stats.layers)}
-        rank = {k: order.get(k.rpartition(".")[0]) for k in self.part}  # its layer's place (sorted stays stable)
-        return {k: self.part[k] for k in sorted((k for k in self.part if rank[k] is not None), key=rank.__getitem__)}
+        prefixes = [f"readout.{name}.layers.{index}" for name in self.closed_forms for index in self.stats.layers]
+        place = {prefix: i for i, prefix in enumerate(prefixes)}
+        layer_of = {key: key.rpartition(".")[0] for key in self.part}
+        ours = sorted((key for key in self.part if layer_of[key] in place), key=lambda key: place[layer_of[key]])
+        return {key: self.part[key] for key in ours}  # a stable sort: each layer's sums in their order
 
     def meta(self) -> dict[str, dict]:
         """Per readout name: its candidates and whether the sums after o_proj are there."""
