@@ -273,9 +273,8 @@ def readout_stacked_layers(tokens: int, per_token: int) -> int:
     """Layers whose readout sums run in one call over `tokens` tokens (`per_token` bytes of
     temporaries a token and layer): as many as fit READOUT_GROUP_BYTES, at least one. On a GPU too,
     where the device then waits while the host works out a group's closed forms: the host's
-    operators a layer, not the device, bound sweep 2 there, and grouped layers took 0.68x and
-    0.97x the time of a call per layer on two H200 machines, 1.12x on a third with an earlier
-    sweep 2 (docs/benchmarks.md)."""
+    operators a layer, not the device, bound sweep 2 there, and grouped layers took 0.68x to
+    0.97x the time of a call per layer on three H200 machines (docs/benchmarks.md)."""
     return max(1, READOUT_GROUP_BYTES // (tokens * per_token))
 
 
