@@ -1,8 +1,10 @@
 """Rotary position embeddings: default, linear scaling and Llama-3 scaling (as Hugging Face)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -77,10 +79,46 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] for position_ids [B, T] (computed in fp32 like HF, then cast)."""
+        """cos, sin [B, 1, T, D] for position_ids [B, T] (computed in fp32 like HF, then cast); inside
+        `shared_tables()` made once for every layer with this RoPE (the same tensors)."""
+        if torch.compiler.is_compiling():  # traced code makes its own (and cannot read a ContextVar)
+            return self.make_tables(position_ids, dtype)
+        tables = _TABLES.get()
+        if tables is None:
+            return self.make_tables(position_ids, dtype)
+        key = (id(position_ids), position_ids._version, dtype, self.head_dim, self.theta, repr(self.scaling))
+        made = tables.get(key)
+        if made is None or made[0] is not position_ids:
+            # the entry holds position_ids itself, so no other tensor takes its id while it lives
+            made = tables[key] = (position_ids, *self.make_tables(position_ids, dtype))
+        return made[1], made[2]
+
+    def make_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin`'s tables, computed."""
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device, torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + rotate_half(x) * sin
+
+
+_TABLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("megatron_tc_rope_tables", default=None)
+
+
+def shared_tables() -> contextlib.AbstractContextManager:
+    """Within: `RotaryEmbedding.cos_sin` makes the tables of given positions and dtype once per
+    RoPE (head_dim, theta, scaling) and hands every later layer the same tensors, as Hugging Face
+    models compute them once per forward (`HybridLM.forward` opens one: eight operators an
+    attention layer fewer, each a kernel launch on a GPU). Under torch.compile a plain context
+    (the compiled code computes its own tables). The tables are dropped on exit."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _sharing()
+
+
+@contextlib.contextmanager
+def _sharing() -> Iterator[None]:
+    token = _TABLES.set({})
+    try:
+        yield
+    finally:
+        _TABLES.reset(token)

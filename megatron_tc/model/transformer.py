@@ -12,6 +12,7 @@ from .gdn import GatedDeltaNet
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .ops.masks import positions_from_doc_ids
+from .rope import shared_tables
 
 
 class DecoderLayer(nn.Module):
@@ -173,11 +174,12 @@ class HybridLM(nn.Module):
         recompute = getattr(self, "activation_checkpointing", False) and cache is None and torch.is_grad_enabled()
         if recompute and not x.requires_grad:
             x.requires_grad_(True)  # frozen embedding: the reentrant recompute needs an input with a gradient
-        for layer in self.layers:
-            if recompute:
-                x = checkpoint(layer, x, position_ids, doc_ids, None, use_reentrant=True)
-            else:
-                x = layer(x, position_ids, doc_ids, cache)
+        with shared_tables():  # RoPE's cos / sin made once for all layers
+            for layer in self.layers:
+                if recompute:
+                    x = checkpoint(layer, x, position_ids, doc_ids, None, use_reentrant=True)
+                else:
+                    x = layer(x, position_ids, doc_ids, cache)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         x = self.norm(x)

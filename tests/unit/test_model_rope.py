@@ -1,10 +1,12 @@
-"""RoPE tables stay fp32 (and exact) whatever the model is cast or moved to."""
+"""RoPE tables stay fp32 (and exact) whatever the model is cast or moved to; a forward makes them once per RoPE."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from megatron_tc.model import ArchConfig, HybridLM
-from megatron_tc.model.rope import RotaryEmbedding, rope_inv_freq
+from megatron_tc.model.rope import RotaryEmbedding, rope_inv_freq, shared_tables
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -49,3 +51,83 @@ def test_meta_built_model_materializes_exact_tables():
     rope.inv_freq.fill_(0.0)  # e.g. left empty by a loader
     rope.reset_buffers()
     assert torch.equal(rope.inv_freq, rope_inv_freq(16, 10000.0))
+
+
+def _count_tables(monkeypatch) -> list[tuple[float, torch.dtype]]:
+    made = []
+    make = RotaryEmbedding.make_tables
+
+    def counted(self, position_ids, dtype):
+        made.append((self.theta, dtype))
+        return make(self, position_ids, dtype)
+
+    monkeypatch.setattr(RotaryEmbedding, "make_tables", counted)
+    return made
+
+
+def test_a_forward_makes_each_ropes_tables_once_and_equals_tables_per_layer(monkeypatch):
+    """Gemma3-style layers: sliding ones with a local theta, full ones with the global theta and
+    scaling; a forward makes one pair of tables per RoPE, and its logits are those of tables made
+    in every layer, bit for bit."""
+    torch.manual_seed(0)
+    model = tiny(num_layers=4, layer_pattern="AAAA", sliding_window=4, rope_local_theta=10000.0,
+                 attn_layer_types=["sliding", "full", "sliding", "full"]).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    made = _count_tables(monkeypatch)
+    with torch.no_grad():
+        shared = model(ids)
+    assert sorted(made, key=str) == [(10000.0, torch.float32), (500000.0, torch.float32)]
+    made.clear()
+    with torch.no_grad():
+        again = model(ids)  # a new forward: its own tables (none are kept from the last one)
+    assert len(made) == 2 and torch.equal(again, shared)
+    monkeypatch.setattr("megatron_tc.model.transformer.shared_tables", contextlib.nullcontext)
+    made.clear()
+    with torch.no_grad():
+        per_layer = model(ids)
+    assert len(made) == 4 and torch.equal(per_layer, shared)
+
+
+def test_shared_tables_follow_the_positions_tensor_and_its_changes(monkeypatch):
+    rope = tiny().layers[0].mixer.rope
+    made = _count_tables(monkeypatch)
+    positions = torch.arange(6)[None]
+    with shared_tables():
+        first = rope.cos_sin(positions, torch.float32)
+        assert rope.cos_sin(positions, torch.float32)[0] is first[0] and len(made) == 1
+        rope.cos_sin(positions, torch.bfloat16)  # another dtype: its own tables
+        other = rope.cos_sin(positions + 3, torch.float32)  # other positions: their own
+        assert len(made) == 3 and not torch.equal(other[0], first[0])
+        positions.add_(3)  # changed in place: the tables of its new values
+        moved = rope.cos_sin(positions, torch.float32)
+        assert len(made) == 4 and torch.equal(moved[0], other[0])
+    rope.cos_sin(positions, torch.float32)  # outside: made at every call
+    rope.cos_sin(positions, torch.float32)
+    assert len(made) == 6
+
+
+def test_gradients_with_activation_checkpointing_match_with_shared_tables():
+    """Recomputed layers (reentrant checkpointing, outside the forward's sharing) make their tables
+    again: the same gradients as without checkpointing."""
+    torch.manual_seed(0)
+    model = tiny(num_layers=3, layer_pattern="AAA")
+    ids = torch.randint(0, 50, (2, 7))
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.set_activation_checkpointing(recompute)
+        model(ids).float().square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_the_model_compiles_in_one_graph_with_its_own_tables():
+    """torch.compile of the whole model (the benchmarks' plain PyTorch anchor compiles its teacher
+    so) and of single layers traces without a graph break: no table sharing inside traced code."""
+    torch.manual_seed(0)
+    model = tiny(num_layers=2).eval()
+    ids = torch.randint(0, 50, (1, 8))
+    traced = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
