@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -20,6 +22,39 @@ from .student import calibrate_student, converted_layers, pattern_from_keep
 from .teacher_io import load_teacher
 
 PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-closed", "taylor_fit-bias", "taylor_fit-sinkfree")  # readout sums: every other registered strategy reuses one of these
+
+
+def _user_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """`main` with the errors a user fixes (a teacher path that is not a model, a stats file of
+    another teacher or version, a strategy the student cannot take, bad data) as one `error:`
+    line and exit status 1, not a traceback; every other exception propagates."""
+    from megatron_tc.data.documents import DataError
+    from megatron_tc.eval.loading import ModelLoadError
+    from megatron_tc.model.config import ArchConfigError
+
+    from .statsfile import StatsMismatchError
+    from .strategies import StrategyError
+
+    @functools.wraps(main)
+    def run(argv=None) -> int:
+        try:
+            return main(argv)
+        except (ModelLoadError, StatsMismatchError, StrategyError, DataError, ArchConfigError) as err:
+            raise SystemExit(f"error: {err}") from None
+
+    return run
+
+
+def _need_file(flag: str, path: str | None, what: str) -> None:
+    """Exit with one error line when the file a flag names is not there (before any work)."""
+    if path is not None and not os.path.isfile(path):
+        raise SystemExit(f"error: {flag} {path}: no such file; give {what}")
+
+
+def _check_paths(args) -> None:
+    _need_file("--text", getattr(args, "text", None), "the calibration text file")
+    _need_file("--eval-text", getattr(args, "eval_text", None), "the evaluation text file")
+    _need_file("--stats", getattr(args, "stats", None), "a stats file written by tools/stats.py")
 
 
 def _layers(text: str, num_layers: int) -> list[int]:
@@ -92,6 +127,7 @@ def _refuse_overlap(args, source, stats: TaylorStats | None = None) -> None:
         raise SystemExit(f"error: {err}") from None
 
 
+@_user_errors
 def stats_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Taylor statistics pass over calibration text -> stats file")
     _data_args(ap)
@@ -101,6 +137,7 @@ def stats_main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=128, help="queries per attention-probability chunk")
     ap.add_argument("--out", required=True, help="stats file to write")
     args = ap.parse_args(argv)
+    _check_paths(args)
     source = open_source(args)
     _ = source.record  # the stats file records the text's hashes: made (or refused) before any work
     _refuse_overlap(args, source)
@@ -181,8 +218,10 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@_user_errors
 def calibrate_main(argv=None) -> int:
     args = _calibrate_parser().parse_args(argv)
+    _check_paths(args)
     source = open_source(args)
     _refuse_overlap(args, source)
     if args.threads:
@@ -245,6 +284,7 @@ def _ga_stats(teacher, batches, args, bos_id: int | None, source) -> TaylorStats
                          student_arch=arch.with_pattern("G" * arch.num_layers), progress=not args.no_progress)
 
 
+@_user_errors
 def select_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="choose the layers kept as softmax attention; writes JSON")
     _data_args(ap)
@@ -257,6 +297,7 @@ def select_main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="ga: 1 = one ranking, K = forward greedy")
     ap.add_argument("--out", required=True, help="JSON file: keep, scores, details")
     args = ap.parse_args(argv)
+    _check_paths(args)
     source = open_source(args)
     _refuse_overlap(args, source)
     if args.threads:

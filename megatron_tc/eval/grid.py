@@ -120,6 +120,8 @@ class Grid:
 
 def load_grid(path: str | os.PathLike, out: str | None = None) -> Grid:
     """Parse and check a grid file; relative paths are relative to the file."""
+    if not os.path.isfile(path):
+        raise GridError(f"{path}: no such grid file (its format: the docstring of megatron_tc/eval/grid.py)")
     with open(path, encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
     if not isinstance(data, dict):
@@ -399,7 +401,10 @@ def grid_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="start no cell likely to end after this many seconds; the rest stay pending for the next run")
     args = p.parse_args(argv)
-    grid = load_grid(args.grid, out=args.out)
+    try:
+        grid = load_grid(args.grid, out=args.out)
+    except GridError as err:
+        raise SystemExit(f"error: {err}") from None
     if args.list:
         for c in grid.cells():
             print(c.key, " ".join(c.overrides()))

@@ -203,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--out", help="write the results JSON here (atomically)")
     args = p.parse_args(argv)
-    lm = MegatronTCHFLM(pretrained=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-                        batch_size=args.batch_size, max_length=args.max_length)
+    from megatron_tc.eval.loading import ModelLoadError
+
+    try:
+        lm = MegatronTCHFLM(pretrained=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                            batch_size=args.batch_size, max_length=args.max_length)
+    except ModelLoadError as err:
+        raise SystemExit(f"error: --model {args.model}: {err}") from None
     results = run_tasks(lm, args.tasks.split(","), include_path=args.include_path, limit=args.limit,
                         num_fewshot=args.num_fewshot)
     text = json.dumps(results, indent=2, default=str)

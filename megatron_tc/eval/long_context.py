@@ -170,7 +170,8 @@ def run_probe(models: Mapping[str, LoadedModel | LogitsFn], examples: Mapping[in
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_tc.data.bos import bos_record, resolve_bos_id
-    from megatron_tc.eval.loading import load_model
+    from megatron_tc.data.documents import DataError
+    from megatron_tc.eval.loading import ModelLoadError, load_model
 
     p = argparse.ArgumentParser(prog="python -m megatron_tc.eval.long_context",
                                 description="Associative-recall probe at several context lengths, teacher vs student")
@@ -188,14 +189,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="start every prompt with BOS: auto = when the teacher's tokenizer (else the model's) adds BOS")
     p.add_argument("--out", help="write JSON here (e.g. <run_dir>/long_context.json, picked up by report.py)")
     args = p.parse_args(argv)
-    models = {"student": load_model(args.model, args.device, args.dtype, tokenizer=args.tokenizer)}
-    if args.teacher:
-        models = {"teacher": load_model(args.teacher, args.device, args.dtype), **models}
-    tokenizer = models["student"].tokenizer or models.get("teacher", models["student"]).tokenizer
-    teacher_tok = models["teacher"].tokenizer if "teacher" in models else None
-    bos_id = resolve_bos_id(teacher_tok or tokenizer, args.bos)
-    examples = make_examples(tokenizer, [int(x) for x in args.lengths.split(",")], args.samples, seed=args.seed,
-                             value_digits=args.value_digits, bos_id=bos_id)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --lengths {args.lengths!r}: give comma-separated token counts, e.g. 1024,4096") from None
+    try:
+        models = {"student": load_model(args.model, args.device, args.dtype, tokenizer=args.tokenizer)}
+        if args.teacher:
+            models = {"teacher": load_model(args.teacher, args.device, args.dtype), **models}
+        tokenizer = models["student"].tokenizer or models.get("teacher", models["student"]).tokenizer
+        teacher_tok = models["teacher"].tokenizer if "teacher" in models else None
+        bos_id = resolve_bos_id(teacher_tok or tokenizer, args.bos)
+    except (ModelLoadError, DataError) as err:
+        raise SystemExit(f"error: {err}") from None
+    examples = make_examples(tokenizer, lengths, args.samples, seed=args.seed, value_digits=args.value_digits,
+                             bos_id=bos_id)
     result = run_probe(models, examples, method=args.method, device=args.device)
     result.update(model=args.model, teacher=args.teacher, **bos_record(bos_id, args.bos))
     text = json.dumps(result, indent=1)

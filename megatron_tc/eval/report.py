@@ -176,8 +176,15 @@ def report_main(argv: list[str] | None = None) -> int:
                    "(default: the --naive run and taylor_calibrate)")
     p.add_argument("--title", default="Distillation report")
     args = p.parse_args(argv)
-    path = write_report(args.runs, args.out, teacher_ppl=args.teacher_ppl,
-                        ks=[float(k) for k in args.ks.split(",")], method=args.method, title=args.title,
-                        naive=args.naive, baselines=args.baselines.split(",") if args.baselines else None)
+    try:
+        ks = [float(k) for k in args.ks.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --ks {args.ks!r}: give comma-separated factors, e.g. 1.5,1.25,1.1") from None
+    try:
+        path = write_report(args.runs, args.out, teacher_ppl=args.teacher_ppl, ks=ks, method=args.method,
+                            title=args.title, naive=args.naive,
+                            baselines=args.baselines.split(",") if args.baselines else None)
+    except EvalLogError as err:  # a run that is not there or whose log cannot give the report
+        raise SystemExit(f"error: {err}") from None
     print(path)
     return 0

@@ -98,3 +98,31 @@ def test_taylor_fit_gets_heldout_rows_from_the_calibration_text_or_refuses(tmp_p
     assert report["align"]["0"]["best_step"] in (0, 2)  # held-out scores exist only at step 0 and every eval
     with pytest.raises(SystemExit, match=r"error: --init taylor_fit picks its best alignment step on held-out"):
         calibrate_main(common + ["--tokens", "100000"])
+
+
+@pytest.mark.parametrize("main,extra", [
+    (stats_main, ["--out", "x.pt"]),
+    (calibrate_main, ["--init", "naive", "--keep", "0"]),
+    (select_main, ["--policy", "uniform", "--out", "x.json"]),
+])
+def test_tools_name_a_missing_file_or_teacher_in_one_error_line(tmp_path, main, extra):
+    calib = _write(tmp_path / "calib.txt", _paragraphs(1, 4))
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(SystemExit, match=r"^error: --text .*nope.txt: no such file; give the calibration text"):
+        main(["--teacher", str(tmp_path), "--text", missing] + extra)
+    with pytest.raises(SystemExit, match=r"^error: --eval-text .*nope.txt: no such file"):
+        main(["--teacher", str(tmp_path), "--text", str(calib), "--eval-text", missing] + extra)
+    with pytest.raises(SystemExit, match=r"^error: model path .*no-such-teacher' does not exist; give an HF"):
+        main(["--teacher", str(tmp_path / "no-such-teacher"), "--text", str(calib)] + extra)
+
+
+def test_a_stats_file_that_is_missing_or_of_another_teacher_is_one_error_line(tmp_path, tiny_teacher):
+    calib = _write(tmp_path / "calib.txt", _paragraphs(1, 12))
+    common = ["--teacher", str(tiny_teacher), "--text", str(calib), "--tokens", "64", "--seq-len", "32",
+              "--no-progress", "--init", "taylor", "--keep", "1"]
+    with pytest.raises(SystemExit, match=r"^error: --stats .*none.pt: no such file; give a stats file"):
+        calibrate_main(common + ["--stats", str(tmp_path / "none.pt")])
+    other = TaylorStats({"teacher_sha256": "0" * 64, "layers": [0]}, {})
+    other.save(tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match=r"^error: stats were computed for teacher 0+. but the teacher given"):
+        calibrate_main(common + ["--stats", str(tmp_path / "other.pt")])

@@ -251,6 +251,17 @@ def test_grid_file_errors(tmp_path):
     bad = _grid_file(tmp_path, axes={"teacher": {"t": "x"}, "policy": ["uniform"]})
     with pytest.raises(GridError, match=r"missing \['init'\]"):
         load_grid(bad)
+    with pytest.raises(GridError, match="none.yaml: no such grid file"):
+        load_grid(tmp_path / "none.yaml")
+
+
+def test_run_grid_puts_a_bad_grid_file_in_one_error_line(tmp_path):
+    from megatron_tc.eval.grid import grid_main
+
+    with pytest.raises(SystemExit, match=r"^error: .*none.yaml: no such grid file"):
+        grid_main([str(tmp_path / "none.yaml")])
+    with pytest.raises(SystemExit, match=r"^error: .*unknown keys \['typo'\]"):
+        grid_main([str(_grid_file(tmp_path, typo=1))])
 
 
 def test_bad_override_fails_before_any_cell_runs(tmp_path):

@@ -206,3 +206,10 @@ def test_bos_rule_follows_the_tokenizer():
         single="<eos> $A", special_tokens=[("<eos>", with_bos.bos_token_id)])
     assert with_bos("w1")["input_ids"][0] == with_bos.bos_token_id and adds_bos(with_bos) is True
     assert MegatronTCHFLM(pretrained=tiny_llama(len(WORDS) + 2), tokenizer=with_bos, device="cpu").add_bos_token
+
+
+def test_the_command_line_names_a_missing_model_in_one_error_line(tmp_path):
+    from megatron_tc.eval.harness import main
+
+    with pytest.raises(SystemExit, match=r"^error: --model .*none: model path .* does not exist"):
+        main(["--model", str(tmp_path / "none"), "--tasks", "hellaswag", "--device", "cpu"])

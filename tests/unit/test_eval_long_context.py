@@ -67,3 +67,12 @@ def test_real_tiny_model_with_hf_generate(tmp_path):
     # HF generate with its cache agrees with greedy full-forward decoding on these prompts
     res_nocache = run_probe({"student": loaded.forward}, ex, method="generate", progress=False)
     assert res_nocache["accuracy"] == res["accuracy"]
+
+
+def test_the_command_line_names_a_missing_model_or_bad_lengths_in_one_error_line(tmp_path):
+    from megatron_tc.eval.long_context import main
+
+    with pytest.raises(SystemExit, match=r"^error: model path .*none' does not exist; give an HF directory"):
+        main(["--model", str(tmp_path / "none"), "--lengths", "64"])
+    with pytest.raises(SystemExit, match=r"^error: --lengths '6x4': give comma-separated token counts"):
+        main(["--model", str(tmp_path / "none"), "--lengths", "6x4"])

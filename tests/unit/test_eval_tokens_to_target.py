@@ -101,6 +101,16 @@ def test_log_errors_and_truncated_last_line(tmp_path):
         tokens_to_target([read_jsonl_log(_ok(tmp_path))])
 
 
+def test_report_puts_a_missing_run_or_bad_factors_in_one_error_line(tmp_path):
+    from megatron_tc.eval.report import report_main
+
+    with pytest.raises(SystemExit, match=r"^error: .*nope: no such run directory or log file"):
+        report_main([str(tmp_path / "nope"), "--out", str(tmp_path / "rep")])
+    with pytest.raises(SystemExit, match=r"^error: --ks '1.1,x': give comma-separated factors"):
+        report_main([str(_ok(tmp_path)), "--out", str(tmp_path / "rep"), "--ks", "1.1,x"])
+    assert not (tmp_path / "rep").exists()  # nothing written before the error
+
+
 def _ok(tmp_path):
     p = tmp_path / "ok.jsonl"
     p.write_text('{"tokens": 0, "ppl": 50}\n')
