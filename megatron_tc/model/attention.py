@@ -55,8 +55,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = self.rope.cos_sin(position_ids, q.dtype)
-        return self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin), v
+        cos, signed_sin = self.rope.rotation_tables(position_ids, q.dtype)
+        return self.rope.rotate_by(q, cos, signed_sin), self.rope.rotate_by(k, cos, signed_sin), v
 
     def attend(
         self,

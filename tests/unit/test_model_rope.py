@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from megatron_tc.model import ArchConfig, HybridLM
@@ -131,3 +132,17 @@ def test_the_model_compiles_in_one_graph_with_its_own_tables():
     traced = torch.compile(model, backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rotate_by_the_signed_tables_equals_hugging_faces_formula_bit_for_bit(dtype, head_dim):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(head_dim, 10000.0)
+    positions = torch.tensor([[0, 1, 2, 7, 4095, 32768], [5, 6, 7, 8, 9, 10]])
+    x = torch.randn(2, 3, 6, head_dim).mul(50).to(dtype)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want = rope.rotate(x, cos, sin)
+    cos_r, signed = rope.rotation_tables(positions, dtype)
+    assert torch.equal(cos_r, cos)
+    assert torch.equal(rope.rotate_by(x, cos_r, signed), want)
