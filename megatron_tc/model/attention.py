@@ -63,12 +63,13 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_index: torch.Tensor,
-        k_index: torch.Tensor,
+        q_index: torch.Tensor | None,
+        k_index: torch.Tensor | None,
         doc_ids: torch.Tensor | None = None,
         all_visible: bool = False,
     ) -> torch.Tensor:
-        """SDPA over q [B,Hq,Tq,D], k/v [B,Hkv,Tk,D] -> [B,Hq,Tq,D]; indices are absolute positions.
+        """SDPA over q [B,Hq,Tq,D], k/v [B,Hkv,Tk,D] -> [B,Hq,Tq,D]; indices are absolute positions
+        (None: 0..T-1 for queries and keys alike, made only where a mask needs them).
 
         all_visible: every query may see every key (one decoding step over the cache), no mask.
         """
@@ -76,6 +77,8 @@ class Attention(nn.Module):
             return self._sdpa(q, k, v, None, is_causal=False)
         if doc_ids is None and self.sliding_window is None and q.shape[2] == k.shape[2]:
             return self._sdpa(q, k, v, None, is_causal=True)
+        if q_index is None:
+            q_index = k_index = torch.arange(q.shape[2], device=q.device)
         mask = attention_mask(q_index, k_index, self.sliding_window, doc_ids, doc_ids)
         return self._sdpa(q, k, v, mask, is_causal=False)
 
@@ -116,6 +119,6 @@ class Attention(nn.Module):
             q_index = torch.arange(cache.seen, cache.seen + t, device=x.device)
             k, v, k_index = cache.update(k, v)
         else:
-            q_index = k_index = torch.arange(t, device=x.device)
+            q_index = k_index = None  # positions 0..T-1, made by `attend` where a mask needs them
         out = self.attend(q, k, v, q_index, k_index, doc_ids, all_visible=cache is not None and t == 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
