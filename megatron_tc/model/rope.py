@@ -128,11 +128,12 @@ _TABLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("megatron_
 
 
 def shared_tables() -> contextlib.AbstractContextManager:
-    """Within: `RotaryEmbedding.cos_sin` makes the tables of given positions and dtype once per
-    RoPE (head_dim, theta, scaling) and hands every later layer the same tensors, as Hugging Face
-    models compute them once per forward (`HybridLM.forward` opens one: eight operators an
-    attention layer fewer, each a kernel launch on a GPU). Under torch.compile a plain context
-    (the compiled code computes its own tables). The tables are dropped on exit."""
+    """Within: `RotaryEmbedding.cos_sin` and `rotation_tables` make the tables of given positions
+    and dtype once per RoPE (head_dim, theta, scaling) and hand every later layer the same tensors,
+    as Hugging Face models compute them once per forward (`HybridLM.forward` opens one: after the
+    first, an attention layer issues none of the tables' operators, each a kernel launch on a GPU).
+    Under torch.compile a plain context (the compiled code computes its own tables). The tables
+    are dropped on exit."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else _sharing()
 
 
