@@ -124,8 +124,9 @@ def test_gradients_with_activation_checkpointing_match_with_shared_tables():
 
 
 def test_the_model_compiles_in_one_graph_with_its_own_tables():
-    """torch.compile of the whole model (the benchmarks' plain PyTorch anchor compiles its teacher
-    so) and of single layers traces without a graph break: no table sharing inside traced code."""
+    """torch.compile of the whole model (as the benchmarks' plain PyTorch anchor compiles its
+    teacher) traces in one graph: no table sharing inside traced code, which stage 2's per-layer
+    compile traces too."""
     torch.manual_seed(0)
     model = tiny(num_layers=2).eval()
     ids = torch.randint(0, 50, (1, 8))
