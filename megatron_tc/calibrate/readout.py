@@ -103,14 +103,16 @@ def value_silu_grid(mixer: GatedDeltaNet, x: torch.Tensor, max_elements: int | N
 
 def value_inputs(mixer: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     """v_proj(x) [B*T, heads, D] fp32 before its activation, of the first value head of each of
-    the `mixer.value_groups` groups of identical heads."""
+    the `mixer.value_groups` groups of identical heads (`first_value_heads` of the projection)."""
+    return first_value_heads(mixer, wide_linear(x, mixer.v_proj.weight, mixer.v_proj.bias))
+
+
+def first_value_heads(mixer: GatedDeltaNet, values: torch.Tensor) -> torch.Tensor:
+    """The first head of each of the `mixer.value_groups` groups of identical value heads of
+    values [B, T, kv_heads*D] (the layer's v_proj output): a view [B*T, heads, D], so the
+    readout's value grid needs no projection of its own."""
     groups, d = getattr(mixer, "value_groups", 1), mixer.head_dim
-    heads = mixer.kv_heads // groups
-    weight, bias = mixer.v_proj.weight, mixer.v_proj.bias
-    if groups > 1:  # the first head of each group
-        weight = weight.view(heads, groups, d, -1)[:, 0].reshape(heads * d, -1)
-        bias = None if bias is None else bias.view(heads, groups, d)[:, 0].reshape(-1)
-    return wide_linear(x, weight, bias).view(-1, heads, d)
+    return values.reshape(-1, mixer.kv_heads // groups, groups, d)[:, :, 0]
 
 
 def layers_value_silu_grid(mixers: Sequence[GatedDeltaNet], values: Sequence[torch.Tensor],
@@ -244,7 +246,7 @@ def layers_readout_sums(
         wide = x.float()
         projected = x if mixer.q_proj.weight.dtype == x.dtype else wide
         projections.append([getattr(mixer, f"{name}_proj")(projected) for name in "qkv"])
-        values.append(value_inputs(mixer, projected))
+        values.append(first_value_heads(mixer, projections[-1][2]))  # the value grid's input: a view
         decays.append(mixer.a_proj(wide))
         writes.append(mixer.b_proj(wide))
         gates.append(gate_values(wide, cands))
