@@ -19,7 +19,7 @@ from .strategies import LayerContext, Strategy, default_gdn_state, get_strategy
 def _mixer_state(mixer: nn.Module) -> dict[str, torch.Tensor]:
     """A whole teacher mixer's weights where they are (no copy: strategies clone what they keep).
     Copying them to the CPU would wait for every kernel queued on the device."""
-    return {k: v.detach() for k, v in mixer.state_dict().items()}
+    return {k: v.detach() for k, v in mixer.state_dict(keep_vars=True).items()}  # one detach each
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

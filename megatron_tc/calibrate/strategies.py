@@ -332,13 +332,15 @@ class Taylor(Strategy):
         dt_bias = softplus_inverse(paper_decay_rate(paper_mean_distance(stats, indices)))  # [L, H]
         beta = paper_write_strength(layer_means(stats, indices, "entropy"))
         b_proj = paper_b_proj(torch.stack([ctx.default["b_proj.weight"] for ctx in ctxs]), beta)
+        # each layer's rows in the parameters' dtypes: one cast for all layers, then views
+        dt_rows = dt_bias.to(_placeholder(ctxs[0].default, "dt_bias").dtype).unbind(0)
+        b_rows = b_proj.to(_placeholder(ctxs[0].default, "b_proj.weight").dtype).unbind(0)
         out = []
-        for i, ctx in enumerate(ctxs):
+        for ctx, dt_row, b_row in zip(ctxs, dt_rows, b_rows):
             # g_proj is set in finish; the gates' parameters here: none of their defaults is drawn
             params = copy_teacher(ctx, replaced=("g_proj.weight", "A_log", "dt_bias", "b_proj.bias"))
             params["A_log"] = _zeros_as(params["A_log"])
-            params["dt_bias"] = dt_bias[i].to(params["dt_bias"].dtype)
-            params["b_proj.weight"] = b_proj[i].to(params["b_proj.weight"].dtype)
+            params["dt_bias"], params["b_proj.weight"] = dt_row, b_row
             if "b_proj.bias" in params:  # the authors' b_proj has no bias
                 params["b_proj.bias"] = _zeros_as(params["b_proj.bias"])
             out.append(params)
