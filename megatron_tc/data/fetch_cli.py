@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --debian: documents and tokens per split (1%% calibration, 1%% evaluation, seed 0) "
                          "through the data pipeline, the manifest and token cache under DIR_tokens/")
     args = ap.parse_args(argv)
+    if args.count_tokens and not args.debian:
+        ap.error("--count-tokens counts the Debian corpus's tokens: give --debian DIR with it")
     if args.debian:
         from megatron_tc.data.debian_corpus import corpus_token_counts, write_debian_corpus
 

@@ -89,3 +89,12 @@ def test_repeated_paragraphs_are_kept_only_where_they_first_occur():
     (second,), dropped_b = drop_repeated_paragraphs([b], seen)
     assert (dropped_a, dropped_b) == (0, 1) and first.text == a.text
     assert not paragraph_hashes(first.text) & paragraph_hashes(second.text)
+
+
+def test_count_tokens_without_the_debian_corpus_is_refused(capsys):
+    from megatron_tc.data.fetch_cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--count-tokens", "some-tokenizer"])
+    assert exit_info.value.code == 2
+    assert "--count-tokens counts the Debian corpus's tokens: give --debian DIR with it" in capsys.readouterr().err
