@@ -18,7 +18,7 @@ from megatron_tc.distill.stage2 import select_trainable
 from megatron_tc.model import HybridLM
 
 # variant -> (distill_loss impl, $MEGATRON_TC_COMPILE)
-VARIANTS = {"before": ("reference", "0"), "loss": ("chunked", "0"), "after": ("chunked", "1")}
+VARIANTS = {"reference": ("reference", "0"), "chunked-loss": ("chunked", "0"), "fused": ("chunked", "1")}
 
 
 def profile_steps(trainer: Trainer, make_ids, device, rows: int = 20) -> tuple[str, list[dict], float]:
@@ -158,7 +158,7 @@ def bench_model(name: str, args, device, peaks, report: Report, ctx) -> None:
 
 
 def parse_variants(text: str) -> list[str]:
-    """"before,after" -> ["before", "after"]; ValueError naming the known variants otherwise."""
+    """"reference,fused" -> ["reference", "fused"]; ValueError naming the known variants otherwise."""
     variants = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in variants if x not in VARIANTS]
     if unknown or not variants:

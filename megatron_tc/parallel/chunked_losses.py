@@ -1,7 +1,7 @@
 """KL(teacher || student) and cross-entropy over the vocabulary, computed a chunk of tokens at a time.
 
 Same values and gradients as `losses.vocab_parallel_kl` / `vocab_parallel_cross_entropy` (the
-reference formulas, kept for parity tests and `tools/bench/train.py --variants before`), but:
+reference formulas, kept for parity tests and `tools/bench/train.py --variants reference`), but:
 - no [tokens, vocab] fp32 tensor of the whole batch is ever made: the bf16 logits are read a chunk
   of rows at a time (CHUNK_ELEMENTS logits) and upcast inside the chunk only;
 - only per-token statistics are saved for backward ([tokens] fp32: the student's and teacher's

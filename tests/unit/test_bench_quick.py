@@ -75,9 +75,10 @@ def test_bench_inference_decode_profile(tmp_path):
 
 
 def test_bench_train_quick(tmp_path):
-    data = run("bench_train", tmp_path, "--profile")  # default --variants before,loss,after: a row each
-    assert [(r["variant"], r["loss_impl"]) for r in data["rows"]] == [("before", "reference"), ("loss", "chunked"),
-                                                                       ("after", "chunked")]
+    data = run("bench_train", tmp_path, "--profile")  # default --variants reference,chunked-loss,fused: a row each
+    assert [(r["variant"], r["loss_impl"]) for r in data["rows"]] == [("reference", "reference"),
+                                                                       ("chunked-loss", "chunked"),
+                                                                       ("fused", "chunked")]
     for row in data["rows"]:
         assert row["finite"] and row["mfu"] > 0
         student, teacher = tiny().with_pattern(quarter_pattern(4)), tiny()
@@ -85,7 +86,7 @@ def test_bench_train_quick(tmp_path):
         expected = 3 * forward_flops(student, tokens, row["T"]) + forward_flops(teacher, tokens, row["T"])
         assert row["flops"] == pytest.approx(expected / 1e12)
         assert row["busy_ms"] > 0
-    assert {r["variant"] for r in data["profile"]} == {"before", "loss", "after"}
+    assert {r["variant"] for r in data["profile"]} == {"reference", "chunked-loss", "fused"}
     (check,) = data["checks"]  # on CPU both sides run the PyTorch chunked backend in fp32
     assert check["grad_rel_err_global"] < 1e-6 and check["loss_rel_err"] < 1e-6
     assert check["chunked_vs_reference_loss_rel_err"] < 1e-5

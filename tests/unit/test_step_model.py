@@ -74,7 +74,7 @@ def _measured(doc: dict, source: str) -> float:
     name = source.split(",")[0]
     data = json.loads((RESULTS / name).read_text())
     if name == "bench_h200_train_step_1b.json":
-        return next(r[1] for r in data["rows"] if r[0] == "after")
+        return next(r[1] for r in data["rows"] if r[0] == "fused")
     if name == "bench_h200_train_step_8b_shape.json":
         return data["measurements"][0]["step_ms_median"]
     if name in ("throughput_h200_train_smollm2.json", "throughput_h200_train_1b.json"):

@@ -4,19 +4,20 @@ on the KL loss + optimizer step, bf16, GDN layers on fla's kernels; tokens/s and
 
     python tools/bench/train.py [--out FILE] [--quick] [--models smollm2-135m,llama-1b]
         [--batch 8 --seq 2048] [--steps 5] [--deepspeed] [--trainable all] [--profile]
-        [--variants before,loss,after]
+        [--variants reference,chunked-loss,fused]
 
 Plain torch (default): fp32 student weights under bf16 autocast, fused AdamW; the teacher in
 bf16. --deepspeed: the student through `megatron_tc.parallel.deepspeed_engine` (ZeRO-3 on one
 rank, bf16, fp32 master weights), as stage 2 runs it. The loss is `distill.losses.distill_loss`
 (KL at temperature 1) on random token ids.
 
---variants times several versions of the same step in one run (one row each, same models and
-trainer), so one call gives before and after:
-  before  the whole-batch fp32 vocabulary losses (impl="reference") and the eager model blocks
-          (MEGATRON_TC_COMPILE=0): the code of the first H200 run
-  loss    the chunked vocabulary losses (`parallel.chunked_losses`, compiled per chunk), eager model
-  after   chunked losses and the compiled model blocks (`model.fused`): what stage 2 runs now
+--variants times several forms of the same step in one run (one row each, same models and
+trainer), so one call compares them:
+  reference     the whole-batch fp32 vocabulary losses (impl="reference") and the eager model
+                blocks (MEGATRON_TC_COMPILE=0)
+  chunked-loss  the chunked vocabulary losses (`parallel.chunked_losses`, compiled per chunk), the
+                eager model blocks
+  fused         the chunked losses and the compiled model blocks (`model.fused`): stage 2's step
 
 Check before timing: one forward/backward at [1, 512] with the GDN layers on fla under bf16
 autocast against the PyTorch chunked backend in fp32 (same weights, same teacher logits):
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="DeepSpeed JSON instead of configs/deepspeed/zero3.json ('auto' values filled as in stage 2)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 more steps: top kernels")
     p.add_argument("--check-t", type=int, default=512, help="tokens of the gradient check (0: no check)")
-    p.add_argument("--variants", default="before,loss,after",
+    p.add_argument("--variants", default="reference,chunked-loss,fused",
                    help=f"comma list of {', '.join(VARIANTS)} (see the module docstring); a row each")
     args = parse_args(p, argv, dict(models="tiny", batch=2, seq=64, steps=2, warmup=1, check_t=48))
     try:
