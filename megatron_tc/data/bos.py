@@ -11,7 +11,7 @@ gets one:
   tokens. This is measured by encoding a probe, not read from `add_bos_token`: a Llama-3
   `tokenizer.json` adds BOS through its post-processor while `add_bos_token` reads False, and a GGUF
   file's `tokenizer.ggml.add_bos_token` reaches the tokenizer the same way.
-* `true`: always (the tokenizer must define a BOS token); `false`: never (windows as before).
+* `true`: always (the tokenizer must define a BOS token); `false`: never (a window starts with whatever token it starts with).
 
 `bos_id` below is the resolved rule: the BOS token id, or None for no BOS. The window and packing
 functions take it (`megatron_tc.data.packing.pack_window`, `megatron_tc.eval.perplexity.make_windows`).

@@ -17,7 +17,7 @@ quickstart's stage-2 step in a py-spy profile of 2 ranks on 2 cores.
 (`deepspeed_engine.build_student_engine` applies it: stage 1, stage 2, pretraining):
 - the overflow scan goes: a NaN or inf in any gradient makes the global norm NaN or inf, which
   DeepSpeed's step already treats as an overflow (it is the only check it makes for fp32 runs),
-  so the step is skipped exactly when it was before;
+  so the step is skipped exactly when the scan would skip it;
 - the global norm is computed by one `torch._foreach_norm` (CUDA; on a CPU one norm per tensor,
   accumulated in fp64 without a copy) over the same tensors, selected as
   DeepSpeed selects them (pipeline-replicated parameters skipped, tensor-parallel duplicates
