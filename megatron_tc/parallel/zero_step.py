@@ -22,7 +22,7 @@ quickstart's stage-2 step in a py-spy profile of 2 ranks on 2 cores.
   accumulated in fp64 without a copy) over the same tensors, selected as
   DeepSpeed selects them (pipeline-replicated parameters skipped, tensor-parallel duplicates
   counted once) and reduced over the same groups; it equals DeepSpeed's to fp32 rounding.
-One difference: a gradient whose squared entries overflow fp32 (|g| > 1.8e19) now skips the
+One difference: a gradient whose squared entries overflow fp32 (|g| > 1.8e19) skips the
 step, where the scan alone would have passed it to the clipping.
 """
 from __future__ import annotations
