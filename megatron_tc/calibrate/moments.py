@@ -33,7 +33,7 @@ DENOMINATOR = {
     "dist": "count", "entropy": "count", "sink": "count", "logit_var": "count",
     "out_energy": "count", "out_energy_o": "count", "zero_order_err": "count",
     "dist_nosink": "count2", "conc": "count2", "conc_nosink": "count3",
-    # the authors' closed form (strategies.Taylor): attention on the query's own key (their distance
+    # the authors' closed form (strategy_paper.Taylor): attention on the query's own key (their distance
     # counts it as 0.5) and the mean over tokens of each head output's RMS over its channels
     "self": "count", "y_rms": "count",
 }

@@ -8,8 +8,9 @@ import torch
 from megatron_tc.calibrate.align import collect_layer_io, relative_mse
 from megatron_tc.calibrate.policies import readout_gap, uniform
 from megatron_tc.calibrate.strategies import (
-    AlignSettings, LayerContext, StrategyError, TaylorFit, candidate_prefix, default_gdn_state, get_strategy,
+    AlignSettings, LayerContext, StrategyError, TaylorFit, default_gdn_state, get_strategy,
 )
+from megatron_tc.calibrate.strategy_fit import candidate_prefix
 from megatron_tc.calibrate.student import build_student, calibrate_student
 from tests.parallel._workers_stats import stats_of_rows, tiny_teacher_and_rows
 
@@ -67,7 +68,7 @@ def _half_life(mixer):
 
 def test_taylor_decay_and_write_strength_rules_by_hand(setup):
     """The authors' rules on numbers worked out by hand, then on the tiny teacher's statistics."""
-    from megatron_tc.calibrate.strategies import (
+    from megatron_tc.calibrate.strategy_paper import (
         paper_b_proj, paper_decay_rate, paper_value_scale, paper_write_strength, softplus_inverse,
     )
 
