@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from megatron_tc.config.paths import PKG_PREFIX
 from megatron_tc.distill.signals import ExitSignals, active, signal_name
 from megatron_tc.eval.grid_claims import CellClaim
 from megatron_tc.eval.grid_results import UNFINISHED, write_results
@@ -131,8 +132,8 @@ def load_grid(path: str | os.PathLike, out: str | None = None) -> Grid:
         raise GridError(f"{path}: unknown keys {unknown}; valid keys: {sorted(GRID_KEYS)}")
     here = os.path.dirname(os.path.abspath(path))
 
-    def rel(p: str) -> str:
-        return p if os.path.isabs(p) else os.path.normpath(os.path.join(here, p))
+    def rel(p: str) -> str:  # a `pkg:` teacher names a file inside an installed package, not a path
+        return p if os.path.isabs(p) or p.startswith(PKG_PREFIX) else os.path.normpath(os.path.join(here, p))
 
     axes = data.get("axes") or {}
     missing = [a for a in AXES if not axes.get(a)]

