@@ -19,7 +19,7 @@ from .loader import (
     save_config,
     split_cli_args,
 )
-from .paths import deepspeed_template_path, resolve_path
+from .paths import deepspeed_template_path, resolve_path, teacher_arch
 from .names import STAGES, init_strategy_names, policy_names, register_init_strategy, register_policy
 from .schema import (
     CalibrateConfig,
@@ -42,5 +42,5 @@ __all__ = [
     "load_config", "config_from_dict", "config_from_yaml", "config_to_dict", "dump_config", "save_config",
     "apply_overrides", "split_cli_args", "default_config_path",
     "validate_config", "validate_against_arch", "resolve_config", "derive_dp",
-    "resolve_path", "deepspeed_template_path", "STAGES", "init_strategy_names", "policy_names", "register_init_strategy", "register_policy",
+    "resolve_path", "teacher_arch", "deepspeed_template_path", "STAGES", "init_strategy_names", "policy_names", "register_init_strategy", "register_policy",
 ]

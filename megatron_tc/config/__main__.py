@@ -1,5 +1,6 @@
 """`python -m megatron_tc.config [CONFIG] [key=value ...] [--world-size N]`: load, check and print
-the resolved config (exit 2 with the error otherwise). `--write-docs` regenerates docs/configuration.md."""
+the resolved config (exit 2 with the error otherwise), checked against the teacher's architecture
+when model.teacher can be read here. `--write-docs` regenerates docs/configuration.md."""
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, overrides = split_cli_args(ns.args)
         cfg = load_config(path, overrides, world_size=ns.world_size)
+        arch = _checked_against_teacher(cfg, ns.world_size)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:  # the teacher cannot be read (not a model, an unsupported architecture)
+        print(f"error: model.teacher={cfg.model.teacher}: {err}", file=sys.stderr)
+        return 2
     sys.stdout.write(dump_config(cfg))
+    if arch is None:
+        print(f"note: model.teacher={cfg.model.teacher or '(unset)'} cannot be read here; the checks against its "
+              "architecture (TP against its heads, the layer pattern against its depth) run when the run starts",
+              file=sys.stderr)
     return 0
+
+
+def _checked_against_teacher(cfg, world_size: int | None):
+    """The teacher's ArchConfig after `validate_against_arch` passed, or None when it cannot be read here."""
+    from .checks import validate_against_arch
+    from .paths import teacher_arch
+
+    arch = teacher_arch(cfg)
+    if arch is not None:
+        validate_against_arch(cfg, arch, world_size)
+    return arch
 
 
 if __name__ == "__main__":

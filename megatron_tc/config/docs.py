@@ -22,11 +22,14 @@ changes. Override any key on the command line with a dotted `key=value`; values 
 rules (`1e-4` is a float, `[stats,init]` a list, `null` is None; only `true`/`false` are
 booleans):
 
-    bash launch/distill.sh configs/quickstart.yaml parallel.tp=2 distill.stage2.lr=1e-4 run.stages=[stats,init]
+    bash launch/distill.sh configs/quickstart.yaml distill.stage2.lr=1e-4 run.stages=[stats,init]
 
-Check a config (and see every resolved value) without running anything:
+Check a config (and see every resolved value) without running anything; with `--world-size` the
+layout is checked for that many processes, and when `model.teacher` can be read there (a
+checkpoint, an HF directory or a GGUF file; its weights are not read) the config is checked against
+the teacher's architecture too:
 
-    python -m megatron_tc.config configs/quickstart.yaml parallel.tp=2 --world-size 2
+    python -m megatron_tc.config configs/quickstart.yaml parallel.tp=3 --world-size 6
 
 A config file may start with `base: other.yaml` (a path relative to it) to inherit and override
 that file. The resolved config is saved as `<run_dir>/config.yaml`. Unknown keys, wrong types,

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_tc.model.config import ArchConfig
 
 PKG_PREFIX = "pkg:"
 
@@ -43,3 +47,23 @@ def deepspeed_template_path(pp: int, user_json: str | None = None) -> Path:
     from .loader import repo_root
 
     return repo_root() / "configs" / "deepspeed" / ("zero1_pipeline.json" if pp > 1 else "zero3.json")
+
+
+def teacher_arch(cfg: Any) -> ArchConfig | None:
+    """model.teacher's architecture, read without its weights (a checkpoint's or HF directory's
+    config, a GGUF's header); None when there is nothing to read yet: no teacher, a path that does
+    not exist, or a `pkg:` file whose package is not installed (the convert stage installs it)."""
+    spec = cfg.model.teacher
+    if not spec:
+        return None
+    try:
+        path = resolve_path(spec)
+    except ConfigError:
+        if spec.startswith(PKG_PREFIX):
+            return None
+        raise
+    if not path.exists():
+        return None
+    from megatron_tc.convert.hf_to_megatron import read_arch
+
+    return read_arch(path)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_tc.convert import layout
-from megatron_tc.convert.checkpoint import lazy_checkpoint, resolve_dtype, save_checkpoint
+from megatron_tc.convert.checkpoint import is_checkpoint, lazy_checkpoint, read_info, resolve_dtype, save_checkpoint
 from megatron_tc.convert.fsutil import check_output_dir
 from megatron_tc.convert.gguf_memo import gguf_reading
 from megatron_tc.convert.hf_io import HFModel, read_hf, read_hf_config
@@ -32,6 +32,14 @@ def arch_of_hf_config(config: Any) -> ArchConfig:
     if config.model_type == STUDENT_MODEL_TYPE:
         return student_arch(config)
     return arch_from_hf_config(config)
+
+
+def read_arch(path: str | os.PathLike) -> ArchConfig:
+    """The ArchConfig of a megatron_tc checkpoint, an HF model directory, or a .gguf file (or a
+    directory holding one), without reading weights (a GGUF's header is parsed: seconds)."""
+    if is_checkpoint(path):
+        return read_info(path).arch
+    return arch_of_hf_config(read_hf_config(path)[0])
 
 
 def hybrid_state_from_hf(model: HFModel) -> tuple[ArchConfig, Lazies]:

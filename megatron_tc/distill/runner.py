@@ -182,22 +182,16 @@ def _broadcast(value: Any) -> Any:
 
 
 def known_teacher_arch(cfg: Any):
-    """The teacher's ArchConfig when it can be read cheaply (no weights): the run directory's
-    converted teacher, a megatron_tc checkpoint, or an HF directory's config.json."""
+    """The teacher's ArchConfig when it can be read without its weights: the run directory's
+    converted teacher, else model.teacher (a megatron_tc checkpoint, an HF directory or a GGUF
+    file); None when there is nothing to read yet (a `pkg:` teacher the convert stage installs)."""
+    from megatron_tc.config import teacher_arch
     from megatron_tc.convert.checkpoint import is_checkpoint, read_info
 
     converted = RunPaths.from_config(cfg).teacher
-    for candidate in (converted, Path(cfg.model.teacher) if cfg.model.teacher else None):
-        if candidate is not None and is_checkpoint(candidate):
-            return read_info(candidate).arch
-    source = Path(cfg.model.teacher) if cfg.model.teacher else None
-    if source is not None and (source / "config.json").is_file() and not list(source.glob("*.gguf")):
-        from transformers import AutoConfig
-
-        from megatron_tc.convert.hf_mapping import arch_from_hf_config
-
-        return arch_from_hf_config(AutoConfig.from_pretrained(source))
-    return None
+    if is_checkpoint(converted):
+        return read_info(converted).arch
+    return teacher_arch(cfg)
 
 
 def config_fingerprints(cfg: Any) -> dict[str, str]:

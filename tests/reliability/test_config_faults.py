@@ -117,6 +117,15 @@ def test_runner_checks_tp_against_an_existing_teacher_before_creating_process_gr
     assert isinstance(outcome, ConfigError) and "does not divide" in str(outcome)
 
 
+def test_runner_checks_tp_against_a_gguf_teacher_before_converting_it(tmp_path):
+    """The quickstart's GGUF teacher (9 heads, 3 KV heads) is checked from its header at start-up,
+    not after the convert stage has read its weights."""
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["parallel.tp=2", f"run.run_dir={tmp_path}"])
+    outcome = run_pipeline_until_process_groups(cfg, 2)
+    assert isinstance(outcome, ConfigError) and "does not divide the teacher's 9 attention" in str(outcome)
+    assert not (tmp_path / "teacher").exists()
+
+
 def test_command_line_reports_a_config_error_without_a_traceback(run_yaml):
     """tools/distill.py as one process with parallel.tp=2: a world-size error, exit code 2."""
     proc = subprocess.run([sys.executable, str(DISTILL), str(run_yaml), "parallel.tp=2"], cwd=ROOT, env=child_env(),

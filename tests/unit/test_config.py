@@ -205,6 +205,23 @@ def test_cli_prints_config_or_error():
     assert bad.returncode == 2 and "ZeRO" in bad.stderr
 
 
+def test_cli_checks_the_config_against_a_teacher_it_can_read():
+    """The quickstart's teacher is a GGUF file (9 heads, 3 KV heads): its header is read, not its
+    weights; a teacher that is not there yet (tiny.yaml's, converted by the run) leaves a note."""
+    def check(*args):
+        return subprocess.run([sys.executable, "-m", "megatron_tc.config", *args], cwd=REPO, capture_output=True,
+                              text=True)
+
+    bad = check("configs/quickstart.yaml", "parallel.tp=2", "--world-size", "2")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == ("config error: parallel.tp=2 does not divide the teacher's 9 attention and GDN heads "
+                                  "(num_heads), 3 KV heads (num_kv_heads): choose parallel.tp from [1, 3]")
+    ok = check("configs/quickstart.yaml", "parallel.tp=3", "--world-size", "6")
+    assert ok.returncode == 0 and ok.stderr == "" and config_from_yaml(ok.stdout).parallel.tp == 3
+    unread = check("configs/tiny.yaml")
+    assert unread.returncode == 0 and unread.stderr.startswith("note: model.teacher=runs/tiny/teacher cannot be read")
+
+
 def test_config_import_and_checks_need_no_torch():
     code = (
         "import sys; from megatron_tc.config import load_config, validate_config; "
