@@ -291,8 +291,26 @@ def test_policies(setup):
     assert uniform(28, 7).keep == [0, 4, 8, 12, 16, 20, 24]  # the authors' Qwen2.5-1.5B choice
     assert uniform(30, 8).keep == [0, 3, 6, 9, 12, 15, 18, 21]
     assert uniform(4, 1).keep == [0]
-    sel = readout_gap(setup[1], 1)
-    assert len(sel.keep) == 1 and sel.scores[sel.keep[0]] == max(sel.scores.values())
+
+
+@torch.no_grad()
+def test_readout_gap_scores_the_energy_the_fitted_closed_form_leaves_unexplained(setup):
+    """score(l) = sum |mixer(x) - y|^2 / sum |resid|^2 with the taylor_fit-closed mixer run on the
+    layer's inputs (the policy gets it from the readout sums alone); the highest score is kept."""
+    teacher, stats, batches, io = setup
+    student = _student(setup, "taylor_fit-closed")
+    resid = collect_layer_io(teacher, batches, list(CONVERTED), keep_resid=True)
+    direct = {}
+    for layer in CONVERTED:
+        data = io[layer]
+        out = student.layers[layer].mixer(data.x, doc_ids=data.doc_ids)
+        direct[layer] = float((out - data.y).double().pow(2).sum() / resid[layer].resid.double().pow(2).sum())
+    sel = readout_gap(stats, 1)
+    assert sorted(sel.scores) == sorted(direct)
+    for layer in CONVERTED:  # the readout sums accumulate U.U in fp32 per batch
+        assert sel.scores[layer] == pytest.approx(direct[layer], rel=1e-3)
+    assert sel.keep == [max(direct, key=direct.get)]
+    assert abs(direct[0] - direct[2]) > 0.05 * max(direct.values())  # a choice the scores decide
 
 
 def test_ar_bypasses_one_layers_attention_in_the_teacher(setup):
