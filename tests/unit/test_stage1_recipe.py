@@ -39,9 +39,10 @@ def test_stage1_fraction_needs_a_stage2_budget_and_excludes_tokens():
 
 def test_rmse_is_the_mean_token_error_norm_over_sqrt_hidden():
     out = torch.tensor([[[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]])
-    target = torch.zeros_like(out)
-    assert float(token_rmse(out, target)) == pytest.approx((5.0 + 2.0) / 2 / math.sqrt(4))
-    assert float(relative_mse(out, out * 2)) == pytest.approx(out.pow(2).mean() / (2 * out).pow(2).mean())
+    target = torch.tensor([[[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]])
+    # out - target: [2, 3, 0, 0] and [0, 0, -1, 2], norms sqrt(13) and sqrt(5); |target|^2 = 2 and 1
+    assert float(token_rmse(out, target)) == pytest.approx((math.sqrt(13) + math.sqrt(5)) / 2 / math.sqrt(4))
+    assert float(relative_mse(out, target)) == pytest.approx(((13 + 5) / 8) / ((2 + 1) / 8))  # 6
 
 
 def test_recipe_config_loads():
