@@ -45,6 +45,33 @@ def test_batched_forwards_score_exactly_what_single_windows_score(rows, batch_si
         assert batched[key] == pytest.approx(single[key], rel=1e-12), key
 
 
+def test_scores_equal_cross_entropy_and_kl_written_out_directly(rows):
+    """nll / ppl from F.cross_entropy, KL(teacher || student) from F.kl_div, argmax agreement and the
+    teacher's own ppl, window by window in fp64: what every evaluation reports."""
+    import math
+
+    import torch.nn.functional as F
+
+    student, teacher = TinyLM(50, 1), TinyLM(50, 2)
+    nll = kl = teacher_nll = agree = tokens = 0.0
+    with torch.no_grad():
+        for row in rows:
+            s, t, targets = student(row)[0, :-1], teacher(row)[0, :-1], row[0, 1:]
+            nll += float(F.cross_entropy(s, targets, reduction="sum"))
+            teacher_nll += float(F.cross_entropy(t, targets, reduction="sum"))
+            kl += float(F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum"))
+            agree += float((s.argmax(-1) == t.argmax(-1)).sum())
+            tokens += targets.numel()
+    got = score_rows(student, teacher, rows, 0, 1, batch_size=4)
+    assert got["tokens"] == tokens
+    assert got["nll"] == pytest.approx(nll / tokens, rel=1e-12)
+    assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-12)
+    assert got["kl"] == pytest.approx(kl / tokens, rel=1e-10)
+    assert got["teacher_ppl"] == pytest.approx(math.exp(teacher_nll / tokens), rel=1e-12)
+    assert got["top1_agree"] == agree / tokens
+    assert 0 < agree < tokens and kl > 0.1  # two different models: the KL and the agreement are informative
+
+
 def test_teacher_cache_is_filled_by_a_batched_evaluation_and_reused(rows):
     student, teacher = TinyLM(50, 1), TinyLM(50, 2)
     cache = TeacherCache()
