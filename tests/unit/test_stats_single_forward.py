@@ -47,7 +47,9 @@ def test_the_budget_decides_exactly_at_the_cache_size():
 def test_readout_closed_forms_read_the_teacher_where_it_is():
     """Sweep 2 builds each layer's readout mixer from the teacher's weights on their device (a
     copy to the CPU would wait for the device's queue) and the statistics on the CPU: with the
-    teacher on `meta`, any operation mixing the two fails. The mixers equal those of a CPU teacher."""
+    teacher on `meta`, any operation mixing the two fails. The mixers have the parameters (names,
+    shapes, dtypes) and gate candidates of those built from a CPU teacher (values on `meta` cannot be
+    read: the values are what the statistics-pass tests compare)."""
     from megatron_tc.calibrate.stats import collect_attention_stats, readout_mixer
     from megatron_tc.calibrate.strategies import REGISTRY
 
