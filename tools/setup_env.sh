@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or refresh) a virtual environment with everything the pipeline and the tests need.
 # Usage: bash tools/setup_env.sh [VENV_DIR]     (default .venv; idempotent)
-# On a CPU machine this takes the CPU torch wheel (torch==2.13.0); never add triton here.
+# On a CPU machine this takes the CPU torch wheel (torch==2.13.0); never add triton to the venv
+# (requirements.txt says why): the kernels' interpreter tests get it from a folder of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
@@ -19,4 +20,10 @@ export PIP_NO_CACHE_DIR=1
 oldest=.cache/transformers-5.17.0
 [ -d "$oldest/transformers" ] || "$venv/bin/python" -m pip install -q --no-deps --target "$oldest" \
     transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9
+# Triton for the Triton kernels' parity tests in its interpreter on the CPU, outside the venv
+# (tests/unit/test_kernels_interpreted.py puts it on the path of a subprocess); its 3.6 interpreter
+# needs numpy < 2.4.
+interp=.cache/triton-3.6.0
+[ -d "$interp/triton" ] || "$venv/bin/python" -m pip install -q --no-deps --target "$interp" \
+    triton==3.6.0 numpy==2.3.5
 echo "environment ready: $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,16 +1,10 @@
 """Sweep 1's fused Triton kernel (`calibrate.moments_triton`) == the PyTorch chunks, on CPU.
 
-The parity tests run the kernel in Triton's interpreter and need a Python environment with triton
-(the project venv must not have it; CI skips them). How they were run:
-
-    python -m venv /tmp/venv-triton && /tmp/venv-triton/bin/pip install triton==3.6.0 "numpy<2.4"
-    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
-        > /tmp/venv-triton/lib/python3.11/site-packages/zz_project.pth
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q \\
-        tests/unit/test_calibrate_stats_kernel.py
-
-(numpy < 2.4: the 3.6 interpreter converts 1-element arrays to scalars, an error from numpy 2.4.)
-With triton importable, `test_kernel_compiles_for_sm90_without_a_gpu` also compiles the bf16 kernel
+The parity tests run the kernel in Triton's interpreter, with triton importable, which the
+project's environment never has: tests/unit/test_kernels_interpreted.py runs this file in a
+subprocess with the triton that tools/setup_env.sh keeps apart (its docstring has the command;
+numpy < 2.4 there: the 3.6 interpreter converts 1-element arrays to scalars, an error from numpy
+2.4). With triton importable, `test_kernel_compiles_for_sm90_without_a_gpu` also compiles the bf16 kernel
 to an sm_90 cubin offline (a subprocess without TRITON_INTERPRET). The dispatch tests run
 everywhere. The GPU twin is tests/gpu/test_stats_kernel_cuda.py.
 """

@@ -1,13 +1,10 @@
 """Sweep 2's read-sums Triton kernel (`calibrate.read_sums_triton`) == the fp64 formulas and the
 PyTorch path of `readout.layers_readout_sums`.
 
-The parity tests run the kernel in Triton's interpreter, in a Python environment with triton (set
-up as tests/unit/test_calibrate_stats_kernel.py's docstring says; CI skips them):
-
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q \\
-        tests/unit/test_read_sums_kernel.py
-
-The input check runs everywhere. The GPU twin is in tests/gpu/test_stats_kernel_cuda.py.
+Every test here needs triton (the kernel's module imports it) and the parity tests Triton's
+interpreter: tests/unit/test_kernels_interpreted.py runs this file in a subprocess with the triton
+that tools/setup_env.sh keeps apart from the project's environment. The GPU twin is in
+tests/gpu/test_stats_kernel_cuda.py.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Sweep 2's value-grid Triton kernel (`calibrate.value_grid_triton`) == its PyTorch reference.
 
-The parity tests run the kernel in Triton's interpreter, in a Python environment with triton (set
-up as tests/unit/test_calibrate_stats_kernel.py's docstring says; CI skips them):
-
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 /tmp/venv-triton/bin/python -m pytest -q \\
-        tests/unit/test_value_grid_kernel.py
-
-The dispatch test runs everywhere. The GPU twin is in tests/gpu/test_stats_kernel_cuda.py.
+The parity tests run the kernel in Triton's interpreter: tests/unit/test_kernels_interpreted.py
+runs this file in a subprocess with the triton that tools/setup_env.sh keeps apart from the
+project's environment. The dispatch test runs everywhere. The GPU twin is in tests/gpu/test_stats_kernel_cuda.py.
 """
 from __future__ import annotations
 
