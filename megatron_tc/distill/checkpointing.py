@@ -288,10 +288,11 @@ class CheckpointManager:
     def load(self, engine: Any, layout: dict[str, int], load_optimizer: bool = True) -> TrainState | None:
         """Restore `engine`, this rank's RNG and the train state from `latest`; None if there is none.
 
-        `layout` (world_size, tp, pp, dp): the job's. A checkpoint written with another data-parallel
-        size (same tp, pp=1) is loaded through a DeepSpeed universal checkpoint (`load_universal`;
-        ZeRO-0 states are whole on every rank and load as they are);
-        the data position is global (the sampler's step), so the run continues on the same batches.
+        `layout` (world_size, tp, pp, dp, zero): the job's. A checkpoint written with another
+        data-parallel size (same tp, pp=1) is loaded through a DeepSpeed universal checkpoint
+        (`load_universal`; ZeRO-0 states are whole on every rank and load as they are); the ZeRO
+        stage may change only between 1 and 2 (`check_same_zero_format`); the data position is
+        global (the sampler's step), so the run continues on the same batches.
         """
         self.clean_partial()
         path = self.latest()
@@ -310,6 +311,7 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded:\n  " + "\n  ".join(problems)
                                   + f"\nPoint {self.root / LATEST} at an older step_* directory, or delete it.")
+        check_same_zero_format(path, state.layout, engine.zero_optimization_stage())
         if resharded and engine.zero_optimization_stage() > 0:  # ZeRO-0 states are whole on every rank
             load_path = load_universal(engine, path, state.layout, layout, load_optimizer)
         else:
@@ -342,6 +344,38 @@ def check_same_padding(path: Path, saved: dict[str, int], now: dict[str, int]) -
             f"{path} was written with the student's layers {'compiled' if was else 'eager'} (ZeRO parameters "
             f"{'padded' if was else 'unpadded'}) but this job runs them {'compiled' if is_now else 'eager'}: resume "
             f"with parallel.compile={'true' if was else 'false'}, or start a new run directory")
+
+
+def zero_format(stage: int) -> str:
+    """How a ZeRO stage lays out its engine checkpoint: 'whole' (0: the optimizer state beside the
+    weights), 'optimizer' (1 and 2: one file of partitioned optimizer state per rank, the same
+    for both), 'parameters' (3: the parameters partitioned too)."""
+    return "whole" if stage == 0 else "parameters" if stage == 3 else "optimizer"
+
+
+def saved_zero_format(path: Path, saved: dict[str, int]) -> str:
+    """`zero_format` of the engine that wrote checkpoint `path`: its recorded stage, or for a
+    checkpoint that records none, read from DeepSpeed's file names."""
+    if "zero" in saved:
+        return zero_format(int(saved["zero"]))
+    names = [p.name for p in (path / ENGINE_TAG).glob("*.pt")]
+    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return "parameters"
+    return "optimizer" if any(n.endswith("_optim_states.pt") for n in names) else "whole"
+
+
+def check_same_zero_format(path: Path, saved: dict[str, int], now_stage: int) -> None:
+    """ZeRO-1 and 2 load each other's checkpoints; DeepSpeed loads no other change of stage (not
+    through a universal checkpoint either): refused before anything loads. (`parallel.zero_stage=auto`
+    may pick another stage than the run's first job did when the memory estimate changes, e.g. on
+    another kind of GPU.)"""
+    saved_format = saved_zero_format(path, saved)
+    if saved_format != zero_format(now_stage):
+        stages = {"whole": "0", "optimizer": "1 or 2", "parameters": "3"}
+        raise CheckpointError(
+            f"{path} was written by a ZeRO-{stages[saved_format]} engine but this job's engine runs ZeRO-{now_stage}, "
+            f"and DeepSpeed cannot load one into the other: resume with "
+            f"parallel.zero_stage={stages[saved_format].split()[0]}, or start a new run directory")
 
 
 def check_dp_reshard(path: Path, saved: dict[str, int], now: dict[str, int]) -> None:

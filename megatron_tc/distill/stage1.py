@@ -108,7 +108,8 @@ class Stage1Trainer(EngineOwner):
         self.loss_fn = STAGE1_LOSSES[s1.loss]
         self.schedule = LRSchedule(max(1, self.steps), min(s1.warmup_steps, max(1, self.steps)), "cosine", 0.1)
         self.manager = CheckpointManager(out_dir / "checkpoints", cfg.distill.keep_last)
-        self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size}
+        self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                       "zero": engine.zero_optimization_stage()}
         self.rank0 = ctx.rank == 0
         remember_peak_lr(engine.optimizer.param_groups)
 

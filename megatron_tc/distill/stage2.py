@@ -167,7 +167,8 @@ class Stage2Trainer(EngineOwner):
         self.schedule = LRSchedule(self.steps, min(s2.warmup_steps, self.steps), s2.schedule,
                                    s2.min_lr / s2.lr if s2.lr else 0.0)
         self.manager = CheckpointManager(out_dir / "checkpoints", cfg.distill.keep_last)
-        self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size}
+        self.layout = {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                       "zero": engine.zero_optimization_stage()}
         self.rank0 = ctx.rank == 0
         self.tp_group = ctx.tp_group if ctx.tp_size > 1 else None
         student_module = engine.module

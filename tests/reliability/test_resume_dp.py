@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from megatron_tc.testing import run_distributed
 from tests._scripts import distill_main, rank_logs
@@ -67,3 +68,58 @@ def test_a_tensor_or_pipeline_parallel_change_is_refused_with_a_clear_error(now,
     with pytest.raises(CheckpointError, match="resumes on another data-parallel size only"):
         check_dp_reshard(tmp_path, saved, now)
     check_dp_reshard(tmp_path, saved, {"world_size": 4, "tp": 1, "pp": 1, "dp": 4})  # DP alone: allowed
+
+
+def _with_zero_stage(base, stage: int) -> None:
+    config = yaml.safe_load((base / "run.yaml").read_text())
+    config["parallel"]["zero_stage"] = stage
+    (base / "run.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.parametrize("first, second, written", [(1, 3, "1 or 2"), (3, 1, "3"), (0, 2, "0"), (2, 0, "1 or 2")])
+def test_a_checkpoint_of_another_zero_stage_is_refused_before_anything_loads(template, tmp_path, first, second,
+                                                                              written):
+    """DeepSpeed loads ZeRO-0, ZeRO-1/2 and ZeRO-3 checkpoints only into an engine of the same kind
+    (not through a universal checkpoint either): the resume stops with one line that names the fix,
+    and the checkpoint is left as it was."""
+    base = clone(template, tmp_path, parallel={"zero_stage": first})
+    ranks(1)(base, "--stop-after", str(STOP))
+    step = checkpoints(base) / f"step_{STOP:08d}"
+    before = sorted((p.relative_to(step), p.stat().st_size) for p in step.rglob("*") if p.is_file())
+    _with_zero_stage(base, second)
+    with pytest.raises(AssertionError) as failed:
+        ranks(1)(base)
+    lines = [line for line in str(failed.value).splitlines() if line.startswith("error on rank 0: ")]
+    assert lines == [f"error on rank 0: {step} was written by a ZeRO-{written} engine but this job's engine runs "
+                     f"ZeRO-{second}, and DeepSpeed cannot load one into the other: resume with "
+                     f"parallel.zero_stage={written.split()[0]}, or start a new run directory"], str(failed.value)[-3000:]
+    assert sorted((p.relative_to(step), p.stat().st_size) for p in step.rglob("*") if p.is_file()) == before
+    assert (checkpoints(base) / "latest").read_text().strip() == step.name
+
+
+def test_zero_1_and_2_resume_each_others_checkpoints(reference, template, tmp_path):
+    base = clone(template, tmp_path, parallel={"zero_stage": 1})
+    ranks(1)(base, "--stop-after", str(STOP))
+    _with_zero_stage(base, 2)
+    out = ranks(1)(base)
+    assert re.search(rf"stage2: resumed at step {STOP} ", out), out[-4000:]
+    expected, got = train_log(reference()), train_log(base)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+
+
+@pytest.mark.parametrize("names, kind", [
+    (["mp_rank_00_model_states.pt"], "whole"),
+    (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], "optimizer"),
+    (["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], "parameters"),
+])
+def test_the_zero_stage_of_a_checkpoint_that_records_none_is_read_from_deepspeeds_files(tmp_path, names, kind):
+    """What ZeRO-0, ZeRO-1/2 and ZeRO-3 engines write (the files of the runs above)."""
+    from megatron_tc.distill.checkpointing import ENGINE_TAG, saved_zero_format
+
+    (tmp_path / ENGINE_TAG).mkdir()
+    for name in names:
+        (tmp_path / ENGINE_TAG / name).write_bytes(b"")
+    assert saved_zero_format(tmp_path, {"dp": 1}) == kind
+    assert saved_zero_format(tmp_path, {"dp": 1, "zero": 3}) == "parameters"  # a recorded stage wins
