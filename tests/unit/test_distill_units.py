@@ -60,8 +60,12 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor(kind):
     else:
         assert all(a >= b for a, b in zip(factors[2:], factors[3:]))
         assert math.isclose(sched.factor(10), 0.1) and sched.factor(100) == sched.factor(10)
+    # a quarter of the way through the decay (step 4 of 2..10), where the two shapes differ
     if kind == "cosine":
         assert math.isclose(sched.factor(6), 0.1 + 0.9 * 0.5)  # half way
+        assert math.isclose(sched.factor(4), 0.1 + 0.9 * 0.5 * (1 + math.sqrt(0.5)))  # 0.868
+    if kind == "linear":
+        assert math.isclose(sched.factor(4), 0.1 + 0.9 * 0.75)  # 0.775
 
 
 def test_each_parameter_group_follows_the_schedule_from_its_own_peak():
