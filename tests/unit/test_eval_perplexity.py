@@ -32,12 +32,13 @@ def assets(tmp_path_factory):
 
 
 def _direct(model_dir, text, tok, seq_len, max_tokens, teacher_dir=None):
-    """Reference: one window at a time, cross-entropy and KL written out directly in fp64."""
+    """Reference: one window at a time, cross-entropy and KL written out directly in fp64; returns
+    (ppl, tokens, kl, top-1 agreement, the teacher's ppl)."""
     ids = tok(open(text, encoding="utf-8").read(), add_special_tokens=False)["input_ids"][:max_tokens]
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     t = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval() if teacher_dir else None
-    nll, kl, agree, n = 0.0, 0.0, 0, 0
+    nll, kl, agree, n, teacher_nll = 0.0, 0.0, 0, 0, 0.0
     for start in range(0, len(ids), seq_len):
         w = torch.tensor([ids[start:start + seq_len]])
         if w.shape[1] < 2:
@@ -47,11 +48,12 @@ def _direct(model_dir, text, tok, seq_len, max_tokens, teacher_dir=None):
             nll += F.cross_entropy(logits, w[0, 1:], reduction="sum").item()
             if t is not None:
                 tl = t(w).logits[0, :-1]
+                teacher_nll += F.cross_entropy(tl, w[0, 1:], reduction="sum").item()
                 kl += F.kl_div(logits.log_softmax(-1), tl.log_softmax(-1), log_target=True,
                                reduction="sum").item()
                 agree += int((logits.argmax(-1) == tl.argmax(-1)).sum())
         n += w.shape[1] - 1
-    return math.exp(nll / n), n, kl / n, agree / n
+    return math.exp(nll / n), n, kl / n, agree / n, math.exp(teacher_nll / n)
 
 
 def test_windows_convention():
@@ -68,14 +70,16 @@ def test_ppl_and_kl_equal_direct_computation_fp64(assets):
     teacher = load_model(assets["teacher"], dtype="float64")
     res = evaluate_text(model, assets["text"], model.tokenizer, seq_len, max_tokens, teacher=teacher,
                         batch_size=5, progress=False)
-    ppl, n, kl, agree = _direct(assets["student"], assets["text"], assets["tok"], seq_len, max_tokens,
-                                assets["teacher"])
+    ppl, n, kl, agree, teacher_ppl = _direct(assets["student"], assets["text"], assets["tok"], seq_len, max_tokens,
+                                             assets["teacher"])
     assert res.tokens == n == max_tokens - 13
     assert res.windows == 13
     assert res.ppl == pytest.approx(ppl, rel=1e-12, abs=0)
     assert res.kl == pytest.approx(kl, rel=1e-10, abs=0)
     assert res.kl > 1e-3
     assert res.top1_agree == agree
+    assert res.teacher_ppl == pytest.approx(teacher_ppl, rel=1e-12, abs=0)
+    assert abs(res.teacher_ppl - res.ppl) > 1e-3 * res.ppl  # two models: the two perplexities differ
 
 
 def test_kl_against_itself_is_zero(assets):
