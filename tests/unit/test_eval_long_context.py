@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_tc.eval.long_context import HEADER, key_words, make_examples, run_probe, value_words
-from megatron_tc.eval.loading import load_model
+from megatron_tc.eval.loading import greedy_generate, load_model
 from megatron_tc.eval.tiny import save_hf, tiny_llama, word_tokenizer
 
 KEYS = key_words(60, syllables=2)
@@ -54,19 +54,33 @@ def test_oracle_scores_one_and_constant_model_scores_zero(method):
     assert res["accuracy"]["teacher"] == {"64": 1.0, "256": 1.0}
     if method == "generate":
         assert res["accuracy"]["student"] == {"64": 0.0, "256": 0.0}
+    else:  # every candidate scores the same: the first is chosen, right only where it is the answer
+        first = {str(L): sum(e.gold == 0 for e in exs) / len(exs) for L, exs in ex.items()}
+        assert res["accuracy"]["student"] == first and set(first.values()) != {1.0}
     assert len(res["per_sample"]["teacher"]["256"]) == 6
 
 
+@torch.no_grad()
 def test_real_tiny_model_with_hf_generate(tmp_path):
+    """HF generate with its cache decodes what a full forward per token decodes (several tokens),
+    and an example counts as correct exactly when those tokens are its answer."""
     path = save_hf(tmp_path / "m", tiny_llama(V, seed=5), TOK)
     loaded = load_model(path)
     ex = make_examples(TOK, [128], samples=4, seed=3, value_digits=2, keys=KEYS)
+    for e in ex[128]:
+        ids = torch.tensor([e.prompt_ids])
+        want = ids
+        for _ in range(6):
+            want = torch.cat([want, loaded.forward(want)[:, -1:].argmax(-1)], dim=1)
+        assert loaded.generate(ids, 6).tolist() == want[:, ids.shape[1]:].tolist()
+        assert greedy_generate(loaded.forward, ids, 6).tolist() == want[:, ids.shape[1]:].tolist()
     res = run_probe({"student": loaded}, ex, method="generate", progress=False)
-    acc = res["accuracy"]["student"]["128"]
-    assert 0.0 <= acc <= 1.0
-    # HF generate with its cache agrees with greedy full-forward decoding on these prompts
     res_nocache = run_probe({"student": loaded.forward}, ex, method="generate", progress=False)
-    assert res_nocache["accuracy"] == res["accuracy"]
+    assert res_nocache == res
+    decoded = [greedy_generate(loaded.forward, torch.tensor([e.prompt_ids]), len(e.answer_ids))[0].tolist()
+               for e in ex[128]]
+    assert [s["correct"] for s in res["per_sample"]["student"]["128"]] == \
+        [d == e.answer_ids for d, e in zip(decoded, ex[128])]
 
 
 def test_the_command_line_names_a_missing_model_or_bad_lengths_in_one_error_line(tmp_path):
