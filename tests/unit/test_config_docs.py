@@ -38,8 +38,9 @@ def test_the_reference_is_generated_from_the_schema():
 
 @pytest.mark.parametrize("pp, zero", [(1, 3), (1, 2), (2, 1)])
 def test_deepspeed_templates_filled_from_config_are_accepted_by_deepspeed(pp, zero):
-    engine = pytest.importorskip("megatron_tc.parallel.deepspeed_engine")
-    from deepspeed.runtime.config import DeepSpeedConfig  # no process group: DeepSpeed assumes dp = 1
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from megatron_tc.parallel import deepspeed_engine as engine  # no process group: DeepSpeed assumes dp = 1
 
     cfg = load_config(overrides=[f"parallel.pp={pp}", f"parallel.zero_stage={zero}", "data.global_batch_size=8",
                                  "data.micro_batch_size=2", "distill.stage2.lr=2e-4", "distill.stage2.grad_clip=0.5"])
@@ -62,7 +63,7 @@ def test_deepspeed_templates_filled_from_config_are_accepted_by_deepspeed(pp, ze
 
 def test_data_section_matches_the_data_pipeline_config():
     """The keys the data pipeline reads have its names and types, so `cfg.data` can feed it."""
-    pipeline = pytest.importorskip("megatron_tc.data.pipeline")
+    from megatron_tc.data import pipeline
     shipped = load_config().data
     shared = {f.name for f in dataclasses.fields(pipeline.DataConfig)}
     shipped_dict = dataclasses.asdict(shipped)

@@ -5,12 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-checkpoint = pytest.importorskip("megatron_tc.convert.checkpoint")
-
-from megatron_tc.eval.loading import detect_kind, greedy_generate, load_model  # noqa: E402
-from megatron_tc.eval.perplexity import evaluate_windows, make_windows  # noqa: E402
-from megatron_tc.eval.tiny import word_tokenizer  # noqa: E402
-from megatron_tc.model import ArchConfig, HybridLM  # noqa: E402
+from megatron_tc.convert import checkpoint
+from megatron_tc.eval.loading import detect_kind, greedy_generate, load_model
+from megatron_tc.eval.perplexity import evaluate_windows, make_windows
+from megatron_tc.eval.tiny import word_tokenizer
+from megatron_tc.model import ArchConfig, HybridLM
 
 WORDS = [f"w{i}" for i in range(50)]
 
