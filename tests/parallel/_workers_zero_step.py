@@ -85,3 +85,51 @@ def streamlined_step_equals_deepspeed(rank: int, world_size: int) -> None:
         dse.release_engine(streamlined)
     finally:
         destroy_parallel()
+
+
+def stage2_cpu_adamw_equals_fp64_adamw(rank: int, world_size: int) -> None:
+    """The optimizer stage 2 builds on a CPU (`stage2_deepspeed_config`: PyTorch's fused AdamW under
+    ZeRO-1, lr, betas, eps and weight decay from the config and the shipped JSON) steps a parameter
+    as AdamW written out in fp64 does, up to fp32 rounding."""
+    from pathlib import Path
+
+    from megatron_tc.config import load_config
+    from megatron_tc.distill.stage2_setup import stage2_deepspeed_config
+
+    ctx = init_parallel(tp=1, pp=1)
+    try:
+        tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+        cfg = load_config(tiny, ["data.global_batch_size=1", "data.micro_batch_size=1", "distill.stage2.lr=1e-2",
+                                 "distill.stage2.weight_decay=0.1", "distill.stage2.grad_clip=0",
+                                 "parallel.zero_stage=1"])
+        gen = torch.Generator().manual_seed(0)
+        start, grads = torch.randn(4096, generator=gen), [torch.randn(4096, generator=gen) for _ in range(5)]
+
+        class Linear(torch.nn.Module):  # loss = w . g: the gradient is g
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = torch.nn.Parameter(start.clone())
+
+            def forward(self, g: torch.Tensor) -> torch.Tensor:
+                return (self.w * g).sum()
+
+        ds = stage2_deepspeed_config(cfg, ctx, torch.device("cpu"), None, Linear())
+        params = ds["optimizer"]["params"]
+        assert params["fused"] is True and ds["zero_optimization"]["stage"] == 1
+        engine = dse.build_student_engine(Linear(), ds, ctx)
+        lr, wd, eps, (b1, b2) = params["lr"], params["weight_decay"], params["eps"], params["betas"]
+        assert (lr, wd) == (1e-2, 0.1)
+        ref = start.double()
+        m, v = torch.zeros_like(ref), torch.zeros_like(ref)
+        for t, g in enumerate(grads, start=1):
+            engine.backward(engine(g))
+            engine.step()
+            ref = ref * (1 - lr * wd)
+            m = b1 * m + (1 - b1) * g.double()
+            v = b2 * v + (1 - b2) * g.double() ** 2
+            ref = ref - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        got = engine.module.w.detach().double()
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        assert (got - start.double()).abs().max() > 1e-2  # five steps of lr 1e-2 moved it
+    finally:
+        destroy_parallel()
