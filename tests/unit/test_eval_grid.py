@@ -280,7 +280,7 @@ def test_bad_override_fails_before_any_cell_runs(tmp_path):
 
     grid = load_grid(_grid_file(tmp_path, overrides=["distill.stage2.stepz=3"]))
     CALLS.clear()
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^unknown key 'stepz' in section 'distill.stage2'\. Did you mean: steps\?"):
         run_grid(grid, log=lambda msg: None)
     assert CALLS == []
 
