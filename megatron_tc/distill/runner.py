@@ -202,6 +202,21 @@ def config_fingerprints(cfg: Any) -> dict[str, str]:
     return stage_fingerprints(config_to_dict(cfg), [s for s in STAGES if s != "pretrain" or s in cfg.run.stages])
 
 
+def input_fingerprint(cfg: Any, fingerprints: dict[str, str], stage: str) -> str | None:
+    """The fingerprint of what a training stage starts from (stage 1: the init student; stage 2:
+    stage 1's student when stage 1 runs, else the init student); None for the other stages."""
+    if stage == "stage1" or (stage == "stage2" and "stage1" not in cfg.run.stages):
+        return fingerprints["init"]
+    return fingerprints["stage1"] if stage == "stage2" else None
+
+
+def starts_over(entry: dict[str, Any], input_fp: str | None) -> bool:
+    """Whether a training stage's checkpoints were trained from another input than the one it has
+    now (a new init student, other data, another teacher): then it must not resume from them. Its
+    own keys (steps, learning rate) may change: it resumes with them, as Megatron-LM does."""
+    return input_fp is not None and entry.get("input") not in (None, input_fp)
+
+
 def check_teacher_exists(cfg: Any) -> None:
     """A run that converts the teacher needs model.teacher to exist (unless the run directory
     holds the converted teacher already): said on every rank before any process group exists."""
@@ -269,16 +284,22 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
         for stage in cfg.run.stages:
             fn, outputs = table[stage]
             forced = stage in force or "all" in force
-            skip = None
+            input_fp = input_fingerprint(cfg, fingerprints, stage)
+            skip = restart = None
             if ctx.rank0:
                 skip = not forced and manifest.is_complete(stage, fingerprints[stage], outputs(ctx.paths, cfg))
-            if _broadcast(skip):
+                restart = not skip and not forced and starts_over(manifest.entry(stage), input_fp)
+            skip, restart = _broadcast((skip, restart))
+            if skip:
                 log.info("stage %s: complete for this config, skipped (--force %s reruns it)", stage, stage)
                 results[stage] = "skipped"
                 continue
-            if forced:
+            if restart:
+                log.warning("stage %s: what it trains from changed since its checkpoints were written (the student "
+                            "before it, the data or the teacher): it starts over", stage)
+            if forced or restart:
                 _forget_outputs(ctx, stage)
-            results[stage] = _run_stage(ctx, manifest, stage, fn, outputs, fingerprints[stage], stop_after)
+            results[stage] = _run_stage(ctx, manifest, stage, fn, outputs, fingerprints[stage], stop_after, input_fp)
             if results[stage] == "stopped":
                 break
     finally:
@@ -291,12 +312,13 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
 
 
 def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Callable, outputs: Callable,
-               fingerprint: str, stop_after: int | None) -> Any:
+               fingerprint: str, stop_after: int | None, input_fp: str | None = None) -> Any:
     """Run one stage, its state in the manifest (rank 0) before and after: its summary, or
     "stopped" when a training stage stopped at `stop_after` steps (checkpointed). A signal
     listed in run.exit_signals stops a training stage at a step boundary (StoppedBySignal)."""
+    inputs = {} if input_fp is None else {"input": input_fp}  # training stages: what they start from
     if ctx.rank0:
-        manifest.mark(stage, "running", fingerprint)
+        manifest.mark(stage, "running", fingerprint, **inputs)
     ctx.barrier()
     log.info("stage %s: running", stage)
     t0 = time.time()
@@ -307,14 +329,14 @@ def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Ca
             summary = fn(ctx, stop_after=stop_after) if training else fn(ctx)
     except StageStopped as stop:
         if ctx.rank0:
-            manifest.mark(stage, "stopped", fingerprint, seconds=round(time.time() - t0, 1))
+            manifest.mark(stage, "stopped", fingerprint, seconds=round(time.time() - t0, 1), **inputs)
         if signals.received:
             raise StoppedBySignal(signals.received, stage) from None
         log.info("%s; run the same command again to resume", stop)
         return "stopped"
     except BaseException:
         if ctx.rank0:
-            manifest.mark(stage, "failed", fingerprint, seconds=round(time.time() - t0, 1))
+            manifest.mark(stage, "failed", fingerprint, seconds=round(time.time() - t0, 1), **inputs)
         raise
     if stage == "convert":
         from megatron_tc.config import validate_against_arch
@@ -324,7 +346,8 @@ def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Ca
     if ctx.rank0:
         if (bos := ctx.bos_record()) is not None:  # the convention every data-reading stage used
             manifest.data["data"] = bos
-        manifest.mark(stage, "complete", fingerprint, outputs(ctx.paths, ctx.cfg), seconds=seconds, summary=summary)
+        manifest.mark(stage, "complete", fingerprint, outputs(ctx.paths, ctx.cfg), seconds=seconds, summary=summary,
+                      **inputs)
     log.info("stage %s: done in %.1f s", stage, seconds)
     if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
         raise StoppedBySignal(signum, stage)
