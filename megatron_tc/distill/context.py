@@ -2,6 +2,7 @@
 TensorBoard writer, and (loaded once, on first use) the teacher and the prepared data."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_tc.distill.rundir import RunPaths
+from megatron_tc.distill.rundir import STUDENT_KEYS, RunPaths
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)
@@ -33,6 +34,11 @@ def pick_device(cfg: Any) -> torch.device:
             raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def student_options(cfg: Any) -> dict[str, Any]:
+    """The ArchConfig fields of the student's GDN layers the config sets (model.gdn_*)."""
+    return {key.split(".", 1)[1]: getattr(cfg.model, key.split(".", 1)[1]) for key in STUDENT_KEYS}
 
 
 @dataclass
@@ -89,6 +95,9 @@ class RunContext:
             else:
                 teacher = load_teacher(self.paths.teacher)  # hashed on the CPU, then moved
             teacher.model.to(self.device)
+            # the student's GDN options (model.gdn_*) on the teacher's architecture: every student
+            # made from it (`arch.with_pattern`) takes them; its attention layers read none of them
+            teacher.model.arch = dataclasses.replace(teacher.model.arch, **student_options(self.cfg))
             self._teacher = teacher
         return self._teacher
 

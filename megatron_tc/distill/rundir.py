@@ -65,17 +65,24 @@ class RunPaths:
     def results(self) -> Path: return self.root / "eval" / "results.json"
 
 
+# The student's GDN options (model.gdn_*) and their defaults.
+STUDENT_DEFAULTS = {"model.gdn_conv_size": 0, "model.gdn_expand_kv": True, "model.gdn_b_bias": True,
+                    "model.gdn_chunk_size": 64}
+STUDENT_KEYS = tuple(STUDENT_DEFAULTS)
+
 # Config keys each stage's output depends on (prefixes of dotted keys).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "pretrain": ("pretrain", "model.teacher", "data", "run.seed", "run.precision"),
     "convert": ("model.teacher", "model.teacher_format", "model.dtype", "model.make_vocab_size_divisible_by"),
     # select (ar / ga / readout_gap) and stats read calibration rows in data.calib_order and seed
-    # the readout fits' default GDN parameters with run.seed
+    # the readout fits' default GDN parameters with run.seed; the readout sums run the student's
+    # GDN layers (model.gdn_*)
     "select": ("model.layer_pattern", "model.policy", "model.keep_fraction", "model.keep_count", "model.keep_layers",
                "data.source", "data.token_store", "data.split", "data.tokenizer", "data.seq_len",
-               "data.calib_tokens", "data.calib_order", "data.bos", "calibrate.stats_chunk_size", "run.seed"),
+               "data.calib_tokens", "data.calib_order", "data.bos", "calibrate.stats_chunk_size", "run.seed",
+               *STUDENT_KEYS),
     "stats": ("data.source", "data.token_store", "data.split", "data.tokenizer", "data.seq_len", "data.calib_tokens", "data.bos",
-              "data.calib_order", "calibrate.init", "calibrate.stats_chunk_size", "run.seed"),
+              "data.calib_order", "calibrate.init", "calibrate.stats_chunk_size", "run.seed", *STUDENT_KEYS),
     "init": ("calibrate", "model.gdn_conv_size", "model.gdn_expand_kv", "model.gdn_b_bias", "model.gdn_chunk_size",
              "run.seed"),
     "stage1": ("distill.stage1", "distill.stage2.tokens", "data", "run.seed", "run.precision"),
@@ -88,6 +95,8 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
 # keys that joined a stage's list later: while unset they stay out of the payload, so the run
 # directories written before them keep their fingerprints
 UNSET_LEFT_OUT = frozenset({"data.token_store"})
+# the same for keys at these values (what the stage computed with before it read them)
+LEFT_OUT_AT = {"select": STUDENT_DEFAULTS, "stats": STUDENT_DEFAULTS}
 
 
 def _select(tree: dict[str, Any], prefix: str) -> Any:
@@ -110,8 +119,10 @@ def stage_fingerprints(config_dict: dict[str, Any], stages: list[str]) -> dict[s
     out: dict[str, str] = {}
     previous = ""
     for stage in stages:
+        left_out = LEFT_OUT_AT.get(stage, {})
         payload = {key: _without_unset(key, _select(config_dict, key)) for key in STAGE_KEYS[stage]
-                   if not (key in UNSET_LEFT_OUT and _select(config_dict, key) is None)}
+                   if not (key in UNSET_LEFT_OUT and _select(config_dict, key) is None)
+                   and not (key in left_out and _select(config_dict, key) == left_out[key])}
         digest = hashlib.sha256(json.dumps([previous, payload], sort_keys=True, default=str).encode()).hexdigest()
         out[stage] = previous = digest[:16]
     return out
