@@ -117,6 +117,10 @@ def _range_errors(cfg: Config) -> list[str]:
         errors.append(f"model.keep_fraction={m.keep_fraction} must be in (0, 1]")
     if m.keep_count is not None and m.keep_count < 0:
         errors.append(f"model.keep_count={m.keep_count} must be >= 0 (or null to use keep_fraction)")
+    if m.make_vocab_size_divisible_by != 128:
+        errors.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}: megatron_tc checkpoints "
+                      "pad the vocabulary to a multiple of 128 x TP (Megatron-LM's default) and read it so; other "
+                      "multiples are not supported: remove the key")
     s1 = cfg.distill.stage1
     if s1.stage2_fraction is not None and cfg.distill.stage2.tokens is None:
         errors.append(f"distill.stage1.stage2_fraction={s1.stage2_fraction} needs distill.stage2.tokens (the stage-2 "

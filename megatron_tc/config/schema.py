@@ -57,8 +57,8 @@ class ModelConfig:
     gdn_expand_kv: bool = opt(True, "GDN k/v get one head per query head (teacher KV heads repeated); false keeps the teacher's KV heads.")
     gdn_b_bias: bool = opt(True, "Give b_proj a bias so an initialization can set the mean write strength.")
     gdn_chunk_size: int = opt(64, "Chunk length of the chunked GDN kernel (CPU path and fla).")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "Storage dtype of converted and exported weights; 'auto' keeps the teacher's.")
-    make_vocab_size_divisible_by: int = opt(128, "Vocabulary padding multiple (times TP), as in Megatron-LM.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = opt("auto", "Storage dtype of the converted teacher; 'auto' keeps the teacher's. Students are built, trained and exported in fp32.")
+    make_vocab_size_divisible_by: int = opt(128, "Vocabulary padding multiple (times TP), as in Megatron-LM; checkpoints pad to 128 x TP, the only value accepted.")
 
 
 @dataclass
