@@ -263,8 +263,8 @@ class EvalConfig:
     tokens: int = opt(0, "Evaluation tokens; 0 uses all of data.eval_tokens.")
     seq_len: Optional[int] = opt(None, "Evaluation context length; None uses data.seq_len.")
     batch_size: Optional[int] = opt(None, "Evaluation windows per forward (held-out perplexity during training and in the eval stage; their logits, batch_size x seq_len x vocab, are held at once); None uses data.micro_batch_size.")
-    target_ppl_factors: list[float] = opt([1.10, 1.15, 1.25], "Tokens-to-target factors k: target perplexity = k x teacher perplexity.")
-    probe_lengths: list[int] = opt([], "Context lengths of the synthetic long-context retrieval probe; empty skips it.")
+    target_ppl_factors: list[float] = opt([1.10, 1.15, 1.25], "Tokens-to-target factors k: the eval stage reports the stage-2 tokens at which the held-out perplexity first reached k x the teacher's (from stage 2's evaluations, distill.eval_interval).")
+    probe_lengths: list[int] = opt([], "Context lengths of the long-context retrieval probe the eval stage runs on rank 0 for the teacher (unless split over TP ranks) and the final student, 20 examples each, into <run_dir>/long_context.json; empty skips it.")
 
 
 @dataclass

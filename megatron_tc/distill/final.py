@@ -5,7 +5,9 @@ configured init's zero-shot student and each trained student that exists (after 
 stage 2): perplexity, KL(teacher || student) per token and top-1 agreement. Windows are spread
 over data-parallel ranks (plain replicated modules; sums all-reduced). A teacher split over the
 tensor-parallel ranks (parallel.shard_teacher) stays split: its terms come from its vocabulary
-shards, the students are whole on every rank.
+shards, the students are whole on every rank. From stage 2's evaluations (the run's eval log) it
+reads the stage-2 tokens to each `eval.target_ppl_factors` x the teacher's perplexity, and with
+`eval.probe_lengths` it runs the long-context probe (`eval.long_context`) on rank 0.
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
                         "path": str(path) if path else "(built in memory)"})
     summary = {"eval_tokens": scores["tokens"], "seq_len": rows[0].shape[1], "windows": len(rows),
                "documents": ctx.data().manifest.names("eval"), **ctx.data().bos_record(), "rows": results}
+    reached = tokens_to_targets(ctx.paths.eval_log, results[0]["ppl"], cfg.eval.target_ppl_factors)
+    if reached is not None:
+        summary["tokens_to_target"] = reached
+    if cfg.eval.probe_lengths:
+        summary["long_context"] = run_long_context_probe(ctx, final_student_dir(ctx))
     if ctx.rank0:
         write_json(ctx.paths.results, summary)
         table = format_table(summary)
@@ -86,6 +93,56 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
             log.info("eval %-28s ppl %10.3f  kl %.4f", row["model"], row["ppl"], row["kl"])
     ctx.barrier()
     return {"rows": {r["model"]: round(r["ppl"], 3) for r in results}}
+
+
+def tokens_to_targets(eval_log: Path, teacher_ppl: float, factors: list[float]) -> list[dict[str, Any]] | None:
+    """For each k in `factors`: the stage-2 tokens at which the student's held-out perplexity first
+    reached k x `teacher_ppl` (interpolated between evaluations; None: not reached), from stage 2's
+    eval log; None when stage 2 logged no evaluations."""
+    from megatron_tc.eval.tokens_to_target import read_jsonl_log, tokens_to_reach
+
+    if not eval_log.is_file() or not eval_log.read_text().strip():
+        return None
+    curve = read_jsonl_log(eval_log)
+    return [{"k": k, "target_ppl": k * teacher_ppl, "tokens": tokens_to_reach(curve, k * teacher_ppl),
+             "last_tokens": curve.final_tokens} for k in factors]
+
+
+PROBE_SAMPLES = 20  # examples per length, as `python -m megatron_tc.eval.long_context` takes by default
+
+
+def run_long_context_probe(ctx: RunContext, student_dir: Path) -> dict[str, Any] | None:
+    """The associative-recall probe at `eval.probe_lengths` for the teacher and the final student,
+    on rank 0 (greedy decoding with each model's cache) -> <run_dir>/long_context.json, where
+    tools/report.py finds it; returns the accuracies (None on the other ranks). A teacher split
+    over the tensor-parallel ranks is not loaded whole for it: the student alone is probed."""
+    from megatron_tc.data.bos import bos_record, resolve_bos_id
+    from megatron_tc.eval.loading import load_model
+    from megatron_tc.eval.long_context import make_examples, run_probe
+
+    cfg, device, out = ctx.cfg, ctx.device, None
+    tokenizer = ctx.teacher_meta().tokenizer  # the student's too
+    bos_id = resolve_bos_id(tokenizer, cfg.data.bos)
+    try:  # on every rank: a bad length stops them all with the same line
+        examples = make_examples(tokenizer, cfg.eval.probe_lengths, PROBE_SAMPLES, seed=cfg.run.seed, bos_id=bos_id)
+    except ValueError as err:  # a context too short for this tokenizer's key-value lines
+        from megatron_tc.config import ConfigError
+
+        raise ConfigError(f"eval.probe_lengths={cfg.eval.probe_lengths}: {err}") from None
+    if ctx.rank0:
+        dtype = "bfloat16" if device.type == "cuda" and cfg.run.precision == "bf16" else "float32"
+        models = {"student": load_model(student_dir, device, dtype)}
+        if not ctx.shard_teacher():
+            models = {"teacher": load_model(ctx.paths.teacher, device, dtype), **models}
+        result = run_probe(models, examples, method="generate", device=device, progress=cfg.logging.progress_bar)
+        result.update(model=str(student_dir), teacher=str(ctx.paths.teacher) if "teacher" in models else None,
+                      **bos_record(bos_id, cfg.data.bos))
+        write_json(ctx.paths.root / "long_context.json", result)
+        out = {"lengths": result["lengths"], "accuracy": result["accuracy"]}
+        for name, accuracy in result["accuracy"].items():
+            log.info("long-context probe, %s: %s", name, ", ".join(f"{L}: {a:.2f}" for L, a in accuracy.items()))
+    ctx.barrier()
+    return out
 
 
 def _memo(ctx: RunContext, loaded: Any, rows: list[torch.Tensor]):
@@ -127,6 +184,19 @@ def format_table(summary: dict[str, Any]) -> str:
     for row in summary["rows"]:
         ppl = f"{row['ppl']:.2f}" if math.isfinite(row["ppl"]) else "inf"
         lines.append(f"| {row['model']} | {ppl} | {row['kl']:.4f} | {row['top1_agree']:.3f} |")
+    targets = summary.get("tokens_to_target") or []
+    if targets:
+        lines.append("")
+    for target in targets:
+        reached = (f"{target['tokens']:,.0f}" if target["tokens"] is not None
+                   else f"not reached in {target['last_tokens']:,.0f}")
+        lines.append(f"Stage-2 tokens to {target['k']:g}x the teacher's perplexity ({target['target_ppl']:.2f}): "
+                     f"{reached}")
+    probe = summary.get("long_context")
+    if probe:
+        lines.append("\nLong-context probe (accuracy by context length, long_context.json):")
+        lines += [f"- {name}: " + ", ".join(f"{L}: {a:.2f}" for L, a in acc.items())
+                  for name, acc in probe["accuracy"].items()]
     return "\n".join(lines)
 
 
