@@ -103,6 +103,25 @@ count_gpus() {
   fi
 }
 
+# The GPUs a workstation run may use: CUDA_VISIBLE_DEVICES's indices when it is set (empty: none),
+# else 0..N-1 of the GPUs nvidia-smi lists. Prints them comma-separated.
+visible_gpus() {
+  local gpus="$1" ids=() id
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    IFS=',' read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+    for id in "${ids[@]}"; do
+      if ! [[ "$id" =~ ^[0-9]+$ ]]; then
+        echo "launch/distill.sh: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: give GPU indices (e.g. 0,2); the" \
+             "launcher passes them to DeepSpeed's --include, which takes no UUIDs or MIG names" >&2
+        return 1
+      fi
+    done
+  else
+    for (( id = 0; id < gpus; id++ )); do ids+=("$id"); done
+  fi
+  (IFS=','; echo "${ids[*]}")
+}
+
 print_env() {
   local name
   for name in MODE RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK MASTER_ADDR MASTER_PORT \
@@ -138,6 +157,11 @@ main() {
       local nproc=""
       if [[ "${1:-}" == "--num_gpus" ]]; then nproc="$2"; shift 2; fi
       local gpus; gpus="$(count_gpus)"
+      local devices=""
+      if (( gpus > 0 )); then
+        devices="$(visible_gpus "$gpus")" || exit 2
+        gpus=$(( ${#devices} ? $(tr -cd ',' <<< "$devices" | wc -c) + 1 : 0 ))
+      fi
       local cores; cores="$(nproc 2>/dev/null || echo 1)"
       nproc="${nproc:-${NPROC:-}}"
       if [[ -z "$nproc" ]]; then
@@ -151,14 +175,25 @@ main() {
         export LOCAL_SIZE="$nproc"  # DeepSpeed's CPU accelerator counts "devices" from it
       fi
       local port="${MASTER_PORT:-$(free_port)}"
+      if (( gpus > 0 && nproc > gpus )); then
+        echo "launch/distill.sh: $nproc ranks asked for (NPROC or --num_gpus) but $gpus GPU(s) are visible" \
+             "(${devices}); ask for at most $gpus, or run on CPU with CUDA_VISIBLE_DEVICES=" >&2
+        exit 2
+      fi
+      # with CUDA_VISIBLE_DEVICES the ranks get those GPUs by index (DeepSpeed's --num_gpus would
+      # take 0..N-1 whatever is visible)
+      local where=(--num_gpus "$nproc")
+      if (( gpus > 0 )) && [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        where=(--include "localhost:$(cut -d, -f"1-$nproc" <<< "$devices")")
+      fi
       if (( print )); then
-        NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; return
+        NPROC="$nproc" MASTER_PORT="$port" print_env; echo "NPROC=$nproc"; echo "DEVICES=${where[*]}"; return
       fi
       # The `deepspeed` console script when it is on PATH (an activated venv), else the same
       # launcher through the interpreter that will run the ranks.
       local launcher=(deepspeed)
       command -v deepspeed >/dev/null 2>&1 || launcher=("$PYTHON" -m deepspeed.launcher.runner)
-      exec "${launcher[@]}" --no_python --no_local_rank --num_gpus "$nproc" --master_port "$port" "$SELF" "$@"
+      exec "${launcher[@]}" --no_python --no_local_rank "${where[@]}" --master_port "$port" "$SELF" "$@"
       ;;
   esac
   if (( print )); then print_env; return; fi

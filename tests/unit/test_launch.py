@@ -173,3 +173,31 @@ def test_the_sbatch_script_requests_gpus_only_through_lines_an_option_overrides(
     assert not [d for d in directives if d.startswith("--gres")]  # --gpus-per-node=0 could not undo a gres line
     assert "--requeue" in directives and "--open-mode=append" in directives
     assert any(d.startswith("--signal=USR1@") for d in directives)
+
+
+@pytest.mark.parametrize("env, nproc, devices", [
+    ({}, "4", "--num_gpus 4"),  # every GPU nvidia-smi lists
+    ({"NPROC": "2"}, "2", "--num_gpus 2"),
+    ({"CUDA_VISIBLE_DEVICES": "1,3"}, "2", "--include localhost:1,3"),  # those GPUs, not 0 and 1
+    ({"CUDA_VISIBLE_DEVICES": "0,2,3", "NPROC": "2"}, "2", "--include localhost:0,2"),
+    ({"CUDA_VISIBLE_DEVICES": ""}, "2", "--num_gpus 2"),  # none visible: 2 gloo ranks on the CPU
+])
+def test_workstation_mode_runs_one_rank_per_visible_gpu(tmp_path, env, nproc, devices):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/bash\nfor i in 0 1 2 3; do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    got = printed_env(env, path=f"{tmp_path}:/usr/bin:/bin")
+    assert (got["MODE"], got["NPROC"], got["DEVICES"]) == ("workstation", nproc, devices)
+    assert (got["OMP_NUM_THREADS"] != "") == (env.get("CUDA_VISIBLE_DEVICES") == "")  # set for CPU ranks only
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NPROC": "8"}, "8 ranks asked for (NPROC or --num_gpus) but 4 GPU(s) are visible (0,1,2,3)"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-0"}, "CUDA_VISIBLE_DEVICES=GPU-0: give GPU indices (e.g. 0,2)"),
+])
+def test_workstation_mode_refuses_ranks_it_cannot_place(tmp_path, env, message):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/bash\nfor i in 0 1 2 3; do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    proc = run_script(env, "--print-env", path=f"{tmp_path}:/usr/bin:/bin")
+    assert proc.returncode == 2 and proc.stdout == "" and message in proc.stderr, proc.stderr
