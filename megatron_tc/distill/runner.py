@@ -251,7 +251,9 @@ def _setup(cfg: Any) -> RunContext:
     device = pick_device(cfg)
     if device.type == "cpu":  # every CPU step allocates and frees ~1 GiB: keep it instead of faulting it in again
         log.info("host memory: %s", keep_freed_host_memory())
-    init_distributed(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+    # 'auto': the device the run computes on decides (run.device=cpu on a GPU machine takes gloo)
+    init_distributed(("nccl" if device.type == "cuda" else "gloo") if cfg.parallel.backend == "auto"
+                     else cfg.parallel.backend)
     par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
     torch.manual_seed(cfg.run.seed)
     paths = RunPaths.from_config(cfg)
