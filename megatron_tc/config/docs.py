@@ -52,7 +52,7 @@ DeepSpeed JSON templates live in `configs/deepspeed/`: `zero3.json` (parallel.pp
 `parallel.deepspeed_config` replaces them with your own JSON. As in the Hugging Face integration,
 a value `"auto"` is filled from this config (batch sizes, gradient clipping, bf16, ZeRO stage,
 learning rate, weight decay; ZeRO's reduce and prefetch buckets from the trainable parameter
-count, between 1e6 and 5e8 elements) and a concrete value is kept; `"torch_adam": true` selects PyTorch's
+count, between 1e6 and 5e8 elements on GPUs, 4e6 on CPU) and a concrete value is kept; `"torch_adam": true` selects PyTorch's
 AdamW, so the same file runs on CPU without compiling DeepSpeed's fused Adam.
 """
 

@@ -20,11 +20,11 @@ class RunConfig:
     run_dir: str = opt("runs/quickstart", "Run directory: every stage reads and writes its files here (created if missing).")
     stages: list[str] = opt(
         ["convert", "select", "stats", "init", "stage2", "eval", "export"],
-        "Stages to run, in pipeline order, from: convert, select, stats, init, stage1, stage2, eval, export.",
+        "Stages to run, in pipeline order, from: pretrain, convert, select, stats, init, stage1, stage2, eval, export.",
     )
     seed: int = opt(1234, "Seed for model initialization, sampling and dropout (the document split uses data.split.seed).")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Where to compute: 'auto' picks cuda when available, else cpu.")
-    precision: Literal["fp32", "bf16"] = opt("fp32", "Compute precision of training and evaluation (bf16 on GPUs; fp32 on CPU).")
+    precision: Literal["fp32", "bf16"] = opt("fp32", "Compute precision of the training stages and of stage 2's evaluations (bf16 on GPUs; fp32 on CPU); the eval stage scores every model in fp32.")
     exit_signals: list[str] = opt(
         ["SIGTERM", "SIGUSR1"],
         "Signals that stop a training stage at the end of its current step with a checkpoint (Slurm's time limit "
@@ -107,7 +107,7 @@ class ParallelConfig:
     deepspeed_config: Optional[str] = opt(
         None, "A DeepSpeed JSON to start from ('auto' values are filled from this config); None uses configs/deepspeed/zero3.json (pp == 1) or zero1_pipeline.json."
     )
-    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend; 'auto' is nccl on CUDA, gloo on CPU.")
+    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend; 'auto' is nccl when the run computes on CUDA (run.device), gloo on CPU.")
 
 
 @dataclass
@@ -253,7 +253,7 @@ class DistillConfig:
     checkpoint_interval: int = opt(25, "Save a resumable checkpoint every this many steps; 0 only at the end.")
     keep_last: int = opt(2, "Checkpoints kept in the run directory (older ones are deleted).")
     nan_policy: Literal["skip", "abort"] = opt("skip", "On a NaN/inf loss or gradient: skip the step and count it, or abort.")
-    max_skipped: int = opt(10, "Abort after this many skipped steps (nan_policy 'skip').")
+    max_skipped: int = opt(10, "Skipped steps tolerated (nan_policy 'skip'): the run aborts at the next one.")
 
 
 @dataclass
