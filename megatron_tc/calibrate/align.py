@@ -265,9 +265,9 @@ def _lockstep(runs: list["_LayerRun"], settings: AlignSettings, progress: bool, 
 
     steps = range(1, settings.steps + 1)
     if progress:
-        from tqdm.auto import tqdm
+        from megatron_tc.monitor import progress as bar
 
-        steps = tqdm(steps, desc=f"align {len(runs)} layers", unit="step", dynamic_ncols=True)
+        steps = bar(steps, desc=f"align {len(runs)} layers", unit="step")
     graph = None
     with replay_stream(device, use_graph) as stream:
         for step in steps:
@@ -415,9 +415,9 @@ class LayerWork:
     def bar(self, layers: list[int], desc: str):
         if not self.progress:
             return layers
-        from tqdm.auto import tqdm
+        from megatron_tc.monitor import progress
 
-        return tqdm(layers, desc=desc, unit="layer", dynamic_ncols=True)
+        return progress(layers, desc=desc, unit="layer")
 
     def align(self, layer: int, mixer: nn.Module, train: LayerData, settings: AlignSettings,
               heldout: LayerData | None, seed: int) -> None:

@@ -57,9 +57,9 @@ Batch = dict[str, torch.Tensor]
 def _progress(iterable, total: int | None, desc: str, enabled: bool):
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm
+    from megatron_tc.monitor import progress
 
-    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True)
+    return progress(iterable, total=total, desc=desc, unit="batch")
 
 
 def _rank0(group) -> bool:

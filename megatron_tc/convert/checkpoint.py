@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
 from megatron_tc.convert import layout
 from megatron_tc.convert.errors import CheckpointError, ConversionError
@@ -33,6 +32,7 @@ from megatron_tc.convert.lazy import LazyTensor, Leaf, MemorySource, Safetensors
 from megatron_tc.convert.lazy_layout import Lazies, resize_vocab_lazy, shard_lazy, unshard_lazy
 from megatron_tc.convert.safetensors_stream import target_dtype, write_safetensors
 from megatron_tc.model.config import ArchConfig, pad_vocab
+from megatron_tc.monitor import progress as bar
 
 FORMAT, FORMAT_VERSION = "megatron_tc", 1
 CONFIG, MANIFEST, TOKENIZER_DIR = "config.json", "manifest.json", "tokenizer"
@@ -112,7 +112,7 @@ def save_checkpoint(state: StateDict | Lazies, arch: ArchConfig, out: str | os.P
     with atomic_output_dir(out, overwrite) as tmp:
         files: dict[str, dict[str, Any]] = {}
         items = sorted(shards.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-        for (t, p), tensors in tqdm(items, desc="writing shards", disable=not progress):
+        for (t, p), tensors in bar(items, desc="writing shards", unit="shard", enabled=progress):
             name = shard_filename(t, p)
             digest = write_safetensors(tmp / name, tensors, cast, metadata={"format": "pt"})
             files[name] = {"sha256": digest, "size": (tmp / name).stat().st_size,

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from megatron_tc.eval.loading import LoadedModel, LogitsFn, greedy_generate
+from megatron_tc.monitor import progress as bar
 
 HEADER = "Memorize the codes below. Each line is a name, then =, then its code."
 CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"
@@ -160,7 +160,7 @@ def run_probe(models: Mapping[str, LoadedModel | LogitsFn], examples: Mapping[in
     for name, model in models.items():
         acc, per = {}, {}
         for L in lengths:
-            hits = [score(model, ex, device) for ex in tqdm(examples[L], desc=f"{name} L={L}", disable=not progress)]
+            hits = [score(model, ex, device) for ex in bar(examples[L], desc=f"{name} L={L}", enabled=progress)]
             acc[str(L)] = sum(hits) / len(hits)
             per[str(L)] = [{"depth": round(ex.depth, 4), "correct": h} for ex, h in zip(examples[L], hits)]
         result["accuracy"][name] = acc

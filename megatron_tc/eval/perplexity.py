@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from megatron_tc.eval.loading import LogitsFn
+from megatron_tc.monitor import progress as bar
 
 
 class EvalInputError(ValueError):
@@ -174,7 +174,7 @@ def evaluate_windows(model: LogitsFn, windows: list[torch.Tensor], teacher: Logi
         raise EvalInputError("nothing to evaluate: no window has 2 or more tokens")
     sums = _Sums()
     batches = [w[i:i + batch_size] for w in windows for i in range(0, w.shape[0], batch_size)]
-    for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+    for batch in bar(batches, desc="eval", unit="batch", enabled=progress):
         batch = batch.to(device)
         s_logits = model(batch)
         _check_logits(s_logits, batch, "model")
