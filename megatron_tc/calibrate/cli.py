@@ -14,7 +14,7 @@ import torch
 from megatron_tc.data.overlap import OverlapError, check_disjoint, text_record
 
 from .calib_source import add_source_args, open_source
-from .policies import POLICIES, POLICY_ALIASES, policy_name, select_layers, uniform
+from .policies import POLICIES, POLICY_ALIASES, log_selection, policy_name, select_layers, uniform
 from .stats import collect_stats, describe, log_stats
 from .statsfile import TaylorStats
 from .strategies import REGISTRY, get_strategy
@@ -90,11 +90,10 @@ def _data_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _writer(path):
-    if not path:
-        return None
+    """--tb's TensorBoard writer (a no-op without one); use it in `with` so its events are flushed."""
     from megatron_tc.monitor import TBWriter
 
-    return TBWriter(path)
+    return TBWriter(path, enabled=None) if path else TBWriter("", enabled=False)
 
 
 def _bos_id(args, teacher) -> int | None:
@@ -164,8 +163,7 @@ def stats_main(argv=None) -> int:
     stats.meta["num_layers"] = teacher.model.arch.num_layers
     stats.meta["seconds"] = round(time.time() - t0, 1)
     stats.save(args.out)
-    writer = _writer(args.tb)
-    if writer is not None:
+    with _writer(args.tb) as writer:
         log_stats(stats, writer)
     print(json.dumps({"out": args.out, "tokens": stats.meta["tokens"], "seconds": stats.meta["seconds"],
                       "bos": stats.meta["bos"], "layers": describe(stats)}, indent=1))
@@ -251,21 +249,24 @@ def calibrate_main(argv=None) -> int:
         from dataclasses import replace
 
         align = replace(strategy.align, steps=args.align_steps)
-    student, report = calibrate_student(
-        teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
-        teacher_sha256=teacher.sha256, align=align, writer=_writer(args.tb), progress=not args.no_progress,
-        seed=args.seed,
-        meta={"seq_len": args.seq_len, **source.describe(), **_bos_record(args, bos_id)},
-    )
-    report.update(_bos_record(args, bos_id))
-    report.update(source.describe())
-    report.update(teacher_sha256=teacher.sha256, tokens=args.tokens, seq_len=args.seq_len, selection=selection,
-                  converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
-    _write_outputs(args, student, report, teacher, bos_id)
+    with _writer(args.tb) as writer:
+        if selection is not None:
+            log_selection(selection["scores"], keep, writer)
+        student, report = calibrate_student(
+            teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
+            teacher_sha256=teacher.sha256, align=align, writer=writer if args.tb else None, progress=not args.no_progress,
+            seed=args.seed,
+            meta={"seq_len": args.seq_len, **source.describe(), **_bos_record(args, bos_id)},
+        )
+        report.update(_bos_record(args, bos_id))
+        report.update(source.describe())
+        report.update(teacher_sha256=teacher.sha256, tokens=args.tokens, seq_len=args.seq_len, selection=selection,
+                      converted=converted_layers(pattern_from_keep(len(teacher.model.layers), keep)))
+        _write_outputs(args, student, report, teacher, bos_id, writer)
     return 0
 
 
-def _write_outputs(args, student, report: dict, teacher, bos_id: int | None) -> None:
+def _write_outputs(args, student, report: dict, teacher, bos_id: int | None, writer) -> None:
     """The student's perplexity on --eval-text into `report`, the checkpoint and its report into
     --out, and the report (without the alignment curves when they went to --out) to stdout."""
     if args.eval_text:
@@ -274,6 +275,7 @@ def _write_outputs(args, student, report: dict, teacher, bos_id: int | None) -> 
         result = evaluate_text(lambda ids: student(ids), args.eval_text, teacher.tokenizer, args.seq_len,
                                args.eval_tokens, progress=not args.no_progress, bos_id=bos_id)
         report["eval"] = {"text": os.path.abspath(args.eval_text), "ppl": result.ppl, "tokens": result.tokens}
+        writer.scalar("eval/ppl", result.ppl, 0)
     if args.out:
         from megatron_tc.convert.checkpoint import save_checkpoint
 
@@ -327,10 +329,12 @@ def select_main(argv=None) -> int:
             extra["rounds"] = args.rounds
             stats = stats or _ga_stats(teacher, batches, args, bos_id, source)
         if not args.no_progress:
-            from tqdm.auto import tqdm
+            from megatron_tc.monitor import progress
 
-            extra["progress"] = lambda xs: tqdm(xs, desc=args.policy, unit="student")
+            extra["progress"] = lambda xs: progress(xs, desc=args.policy, unit="student")
     sel = select_layers(args.policy, num_keep, teacher=teacher.model, stats=stats, batches=batches, **extra)
+    with _writer(args.tb) as writer:
+        log_selection(sel.scores, sel.keep, writer)
     out = sel.to_json() | {"teacher_sha256": teacher.sha256, **source.describe(), "tokens": args.tokens,
                            **_bos_record(args, bos_id)}
     tmp = Path(args.out).with_suffix(".tmp")

@@ -89,10 +89,25 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
         table = format_table(summary)
         (ctx.paths.results.parent / "results.md").write_text(table + "\n")
         ctx.tb.text("eval/results", table.replace("\n", "  \n"))
+        log_eval_scalars(ctx.tb, summary)
         for i, row in enumerate(results):
             log.info("eval %-28s ppl %10.3f  kl %.4f", row["model"], row["ppl"], row["kl"])
     ctx.barrier()
     return {"rows": {r["model"]: round(r["ppl"], 3) for r in results}}
+
+
+def log_eval_scalars(tb: Any, summary: dict[str, Any]) -> None:
+    """The eval stage's numbers as TensorBoard scalars: `eval/<model>/{ppl,kl,top1_agree}`,
+    `eval/tokens_to_target/<k>x` and `long_context/<model>/accuracy` over the context length."""
+    for row in summary["rows"]:
+        name = row["model"].replace(" ", "_")
+        tb.scalars({key: row[key] for key in ("ppl", "kl", "top1_agree")}, 0, prefix=f"eval/{name}")
+    for target in summary.get("tokens_to_target") or []:
+        if target["tokens"] is not None:
+            tb.scalar(f"eval/tokens_to_target/{target['k']:g}x", target["tokens"], 0)
+    for name, accuracy in ((summary.get("long_context") or {}).get("accuracy") or {}).items():
+        for length, value in accuracy.items():
+            tb.scalar(f"long_context/{name}/accuracy", value, int(length))
 
 
 def tokens_to_targets(eval_log: Path, teacher_ppl: float, factors: list[float]) -> list[dict[str, Any]] | None:

@@ -350,6 +350,7 @@ def _run_stage(ctx: RunContext, manifest: RunManifest | None, stage: str, fn: Ca
             manifest.data["data"] = bos
         manifest.mark(stage, "complete", fingerprint, outputs(ctx.paths, ctx.cfg), seconds=seconds, summary=summary,
                       **inputs)
+        ctx.tb.scalar(f"time/{stage}_s", seconds, 0)
     log.info("stage %s: done in %.1f s", stage, seconds)
     if training and (signum := signals.agreed(ctx.device)):  # arrived after the loop's last check
         raise StoppedBySignal(signum, stage)

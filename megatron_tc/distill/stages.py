@@ -126,6 +126,10 @@ def run_select(ctx: RunContext) -> dict[str, Any]:
     selection.update(pattern=pattern, teacher_sha256=teacher.sha256)
     if ctx.rank0:
         write_json(ctx.paths.selection, selection)
+        if selection["scores"]:
+            from megatron_tc.calibrate.policies import log_selection
+
+            log_selection(selection["scores"], keep, ctx.tb)
     ctx.barrier()
     return {"pattern": pattern, "keep": keep, "policy": selection["policy"]}
 
@@ -181,9 +185,9 @@ def _progress_bar(ctx: RunContext, policy: str):
     """A tqdm over the layers ar / ga score (rank 0, logging.progress_bar), else None."""
     if not _progress(ctx):
         return None
-    from tqdm.auto import tqdm
+    from megatron_tc.monitor import progress
 
-    return lambda layers: tqdm(layers, desc=f"select {policy}", unit="layer", dynamic_ncols=True)
+    return lambda layers: progress(layers, desc=f"select {policy}", unit="layer")
 
 
 def read_selection(ctx: RunContext) -> dict[str, Any]:

@@ -145,8 +145,32 @@ def test_the_stats_policy_reads_a_stats_file_under_either_name_or_is_refused_bef
     for name in ("stats", "readout_gap"):
         out = tmp_path / f"{name}.json"
         assert select_main(common + ["--policy", name, "--num-keep", "1", "--stats", str(stats_path),
-                                     "--out", str(out)]) == 0
+                                     "--out", str(out), "--tb", str(tmp_path / f"tb-{name}")]) == 0
         chosen[name] = json.loads(out.read_text())
     assert chosen["stats"]["policy"] == "readout_gap" and len(chosen["stats"]["keep"]) == 1
     assert chosen["stats"]["keep"] == chosen["readout_gap"]["keep"]
     assert chosen["stats"]["scores"] == chosen["readout_gap"]["scores"]
+    scores = {int(layer): score for layer, score in chosen["stats"]["scores"].items()}
+    assert _scalars(tmp_path / "tb-stats", "select/score") == [(l, pytest.approx(scores[l])) for l in sorted(scores)]
+
+
+def _scalars(log_dir, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_calibrate_writes_its_curves_and_perplexity_to_tensorboard(tmp_path, tiny_teacher):
+    """--tb: every aligned layer's best loss and the student's perplexity on --eval-text, flushed
+    when the tool ends."""
+    calib, held = _write(tmp_path / "calib.txt", _paragraphs(1, 12)), _write(tmp_path / "eval.txt", _paragraphs(5, 6))
+    out = tmp_path / "student"
+    assert calibrate_main(["--teacher", str(tiny_teacher), "--text", str(calib), "--eval-text", str(held),
+                           "--tokens", "64", "--seq-len", "32", "--no-progress", "--init", "taylor_calibrate",
+                           "--keep", "1", "--align-steps", "2", "--eval-tokens", "64", "--out", str(out),
+                           "--tb", str(tmp_path / "tb")]) == 0
+    report = json.loads((out / "calibrate_report.json").read_text())
+    assert _scalars(tmp_path / "tb", "eval/ppl") == [(0, pytest.approx(report["eval"]["ppl"], rel=1e-6))]
+    assert [step for step, _ in _scalars(tmp_path / "tb", "align/best_relative_mse")] == report["converted"]

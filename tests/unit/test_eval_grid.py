@@ -88,7 +88,7 @@ def test_time_budget_leaves_cells_pending_for_the_next_run(tmp_path):
 
 def test_time_budget_counts_cells_finished_by_earlier_runs(tmp_path):
     """A fresh invocation knows how long a cell takes from the cells an earlier one finished, so a
-    budget shorter than that starts nothing (it used to start one cell and be killed mid-cell)."""
+    budget shorter than that starts nothing (rather than one cell killed mid-cell)."""
     grid = load_grid(_grid_file(tmp_path))
     first = grid.cells()[0]
     os.makedirs(first.run_dir)

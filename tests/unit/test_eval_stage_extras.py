@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from megatron_tc.testing import run_distributed
 from tests._scripts import distill_main
 from tests.unit.test_pipeline_cli import ROOT, tiny_assets  # noqa: F401 (a fixture)
@@ -35,6 +37,24 @@ def test_the_eval_stage_reports_tokens_to_target_and_the_probe(tiny_assets, tmp_
     assert f"Stage-2 tokens to 1e-06x the teacher's perplexity ({1.0e-6 * teacher_ppl:.2f}): not reached in " \
            f"{evals[-1]['tokens']:,.0f}" in table
     assert "Long-context probe (accuracy by context length, long_context.json):" in table
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalar = lambda tag: [(e.step, e.value) for e in events.Scalars(tag)]  # noqa: E731
+    for row in results["rows"]:
+        name = row["model"].replace(" ", "_")
+        assert scalar(f"eval/{name}/ppl") == [(0, pytest.approx(row["ppl"], rel=1e-6))]
+    assert scalar("eval/tokens_to_target/1e+06x") == [(0, 0.0)]
+    assert "eval/tokens_to_target/1e-06x" not in events.Tags()["scalars"]  # not reached: no point
+    for name, accuracy in probe["accuracy"].items():
+        assert scalar(f"long_context/{name}/accuracy") == [(int(L), pytest.approx(a)) for L, a in accuracy.items()]
+    for stage in ("convert", "select", "stats", "init", "stage2", "eval"):
+        assert len(scalar(f"time/{stage}_s")) == 1
+    selection = json.loads((run / "select" / "selection.json").read_text())
+    assert [step for step, _ in scalar("select/kept")] == ([] if not selection["scores"] else sorted(
+        int(layer) for layer in selection["scores"]))
 
 
 def test_a_probe_length_too_short_for_the_tokenizer_is_one_config_error_on_every_rank(tmp_path):
