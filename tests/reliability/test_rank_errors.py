@@ -1,7 +1,8 @@
 """Bad input on a 2-rank launch (launch/distill.sh, gloo): one clear line per rank, no traceback.
-A teacher path that does not exist is refused on every rank before any process group exists; a
-teacher directory that is no model fails on rank 0 in the convert stage, which names itself, and
-rank 1, left waiting in a collective, says it stopped because another rank failed."""
+A teacher path that does not exist, or a directory that is no model (its architecture is read on
+every rank at start-up), is refused on every rank before any process group exists; a teacher whose
+weights are missing fails on rank 0 in the convert stage, which names itself, and rank 1, left
+waiting in a collective, says it stopped because another rank failed."""
 from __future__ import annotations
 
 import subprocess
@@ -35,15 +36,27 @@ def test_a_missing_teacher_is_one_config_error_line_on_every_rank(tmp_path):
     assert rank_lines(proc) == [expected, expected], proc.stderr[-3000:]
 
 
-def test_a_failure_on_one_rank_is_named_there_and_the_other_rank_exits_cleanly(tmp_path):
+def test_a_directory_that_is_no_model_is_one_error_line_on_every_rank(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = launch(tmp_path, tmp_path / "empty")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    expected = f"{tmp_path / 'empty'} has no config.json and no .gguf file: not a Hugging Face model directory"
+    assert sorted(rank_lines(proc)) == [f"error on rank 0: {expected}", f"error on rank 1: {expected}"], out[-3000:]
+
+
+def test_a_failure_on_one_rank_is_named_there_and_the_other_rank_exits_cleanly(tmp_path):
+    from megatron_tc.testing import write_tiny_teacher
+
+    teacher = write_tiny_teacher(tmp_path / "hf", n_docs=4) / "teacher"
+    (teacher / "model.safetensors").unlink()  # its config reads on every rank; the weights, on rank 0
+    proc = launch(tmp_path, teacher)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out and "Connection closed by peer" not in out, out[-3000:]
     assert sorted(rank_lines(proc)) == sorted([
-        f"error on rank 0: {tmp_path / 'empty'} has no config.json and no .gguf file: not a Hugging Face model "
-        "directory",
+        f"error on rank 0: {teacher} has no model.safetensors(.index.json) or pytorch_model.bin(.index.json)",
         "rank 1: stopped because another rank failed (its error is above)"]), out[-3000:]
 
 
