@@ -200,7 +200,9 @@ def collect_readout_stats(
                         for name in sweep.names)  # the closed forms' calls run one after another
         merge = max(1, READOUT_GROUP_BYTES // per_token)  # readout_group_tokens of the largest
         kept_tokens = sum(kept[layers[0]].x.shape[0] * kept[layers[0]].x.shape[1] for kept in layer_io)
-        per_call = readout_stacked_layers(min(merge, kept_tokens), per_token)
+        # a rank without calibration rows (more data-parallel ranks than rows) sums nothing, builds
+        # every layer's zero sums all the same and joins the all-reduce
+        per_call = readout_stacked_layers(max(1, min(merge, kept_tokens)), per_token)
         windows = readout_windows(layers, per_call)
         sweep.build(windows[0][1:])
         layouts: list = []

@@ -34,8 +34,10 @@ def stats_of_rows(rows, dp_group=None):
                          student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=dp_group, progress=False)
 
 
-def dp_stats(rank: int, world_size: int, out_path: str) -> None:
-    rows = [r for r in range(4) if r % world_size == rank]
+def dp_stats(rank: int, world_size: int, out_path: str, rank0_only: bool = False) -> None:
+    """rank0_only: every row on rank 0, none on the others (more ranks than calibration rows)."""
+    rows = ([r for r in range(4) if r % world_size == rank] if not rank0_only
+            else list(range(4)) if rank == 0 else [])
     stats = stats_of_rows(rows)
     if rank == 0:
         stats.save(out_path)

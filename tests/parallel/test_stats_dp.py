@@ -1,5 +1,6 @@
 """Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data; student-forced
 alignment split over 2 ranks equals one process."""
+import pytest
 import torch
 
 from megatron_tc.calibrate.statsfile import TaylorStats
@@ -7,9 +8,12 @@ from megatron_tc.testing import run_distributed
 from tests.parallel import _workers_stats
 
 
-def test_dp2_stats_equal_single_process_on_union(tmp_path):
+@pytest.mark.parametrize("rank0_only", [False, True], ids=["rows_dealt", "a_rank_without_rows"])
+def test_dp2_stats_equal_single_process_on_union(tmp_path, rank0_only):
+    """Also with a rank that has no calibration row (more data-parallel ranks than rows): its sums
+    are zeros and it joins the all-reduce."""
     path = str(tmp_path / "dp2.pt")
-    run_distributed(_workers_stats.dp_stats, 2, path, timeout=240)
+    run_distributed(_workers_stats.dp_stats, 2, path, rank0_only, timeout=240)
     dp2 = TaylorStats.load(path)
     ref = _workers_stats.stats_of_rows(range(4))
     assert sorted(dp2.sums) == sorted(ref.sums)
