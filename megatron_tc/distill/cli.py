@@ -36,10 +36,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from megatron_tc.convert.errors import CheckpointError, ConversionError
     from megatron_tc.data.documents import DataError
     from megatron_tc.distill.checkpointing import CheckpointError as TrainCheckpointError
+    from megatron_tc.distill.rundir import RunDirError
     from megatron_tc.model.config import ArchConfigError
 
     return (ConfigError, ConversionError, CheckpointError, TrainCheckpointError, DataError, StatsMismatchError,
-            StrategyError, ArchConfigError, FileNotFoundError)
+            StrategyError, ArchConfigError, RunDirError, FileNotFoundError)
 
 
 def peer_failed(err: BaseException) -> bool:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,40 @@ def pick_device(cfg: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def shared_outcome(fn: Callable[[], Any] | None) -> Any:
+    """Run `fn()` on the ranks that get one (None: this rank has nothing to run), then agree: when
+    any of them raised, every rank raises the first error, so none is left waiting at the next
+    collective and each says the same line. Collective over the world. Returns this rank's value."""
+    result, error = None, None
+    if fn is not None:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001  (handed to every rank below)
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, _portable(error))
+        first = next((e for e in errors if e is not None), None)
+        if error is None and first is not None:
+            error = first
+    if error is not None:
+        raise error
+    return result
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it pickles, else a RuntimeError with its type and message."""
+    if error is None:
+        return None
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def student_options(cfg: Any) -> dict[str, Any]:
     """The ArchConfig fields of the student's GDN layers the config sets (model.gdn_*)."""
     return {key.split(".", 1)[1]: getattr(cfg.model, key.split(".", 1)[1]) for key in STUDENT_KEYS}
@@ -62,12 +96,16 @@ class RunContext:
             dist.barrier()
 
     def rank0_first(self, fn):
-        """Run `fn()` on rank 0, then on the others (they find its cached files); return its value."""
-        result = fn() if self.rank0 else None
-        self.barrier()
+        """Run `fn()` on rank 0, then on the others (they find its cached files); return its value.
+        An error on rank 0 (bad data, an unreadable file) is raised on every rank."""
+        result = shared_outcome(fn if self.rank0 else None)
         if not self.rank0:
             result = fn()
         return result
+
+    def on_rank0(self, fn):
+        """`fn()` on rank 0 only (what one rank writes); its error, if any, raised on every rank."""
+        return shared_outcome(fn if self.rank0 else None)
 
     # ---- the teacher (megatron_tc checkpoint written by the convert stage) ------------------------
     def teacher(self, whole: bool = False):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_tc.distill.context import RunContext
+from megatron_tc.distill.context import RunContext, shared_outcome
 from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
 from megatron_tc.distill.rundir import write_json
 from megatron_tc.monitor import get_logger
@@ -226,10 +226,13 @@ def run_export(ctx: RunContext) -> dict[str, Any]:
                "megatron_tc": lambda dst: reshard(source, dst, ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, overwrite=True)}
     formats = [f for f in ctx.cfg.export.formats if f in writers]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    for i, fmt in enumerate(formats):  # dealt over the ranks: each format is one rank's write
-        if i % world == ctx.par.rank:
+    mine = [fmt for i, fmt in enumerate(formats) if i % world == ctx.par.rank]  # each format one rank's write
+
+    def write() -> None:
+        for fmt in mine:
             writers[fmt](ctx.paths.export / fmt)
-    ctx.barrier()
+
+    shared_outcome(write if mine else None)  # a format that cannot be written stops every rank with its line
     out: dict[str, Any] = {"source": str(source), **{f: str(ctx.paths.export / f) for f in formats}}
     if ctx.rank0:
         log.info("exported %s -> %s", source, ", ".join(f"{k}: {v}" for k, v in out.items() if k != "source"))

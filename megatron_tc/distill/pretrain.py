@@ -174,7 +174,12 @@ def _warn_if_auto_tokenizer_differs(target: Path, tokenizer: Any, sample: str) -
     config.json), but a user of the HF directory should know."""
     from transformers import AutoTokenizer
 
-    auto = AutoTokenizer.from_pretrained(str(target))
+    try:
+        auto = AutoTokenizer.from_pretrained(str(target))
+    except Exception as err:  # noqa: BLE001  (a check that only warns must not fail the stage)
+        log.warning("AutoTokenizer.from_pretrained(%s) fails (%s: %s); load this model's tokenizer with "
+                    "transformers.PreTrainedTokenizerFast.from_pretrained", target, type(err).__name__, err)
+        return
     if auto(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
         log.warning("AutoTokenizer.from_pretrained(%s) gives %s, which tokenizes differently from the training "
                     "tokenizer; load this model's tokenizer with transformers.PreTrainedTokenizerFast.from_pretrained "
@@ -237,7 +242,7 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
         result = trainer.run(stop_after)
     if result.stopped_early:
         raise StageStopped(f"pretrain stopped at step {result.steps}")
-    if ctx.rank0:
+    def save() -> None:
         source = {"stage": "pretrain", "hf_config": hf_fields, "steps": result.steps, "tokens": result.tokens,
                   "documents": ctx.data().manifest.names("train")}
         save_checkpoint(result.student_state, arch, out_dir / "model", source=source,
@@ -248,6 +253,7 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
         (target / MARKER).write_text(json.dumps(marker, indent=1, default=str) + "\n")
         sample = (ctx.data().documents("eval") or ctx.data().documents("train"))[0].text[:4000]
         _warn_if_auto_tokenizer_differs(target, tokenizer, sample)
-    ctx.barrier()
+
+    ctx.on_rank0(save)
     return {"steps": result.steps, "tokens": result.tokens, "skipped_steps": result.skipped_steps,
             "last_eval": result.last_eval, "hf": str(target)}

@@ -128,6 +128,11 @@ def stage_fingerprints(config_dict: dict[str, Any], stages: list[str]) -> dict[s
     return out
 
 
+class RunDirError(ValueError):
+    """A run directory file that cannot be used as it is (a damaged manifest, a selection made for
+    another teacher): the message says what to delete or rerun."""
+
+
 class RunManifest:
     """Stage bookkeeping in <run_dir>/manifest.json."""
 
@@ -138,8 +143,11 @@ class RunManifest:
             try:
                 self.data = json.loads(self.path.read_text())
             except json.JSONDecodeError as err:
-                raise RuntimeError(f"{self.path} is not valid JSON ({err}); delete it to rerun every stage") from None
-            self.data.setdefault("stages", {})
+                raise RunDirError(f"{self.path} is not valid JSON ({err}); delete it to rerun every stage") from None
+            if not isinstance(self.data, dict) or not isinstance(self.data.setdefault("stages", {}), dict) \
+                    or not all(isinstance(entry, dict) for entry in self.data["stages"].values()):
+                raise RunDirError(f"{self.path} is not a megatron_tc run manifest (a JSON object whose 'stages' maps "
+                                  "each stage to an object); delete it to rerun every stage")
 
     def entry(self, stage: str) -> dict[str, Any]:
         return self.data["stages"].get(stage, {})

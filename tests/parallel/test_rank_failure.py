@@ -21,6 +21,10 @@ def test_the_failing_rank_wakes_the_rank_waiting_on_it():
     run_distributed(_workers.leave_after_error_wakes_the_waiting_rank, 2, timeout=120)
 
 
+def test_work_of_one_rank_that_fails_raises_its_error_on_every_rank():
+    run_distributed(_workers.shared_outcome_reaches_every_rank, 2, timeout=120)
+
+
 def test_no_module_pins_the_default_group_when_init_distributed_made_it():
     """torch.distributed.nn.functional and DeepSpeed's comm read the default group into default
     arguments at import; imported after the group exists, they keep it alive past its destruction."""
