@@ -87,8 +87,11 @@ def load_sharded_teacher(path: str | os.PathLike, ctx: Any, device: torch.device
     if kind != "megatron_tc":
         raise ValueError(f"a sharded teacher is read from a megatron_tc checkpoint, {path} is {kind}; convert it first "
                          "(the convert stage, or tools/convert_hf_to_megatron.py)")
-    model = load_tensor_parallel(directory, ctx, device=device)
-    digest = [checkpoint_weights_sha256(directory) if dist.get_rank() == 0 else None]
+    from megatron_tc.parallel.state import shared_outcome
+
+    # each rank verifies the files it reads; a damaged one stops every rank, not only its reader
+    model = shared_outcome(lambda: load_tensor_parallel(directory, ctx, device=device))
+    digest = [shared_outcome(lambda: checkpoint_weights_sha256(directory) if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(digest, src=0)
     files = _tokenizer_files(directory / "tokenizer")
     return Teacher(model, digest[0], load_tokenizer(path), files, str(path), tp_group=ctx.tp_group)

@@ -392,8 +392,17 @@ def check_dp_reshard(path: Path, saved: dict[str, int], now: dict[str, int]) -> 
 def universal_checkpoint(path: Path) -> Path:
     """`path`'s engine checkpoint as a DeepSpeed universal checkpoint (`path`/universal), written
     once by rank 0 with DeepSpeed's ds_to_universal and reused by later resumes. Collective."""
+    from megatron_tc.parallel.state import shared_outcome
+
     out = path / UNIVERSAL_TAG
-    if _rank() == 0 and not (out / "zero").is_dir():
+    shared_outcome(_write_universal(path, out) if _rank() == 0 and not (out / "zero").is_dir() else None)
+    return out
+
+
+def _write_universal(path: Path, out: Path) -> Callable[[], None]:
+    """Rank 0's conversion of `path`'s engine checkpoint into `out` (written aside, then renamed)."""
+
+    def write() -> None:
         import contextlib
         import io
         from argparse import Namespace
@@ -408,8 +417,8 @@ def universal_checkpoint(path: Path) -> Path:
             ds_to_universal(args)
         os.replace(tmp, out)
         _fsync_dir(path)
-    _barrier()
-    return out
+
+    return write
 
 
 def load_universal(engine: Any, path: Path, saved: dict[str, int], now: dict[str, int],

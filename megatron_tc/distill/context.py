@@ -6,12 +6,13 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_tc.distill.rundir import STUDENT_KEYS, RunPaths
+from megatron_tc.parallel.state import shared_outcome
 from megatron_tc.monitor import get_logger
 
 log = get_logger(__name__)
@@ -34,40 +35,6 @@ def pick_device(cfg: Any) -> torch.device:
             raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def shared_outcome(fn: Callable[[], Any] | None) -> Any:
-    """Run `fn()` on the ranks that get one (None: this rank has nothing to run), then agree: when
-    any of them raised, every rank raises the first error, so none is left waiting at the next
-    collective and each says the same line. Collective over the world. Returns this rank's value."""
-    result, error = None, None
-    if fn is not None:
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001  (handed to every rank below)
-            error = err
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, _portable(error))
-        first = next((e for e in errors if e is not None), None)
-        if error is None and first is not None:
-            error = first
-    if error is not None:
-        raise error
-    return result
-
-
-def _portable(error: BaseException | None) -> BaseException | None:
-    """`error` if it pickles, else a RuntimeError with its type and message."""
-    if error is None:
-        return None
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def student_options(cfg: Any) -> dict[str, Any]:

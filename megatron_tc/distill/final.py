@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_tc.distill.context import RunContext, shared_outcome
+from megatron_tc.distill.context import RunContext
+from megatron_tc.parallel.state import shared_outcome
 from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
 from megatron_tc.distill.rundir import write_json
 from megatron_tc.monitor import get_logger

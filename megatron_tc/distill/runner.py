@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tc.config.names import STAGES
-from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device, shared_outcome
+from megatron_tc.distill.context import RunContext, ensure_process_group_env, pick_device
 from megatron_tc.distill.host_memory import keep_freed_host_memory
 from megatron_tc.distill.rundir import RunManifest, RunPaths, run_info, stage_fingerprints, write_json
 from megatron_tc.distill.signals import ExitSignals, signal_name
@@ -236,7 +236,7 @@ def check_teacher_exists(cfg: Any) -> None:
 def _setup(cfg: Any) -> RunContext:
     from megatron_tc.config import resolve_config, save_config
     from megatron_tc.monitor import setup_logging
-    from megatron_tc.parallel.state import init_distributed, init_parallel
+    from megatron_tc.parallel.state import init_distributed, init_parallel, shared_outcome
 
     ensure_process_group_env()
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])

@@ -15,7 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -292,3 +292,37 @@ class DeepSpeedMPU:
     def get_data_parallel_rank(self) -> int: return self.ctx.dp_rank
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.ctx.dp_group)
+
+
+def shared_outcome(fn: Callable[[], Any] | None) -> Any:
+    """Run `fn()` on the ranks that get one (None: this rank has nothing to run), then agree: when
+    any of them raised, every rank raises the first error, so none is left waiting at the next
+    collective and each says the same line. Collective over the world. Returns this rank's value."""
+    result, error = None, None
+    if fn is not None:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001  (handed to every rank below)
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, _portable(error))
+        first = next((e for e in errors if e is not None), None)
+        if error is None and first is not None:
+            error = first
+    if error is not None:
+        raise error
+    return result
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it pickles, else a RuntimeError with its type and message."""
+    if error is None:
+        return None
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")

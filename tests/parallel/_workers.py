@@ -69,7 +69,7 @@ def shared_outcome_reaches_every_rank(rank: int, world_size: int) -> None:
     import pytest
 
     from megatron_tc.data.documents import DataError
-    from megatron_tc.distill.context import shared_outcome
+    from megatron_tc.parallel.state import shared_outcome
 
     def bad_data():
         raise DataError("data.source.paths: /nowhere does not exist")

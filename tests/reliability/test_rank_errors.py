@@ -2,7 +2,7 @@
 A teacher path that does not exist, or a directory that is no model (its architecture is read on
 every rank at start-up), is refused on every rank before any process group exists; a teacher whose
 weights are missing fails on rank 0 in the convert stage, and rank 1 raises the same error instead
-of waiting for rank 0 (`distill.context.shared_outcome`)."""
+of waiting for rank 0 (`parallel.state.shared_outcome`)."""
 from __future__ import annotations
 
 import subprocess
