@@ -115,11 +115,15 @@ def tokens_to_targets(eval_log: Path, teacher_ppl: float, factors: list[float]) 
     """For each k in `factors`: the stage-2 tokens at which the student's held-out perplexity first
     reached k x `teacher_ppl` (interpolated between evaluations; None: not reached), from stage 2's
     eval log; None when stage 2 logged no evaluations."""
-    from megatron_tc.eval.tokens_to_target import read_jsonl_log, tokens_to_reach
+    from megatron_tc.eval.tokens_to_target import EvalLogError, read_jsonl_log, tokens_to_reach
 
     if not eval_log.is_file() or not eval_log.read_text().strip():
         return None
-    curve = read_jsonl_log(eval_log)
+    try:
+        curve = read_jsonl_log(eval_log)
+    except EvalLogError as err:  # the table does not depend on it: said, not fatal
+        log.warning("tokens to target not reported: %s", err)
+        return None
     return [{"k": k, "target_ppl": k * teacher_ppl, "tokens": tokens_to_reach(curve, k * teacher_ppl),
              "last_tokens": curve.final_tokens} for k in factors]
 
