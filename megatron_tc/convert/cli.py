@@ -41,6 +41,7 @@ def convert_hf_to_megatron_main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="cast weights (auto: keep the source's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
     def work() -> int:
@@ -48,7 +49,7 @@ def convert_hf_to_megatron_main(argv: list[str] | None = None) -> int:
 
         start = time.perf_counter()
         out = convert_hf_to_megatron(args.hf, args.out, args.tp, args.pp, dtype=args.dtype,
-                                     overwrite=args.overwrite, progress=True)
+                                     overwrite=args.overwrite, progress=not args.no_progress)
         print(f"wrote {out} (tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f} s")
         return 0
 
@@ -107,13 +108,14 @@ def reshard_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
     def work() -> int:
         from megatron_tc.convert.checkpoint import reshard
 
         start = time.perf_counter()
-        out = reshard(args.ckpt, args.out, args.tp, args.pp, overwrite=args.overwrite, progress=True)
+        out = reshard(args.ckpt, args.out, args.tp, args.pp, overwrite=args.overwrite, progress=not args.no_progress)
         print(f"wrote {out} (tp={args.tp}, pp={args.pp}) in {time.perf_counter() - start:.1f} s")
         return 0
 

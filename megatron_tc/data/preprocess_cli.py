@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-special-tokens", action="store_true", help="do not add the tokenizer's own special tokens (BOS)")
     p.add_argument("--bos", default="auto", help="every document starts with BOS: auto (when the tokenizer adds "
                                                  "one), true or false; as the run's data.bos")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -32,13 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RAYON_NUM_THREADS"] = os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
 
-    from tqdm.auto import tqdm
-
     from megatron_tc.data.bos import resolve_bos_id
     from megatron_tc.data.documents import DataError
     from megatron_tc.data.store_inputs import corpus_files, read_named_documents
     from megatron_tc.data.token_store import write_token_store
     from megatron_tc.data.tokenizer import load_tokenizer, resolve_eos_id
+    from megatron_tc.monitor import progress
 
     try:
         files = corpus_files(args.input)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         bos_id = resolve_bos_id(tok, args.bos)
         total = sum(path.stat().st_size for path, _ in files)
         start = time.perf_counter()
-        with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize") as bar:  # chars ~ bytes
+        with progress(total=total, unit="B", unit_scale=True, desc="tokenize", enabled=not args.no_progress) as bar:
             meta = write_token_store(read_named_documents(files, args.text_key, args.name_key), tok, args.out,
                                      eos_id, add_special_tokens=not args.no_special_tokens, bos_id=bos_id,
                                      progress=bar.update)

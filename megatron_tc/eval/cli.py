@@ -35,6 +35,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    help="start every window with BOS: auto = when the teacher's tokenizer (else the model's) "
                         "adds BOS to encoded text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tb", default=None, help="TensorBoard log directory: ppl (and teacher_ppl, kl, top1_agree) as eval/*")
     return p
 
 
@@ -57,6 +58,12 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         return 2
     out = {"model": args.model, "teacher": args.teacher, "text": args.text, **result.to_dict(),
            **bos_record(bos_id, args.bos), "dtype": args.dtype, "seconds": round(time.perf_counter() - start, 3)}
+    if args.tb:
+        from megatron_tc.monitor import TBWriter
+
+        with TBWriter(args.tb) as writer:
+            writer.scalars({key: out[key] for key in ("ppl", "teacher_ppl", "kl", "top1_agree")
+                            if out.get(key) is not None}, 0, prefix="eval")
     if args.json:
         print(json.dumps(out))
     else:

@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bos", default="auto", choices=("auto", "true", "false"),
                    help="start every prompt with BOS: auto = when the teacher's tokenizer (else the model's) adds BOS")
     p.add_argument("--out", help="write JSON here (e.g. <run_dir>/long_context.json, picked up by report.py)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--tb", default=None, help="TensorBoard log directory: each model's accuracy over the length")
     args = p.parse_args(argv)
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
@@ -204,8 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {err}") from None
     examples = make_examples(tokenizer, lengths, args.samples, seed=args.seed, value_digits=args.value_digits,
                              bos_id=bos_id)
-    result = run_probe(models, examples, method=args.method, device=args.device)
+    result = run_probe(models, examples, method=args.method, device=args.device, progress=not args.no_progress)
     result.update(model=args.model, teacher=args.teacher, **bos_record(bos_id, args.bos))
+    if args.tb:
+        from megatron_tc.monitor import TBWriter
+
+        with TBWriter(args.tb) as writer:
+            for name, accuracy in result["accuracy"].items():
+                for length, value in accuracy.items():
+                    writer.scalar(f"long_context/{name}/accuracy", value, int(length))
     text = json.dumps(result, indent=1)
     if args.out:
         tmp = f"{args.out}.tmp-{os.getpid()}"

@@ -1,5 +1,7 @@
 """Associative-recall probe: prompt construction, exact scoring through both methods, real tiny models."""
 
+import json
+
 import pytest
 import torch
 
@@ -90,3 +92,23 @@ def test_the_command_line_names_a_missing_model_or_bad_lengths_in_one_error_line
         main(["--model", str(tmp_path / "none"), "--lengths", "64"])
     with pytest.raises(SystemExit, match=r"^error: --lengths '6x4': give comma-separated token counts"):
         main(["--model", str(tmp_path / "none"), "--lengths", "6x4"])
+
+
+def test_the_command_line_writes_json_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_tc.eval.long_context import main
+
+    path = save_hf(tmp_path / "m", tiny_llama(V, seed=5), TOK)
+    out = tmp_path / "long_context.json"
+    assert main(["--model", str(path), "--teacher", str(path), "--lengths", "64,128", "--samples", "2",
+                 "--value-digits", "2", "--device", "cpu", "--dtype", "float32", "--no-progress",
+                 "--out", str(out), "--tb", str(tmp_path / "tb")]) == 0
+    result = json.loads(out.read_text())
+    assert result["lengths"] == [64, 128] and set(result["accuracy"]) == {"teacher", "student"}
+    assert result["accuracy"]["teacher"] == result["accuracy"]["student"]  # the same model twice
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for name, accuracy in result["accuracy"].items():
+        assert [(e.step, e.value) for e in events.Scalars(f"long_context/{name}/accuracy")] == \
+            [(int(L), pytest.approx(a)) for L, a in accuracy.items()]

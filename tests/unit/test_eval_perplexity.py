@@ -113,11 +113,11 @@ def test_bad_input_is_refused(assets, tmp_path):
         load_model(tmp_path)
 
 
-def test_cli_prints_json(assets):
+def test_cli_prints_json(assets, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "--model", assets["student"],
            "--teacher", assets["teacher"], "--text", assets["text"], "--seq-len", "16", "--max-tokens", "100",
-           "--json", "--batch-size", "3"]
+           "--json", "--batch-size", "3", "--tb", str(tmp_path / "tb")]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -126,6 +126,12 @@ def test_cli_prints_json(assets):
     assert data["tokens"] == ref.tokens == 100 - 7
     for key in ("ppl", "kl", "top1_agree", "teacher_ppl"):
         assert data[key] == pytest.approx(getattr(ref, key), rel=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in ("ppl", "kl", "top1_agree", "teacher_ppl"):  # --tb: the same numbers
+        assert [(e.step, e.value) for e in events.Scalars(f"eval/{key}")] == [(0, pytest.approx(data[key], rel=1e-6))]
     bad = subprocess.run(cmd[:2] + ["--model", "/nonexistent", "--text", assets["text"], "--seq-len", "8",
                                     "--max-tokens", "10", "--json"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
