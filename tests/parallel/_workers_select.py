@@ -53,6 +53,7 @@ def select_in_one_process(assets: str, run_dir: Path) -> dict:
     from megatron_tc.distill import stages
     from megatron_tc.distill.context import RunContext
     from megatron_tc.distill.rundir import RunPaths
+    from megatron_tc.monitor import TBWriter
     from megatron_tc.parallel.state import ParallelContext
 
     par = ParallelContext(rank=0, world_size=1, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
@@ -60,7 +61,7 @@ def select_in_one_process(assets: str, run_dir: Path) -> dict:
     selections = {}
     for policy in POLICIES:
         cfg = run_config(assets, run_dir, policy, 1)
-        ctx = RunContext(cfg, RunPaths.from_config(cfg), par, torch.device("cpu"), tb=None)
+        ctx = RunContext(cfg, RunPaths.from_config(cfg), par, torch.device("cpu"), tb=TBWriter("", enabled=False))
         if policy == POLICIES[0]:
             stages.run_convert(ctx)
         stages.run_select(ctx)
