@@ -142,6 +142,15 @@ def _memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """The largest peak memory of any rank (GPU allocated, or the process's resident set on CPU):
+    pipeline and tensor-parallel ranks hold different parts of the models. Collective."""
+    peak = torch.tensor([_memory_gb(device)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        all_reduce_(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
+
+
 def _dp_mean(values: torch.Tensor, ctx) -> torch.Tensor:
     if ctx.dp_size > 1:
         all_reduce_(values, group=ctx.dp_group)  # CPU fp64: through the GPU under NCCL
@@ -287,7 +296,7 @@ class Stage2Trainer(EngineOwner):
             if self.weights.hidden_weight:
                 tb["hidden"] = scalars["hidden"]
             tb.update(tokens_seen=state.tokens_seen, tokens_per_s=tokens_per_s,
-                      skipped_steps=state.skipped_steps, memory_gb=_memory_gb(self.device))
+                      skipped_steps=state.skipped_steps, memory_gb=peak_memory_gb(self.device))
             self.tb.scalars(tb, state.step, prefix="stage2")
 
     # -- the loop

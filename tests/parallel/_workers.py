@@ -85,3 +85,15 @@ def shared_outcome_reaches_every_rank(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError if rank == 1 else RuntimeError, match="a lock inside"):
         shared_outcome(unpicklable if rank == 1 else None)
     assert shared_outcome(lambda: rank * 10) == rank * 10
+
+
+def peak_memory_is_the_largest_ranks(rank: int, world_size: int) -> None:
+    """stage 2's memory_gb scalar: every rank gets the largest peak of all ranks."""
+    from unittest import mock
+
+    import torch
+
+    from megatron_tc.distill import stage2
+
+    with mock.patch.object(stage2, "_memory_gb", lambda device: 1.5 + 2.0 * rank):
+        assert stage2.peak_memory_gb(torch.device("cpu")) == 1.5 + 2.0 * (world_size - 1)
