@@ -57,7 +57,7 @@ class TrainState:
     tokens_seen: int = 0  # training tokens consumed over all data-parallel ranks
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient
     data: dict[str, Any] = field(default_factory=dict)  # the sampler's state_dict()
-    layout: dict[str, int] = field(default_factory=dict)  # world_size, tp, pp, dp when written
+    layout: dict[str, int] = field(default_factory=dict)  # world_size, tp, pp, dp, zero when written
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. best eval so far
 
     def to_json(self) -> str:
@@ -344,6 +344,17 @@ def check_same_padding(path: Path, saved: dict[str, int], now: dict[str, int]) -
             f"{path} was written with the student's layers {'compiled' if was else 'eager'} (ZeRO parameters "
             f"{'padded' if was else 'unpadded'}) but this job runs them {'compiled' if is_now else 'eager'}: resume "
             f"with parallel.compile={'true' if was else 'false'}, or start a new run directory")
+
+
+def latest_zero_stage(root: str | os.PathLike) -> int | None:
+    """The ZeRO stage the latest checkpoint under `root` was written with; None when there is none
+    or it records none (it is then checked when it loads)."""
+    try:
+        path = CheckpointManager(root).latest()
+        layout = CheckpointManager._read_state(path).layout if path is not None else {}
+    except CheckpointError:
+        return None
+    return int(layout["zero"]) if "zero" in layout else None
 
 
 def zero_format(stage: int) -> str:

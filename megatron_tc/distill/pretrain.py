@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_tc.distill.checkpointing import latest_zero_stage
 from megatron_tc.distill.context import RunContext
 from megatron_tc.distill.losses import IGNORE, next_token_labels
 from megatron_tc.distill.stage2 import Stage2Trainer, evaluates_while_training
@@ -233,7 +234,8 @@ def run_pretrain(ctx: RunContext, stop_after: int | None = None) -> dict[str, An
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info("pretrain: %s, %.1fM parameters, %d layers, hidden %d", arch.family,
              sum(p.numel() for p in model.parameters()) / 1e6, arch.num_layers, arch.hidden_size)
-    ds_config = stage2_deepspeed_config(tcfg, par, ctx.device, str(ctx.paths.tensorboard), model)
+    ds_config = stage2_deepspeed_config(tcfg, par, ctx.device, str(ctx.paths.tensorboard), model,
+                                        resume_stage=latest_zero_stage(out_dir / "checkpoints"))
     model.set_activation_checkpointing(cfg.parallel.activation_checkpointing)
     engine = build_student_engine(model, ds_config, par)
     trainer = PretrainTrainer(tcfg, par, engine, None, loader, rows, out_dir, _RenamedTB(ctx.tb), ctx.device,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megatron_tc.distill import faults
-from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
+from megatron_tc.distill.checkpointing import CheckpointManager, TrainState, latest_zero_stage
 from megatron_tc.distill.evaluation import append_jsonl, truncate_jsonl
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
 from megatron_tc.distill.schedule import LRSchedule, apply_lr, remember_peak_lr
@@ -216,7 +216,7 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
         student, teacher = shard_over_tp(student, teacher, ctx)
     wrapped = ConvertedMixers(student, layers)
     wrapped.requires_grad_(True)
-    ds = stage2_deepspeed_config(cfg, ctx, device, None, wrapped)
+    ds = stage2_deepspeed_config(cfg, ctx, device, None, wrapped, resume_stage=latest_zero_stage(out_dir / "checkpoints"))
     ds["optimizer"]["params"]["lr"] = cfg.distill.stage1.lr
     ds["optimizer"]["params"]["weight_decay"] = 0.0
     engine = build_student_engine(wrapped, ds, ctx)

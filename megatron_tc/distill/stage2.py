@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_tc.distill import faults
-from megatron_tc.distill.checkpointing import CheckpointManager, TrainState
+from megatron_tc.distill.checkpointing import CheckpointManager, TrainState, latest_zero_stage
 from megatron_tc.distill.evaluation import TeacherCache, append_jsonl, eval_batch_size, score_rows, truncate_jsonl
 from megatron_tc.distill.losses import LossWeights, distill_loss
 from megatron_tc.distill.numerics import NonFiniteError, NonFiniteGuard, all_finite
@@ -418,7 +418,8 @@ def build_stage2(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
     student.set_activation_checkpointing(cfg.parallel.activation_checkpointing)  # ZeRO-3 path; PP has its own
     log.info("stage2: %d trainable tensors (%s), %d steps", len(names), cfg.distill.stage2.trainable,
              total_steps(cfg, loader.tokens_per_step))
-    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher)
+    ds_config = stage2_deepspeed_config(cfg, ctx, device, tensorboard_dir, student, teacher,
+                                        latest_zero_stage(out_dir / "checkpoints"))
     compiled = resolve_compile(cfg, ctx, device, ds_config["zero_optimization"]["stage"])
     if compiled:
         # the layers of one kind share a compiled graph whose kernels assume 16-byte aligned

@@ -17,10 +17,14 @@ log = get_logger(__name__)
 
 
 def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torch.nn.Module | None,
-                       teacher: torch.nn.Module | None = None) -> int:
+                       teacher: torch.nn.Module | None = None, resume_stage: int | None = None) -> int:
     """parallel.zero_stage, with 'auto' decided by `parallel.memory.choose_zero_stage` from the
-    student (`trainable`), the teacher and the micro-batch; the decision is logged on rank 0."""
-    from megatron_tc.parallel.memory import choose_zero_stage, device_memory_bytes, footprint_of
+    student (`trainable`), the teacher and the micro-batch; the decision is logged on rank 0.
+    resume_stage: the stage of the checkpoint the job resumes (`checkpointing.latest_zero_stage`):
+    'auto' keeps it when it fits, since a checkpoint loads only under the stage that wrote it."""
+    from megatron_tc.parallel.memory import (
+        HEADROOM, ZERO_STAGES, ZeroChoice, choose_zero_stage, device_memory_bytes, footprint_of,
+    )
 
     stage = cfg.parallel.zero_stage
     if stage != "auto":
@@ -35,6 +39,13 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         teacher_partitioned=cfg.parallel.teacher_mode == "engine")
     choice = choose_zero_stage(footprint, ctx.dp_size, device_memory_bytes(device))
+    if resume_stage in ZERO_STAGES and resume_stage != choice.stage:
+        kept = ZeroChoice(resume_stage, True, footprint.bytes_per_rank(resume_stage, ctx.dp_size), choice.device_bytes)
+        if kept.estimate["total"] <= HEADROOM * choice.device_bytes:
+            if ctx.rank == 0:
+                log.info("parallel.zero_stage=auto over %d data-parallel rank(s): ZeRO-%d, the stage of the checkpoint "
+                         "it resumes (%s)", ctx.dp_size, resume_stage, kept.describe())
+            return resume_stage
     if ctx.rank == 0:
         (log.info if choice.fits else log.warning)(
             "parallel.zero_stage=auto over %d data-parallel rank(s): %s (set parallel.zero_stage to override)",
@@ -43,7 +54,8 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
 
 
 def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboard_dir: str | None,
-                            trainable: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> dict:
+                            trainable: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None,
+                            resume_stage: int | None = None) -> dict:
     """The student's DeepSpeed config: the template (the built-in one or parallel.deepspeed_config) with its
     "auto" values filled from our config (ZeRO's bucket sizes from the `trainable` module's
     parameters with requires_grad; the ZeRO stage from `resolve_zero_stage`), plus DeepSpeed's own
@@ -53,7 +65,8 @@ def stage2_deepspeed_config(cfg: Any, ctx: Any, device: torch.device, tensorboar
 
     s2 = cfg.distill.stage2
     ds = build_deepspeed_config(
-        zero_stage=resolve_zero_stage(cfg, ctx, device, trainable, teacher), micro_batch_size=cfg.data.micro_batch_size,
+        zero_stage=resolve_zero_stage(cfg, ctx, device, trainable, teacher, resume_stage),
+        micro_batch_size=cfg.data.micro_batch_size,
         global_batch_size=cfg.data.global_batch_size, dp_size=ctx.dp_size,
         bf16=device.type == "cuda" and cfg.run.precision == "bf16", lr=s2.lr, weight_decay=s2.weight_decay,
         grad_clip=s2.grad_clip, pipeline=ctx.pp_size > 1,

@@ -123,3 +123,19 @@ def test_the_zero_stage_of_a_checkpoint_that_records_none_is_read_from_deepspeed
         (tmp_path / ENGINE_TAG / name).write_bytes(b"")
     assert saved_zero_format(tmp_path, {"dp": 1}) == kind
     assert saved_zero_format(tmp_path, {"dp": 1, "zero": 3}) == "parameters"  # a recorded stage wins
+
+
+def test_auto_keeps_the_zero_stage_of_the_checkpoint_it_resumes(reference, template, tmp_path):
+    """parallel.zero_stage=auto picks ZeRO-1 for this student on one rank; resuming a ZeRO-3
+    checkpoint it keeps ZeRO-3 (which fits), since DeepSpeed loads it under that stage only."""
+    base = clone(template, tmp_path, parallel={"zero_stage": 3})
+    ranks(1)(base, "--stop-after", str(STOP))
+    _with_zero_stage(base, "auto")
+    out = ranks(1)(base)
+    assert "parallel.zero_stage=auto over 1 data-parallel rank(s): ZeRO-3, the stage of the checkpoint it resumes" \
+        in out, out[-4000:]
+    assert re.search(rf"stage2: resumed at step {STOP} ", out), out[-4000:]
+    expected, got = train_log(reference()), train_log(base)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
