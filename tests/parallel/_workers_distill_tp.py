@@ -125,7 +125,8 @@ def stage1_bf16_with_fp32_teacher(rank: int, world_size: int, root: str) -> None
     ctx = init_parallel(1, 1)
     cfg = tiny_config(out, STEPS, run__precision="bf16", distill__stage1__steps="2")
     cuda_config = stage2_module.stage2_deepspeed_config
-    stage2_module.stage2_deepspeed_config = lambda *args: {**cuda_config(*args), "bf16": {"enabled": True}}
+    stage2_module.stage2_deepspeed_config = lambda *args, **kwargs: {**cuda_config(*args, **kwargs),
+                                                                     "bf16": {"enabled": True}}
     teacher, student = teacher_and_student(0)
     loader = DistributedBatchLoader(packed(60, seed=1), cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, seed=7)
