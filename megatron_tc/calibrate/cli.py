@@ -254,7 +254,8 @@ def calibrate_main(argv=None) -> int:
             log_selection(selection["scores"], keep, writer)
         student, report = calibrate_student(
             teacher.model, keep, strategy, calib_batches=batches, heldout_batches=heldout, stats=stats,
-            teacher_sha256=teacher.sha256, align=align, writer=writer if args.tb else None, progress=not args.no_progress,
+            teacher_sha256=teacher.sha256, align=align, writer=writer if args.tb else None,
+            progress=not args.no_progress,
             seed=args.seed,
             meta={"seq_len": args.seq_len, **source.describe(), **_bos_record(args, bos_id)},
         )
@@ -302,7 +303,8 @@ def select_main(argv=None) -> int:
     ap.add_argument("--policy", required=True, choices=POLICY_CHOICES,
                     help="stats is readout_gap (the name model.policy gives it)")
     ap.add_argument("--num-keep", type=int, default=0, help="default: a quarter of the layers")
-    ap.add_argument("--stats", default=None, help="stats file (required by stats/readout_gap; optional init stats for ar/ga)")
+    ap.add_argument("--stats", default=None,
+                    help="stats file (required by stats/readout_gap; optional init stats for ar/ga)")
     ap.add_argument("--init", default=None,
                     help="ga: init of the one-layer-kept probe students (default taylor_calibrate, aligned, as its "
                          "authors); ar: convert the layer with this init instead of bypassing its attention")

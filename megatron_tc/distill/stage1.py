@@ -216,7 +216,8 @@ def build_stage1(cfg: Any, ctx: Any, student: nn.Module, teacher: nn.Module, loa
         student, teacher = shard_over_tp(student, teacher, ctx)
     wrapped = ConvertedMixers(student, layers)
     wrapped.requires_grad_(True)
-    ds = stage2_deepspeed_config(cfg, ctx, device, None, wrapped, resume_stage=latest_zero_stage(out_dir / "checkpoints"))
+    ds = stage2_deepspeed_config(cfg, ctx, device, None, wrapped,
+                                 resume_stage=latest_zero_stage(out_dir / "checkpoints"))
     ds["optimizer"]["params"]["lr"] = cfg.distill.stage1.lr
     ds["optimizer"]["params"]["weight_decay"] = 0.0
     engine = build_student_engine(wrapped, ds, ctx)

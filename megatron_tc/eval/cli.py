@@ -35,7 +35,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    help="start every window with BOS: auto = when the teacher's tokenizer (else the model's) "
                         "adds BOS to encoded text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--tb", default=None, help="TensorBoard log directory: ppl (and teacher_ppl, kl, top1_agree) as eval/*")
+    p.add_argument("--tb", default=None,
+                   help="TensorBoard log directory: ppl (and teacher_ppl, kl, top1_agree) as eval/*")
     return p
 
 

@@ -92,7 +92,8 @@ def test_a_checkpoint_of_another_zero_stage_is_refused_before_anything_loads(tem
     lines = [line for line in str(failed.value).splitlines() if line.startswith("error on rank 0: ")]
     assert lines == [f"error on rank 0: {step} was written by a ZeRO-{written} engine but this job's engine runs "
                      f"ZeRO-{second}, and DeepSpeed cannot load one into the other: resume with "
-                     f"parallel.zero_stage={written.split()[0]}, or start a new run directory"], str(failed.value)[-3000:]
+                     f"parallel.zero_stage={written.split()[0]}, or start a new run directory"], \
+        str(failed.value)[-3000:]
     assert sorted((p.relative_to(step), p.stat().st_size) for p in step.rglob("*") if p.is_file()) == before
     assert (checkpoints(base) / "latest").read_text().strip() == step.name
 

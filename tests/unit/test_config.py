@@ -239,7 +239,8 @@ def test_config_to_dict_is_plain_data():
 
 
 def test_a_vocabulary_padding_other_than_megatron_tcs_is_refused():
-    assert load_config(REPO / "configs" / "tiny.yaml", ["model.make_vocab_size_divisible_by=128"]).model.make_vocab_size_divisible_by == 128
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["model.make_vocab_size_divisible_by=128"])
+    assert cfg.model.make_vocab_size_divisible_by == 128
     with pytest.raises(ConfigError, match=r"model.make_vocab_size_divisible_by=64: megatron_tc checkpoints pad the "
                                           r"vocabulary to a multiple of 128 x TP"):
         load_config(REPO / "configs" / "tiny.yaml", ["model.make_vocab_size_divisible_by=64"])
