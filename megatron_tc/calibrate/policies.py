@@ -203,10 +203,11 @@ def readout_gap(stats: TaylorStats, num_keep: int, strategy: str = "taylor_fit-c
 def log_selection(scores: dict, keep: Sequence[int], writer) -> None:
     """A selection's per-layer scores (finite ones) and which layers it keeps, as TensorBoard
     scalars `select/score` and `select/kept` over the layer index."""
+    kept = set(keep)
     for layer, score in sorted((int(l), float(s)) for l, s in scores.items()):
         if math.isfinite(score):
             writer.scalar("select/score", score, layer)
-        writer.scalar("select/kept", float(layer in set(keep)), layer)
+        writer.scalar("select/kept", float(layer in kept), layer)
 
 
 def select_layers(policy: str, num_keep: int, *, teacher: HybridLM | None = None, stats: TaylorStats | None = None,

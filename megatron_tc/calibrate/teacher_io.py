@@ -91,7 +91,7 @@ def load_sharded_teacher(path: str | os.PathLike, ctx: Any, device: torch.device
 
     # each rank verifies the files it reads; a damaged one stops every rank, not only its reader
     model = shared_outcome(lambda: load_tensor_parallel(directory, ctx, device=device))
-    digest = [shared_outcome(lambda: checkpoint_weights_sha256(directory) if dist.get_rank() == 0 else None)]
+    digest = [shared_outcome((lambda: checkpoint_weights_sha256(directory)) if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(digest, src=0)
     files = _tokenizer_files(directory / "tokenizer")
     return Teacher(model, digest[0], load_tokenizer(path), files, str(path), tp_group=ctx.tp_group)

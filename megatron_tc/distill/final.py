@@ -106,9 +106,10 @@ def log_eval_scalars(tb: Any, summary: dict[str, Any]) -> None:
     for target in summary.get("tokens_to_target") or []:
         if target["tokens"] is not None:
             tb.scalar(f"eval/tokens_to_target/{target['k']:g}x", target["tokens"], 0)
-    for name, accuracy in ((summary.get("long_context") or {}).get("accuracy") or {}).items():
-        for length, value in accuracy.items():
-            tb.scalar(f"long_context/{name}/accuracy", value, int(length))
+    if summary.get("long_context"):
+        from megatron_tc.eval.long_context import log_accuracy
+
+        log_accuracy(tb, summary["long_context"]["accuracy"])
 
 
 def tokens_to_targets(eval_log: Path, teacher_ppl: float, factors: list[float]) -> list[dict[str, Any]] | None:

@@ -168,6 +168,14 @@ def run_probe(models: Mapping[str, LoadedModel | LogitsFn], examples: Mapping[in
     return result
 
 
+def log_accuracy(writer: Any, accuracy: Mapping[str, Mapping[str, float]]) -> None:
+    """`run_probe`'s accuracies ({model: {length: accuracy}}) as TensorBoard scalars
+    `long_context/<model>/accuracy` over the context length."""
+    for name, per_length in accuracy.items():
+        for length, value in per_length.items():
+            writer.scalar(f"long_context/{name}/accuracy", value, int(length))
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_tc.data.bos import bos_record, resolve_bos_id
     from megatron_tc.data.documents import DataError
@@ -212,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_tc.monitor import TBWriter
 
         with TBWriter(args.tb) as writer:
-            for name, accuracy in result["accuracy"].items():
-                for length, value in accuracy.items():
-                    writer.scalar(f"long_context/{name}/accuracy", value, int(length))
+            log_accuracy(writer, result["accuracy"])
     text = json.dumps(result, indent=1)
     if args.out:
         tmp = f"{args.out}.tmp-{os.getpid()}"
