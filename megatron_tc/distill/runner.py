@@ -236,6 +236,7 @@ def check_teacher_exists(cfg: Any) -> None:
 def _setup(cfg: Any) -> RunContext:
     from megatron_tc.config import resolve_config, save_config
     from megatron_tc.monitor import setup_logging
+    from megatron_tc.parallel.memory import least_device_memory
     from megatron_tc.parallel.state import init_distributed, init_parallel, shared_outcome
 
     ensure_process_group_env()
@@ -255,6 +256,9 @@ def _setup(cfg: Any) -> RunContext:
     init_distributed(("nccl" if device.type == "cuda" else "gloo") if cfg.parallel.backend == "auto"
                      else cfg.parallel.backend)
     par = init_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    # the auto choices (ZeRO stage, split teacher) read the smallest device of the job; agreed here,
+    # where every rank is, so a stage that decides later needs no collective of its own
+    least_device_memory(device)
     torch.manual_seed(cfg.run.seed)
     paths = RunPaths.from_config(cfg)
 

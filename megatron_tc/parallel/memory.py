@@ -23,6 +23,10 @@ sharing the partitions):
 
 and it fits when the total is at most `headroom` (0.85) of the device: the rest is the allocator's
 fragmentation, kernel workspaces and the communication buffers.
+
+Every rank must come to the same choice (a ZeRO stage, a split teacher), so the auto choices read
+`least_device_memory`: the smallest device of the job, agreed by one all-reduce (a job may mix GPU
+models, or CPU hosts of different RAM).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 ZERO_STAGES = (1, 2, 3)
 HEADROOM = 0.85
@@ -111,6 +116,23 @@ def device_memory_bytes(device: torch.device) -> int:
     # torchrun and Slurm (launch/distill.sh) set LOCAL_WORLD_SIZE; DeepSpeed's launcher LOCAL_SIZE
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
     return ram // max(1, int(local))
+
+
+_AGREED: dict[tuple[str, int, int], int] = {}
+
+
+def least_device_memory(device: torch.device) -> int:
+    """`device_memory_bytes` of the job's smallest device, the same on every rank. The first call
+    for a device is a collective (every rank calls it at the same point); later calls are cached."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return device_memory_bytes(device)
+    key = (str(device), dist.get_world_size(), dist.get_rank())
+    if key not in _AGREED:
+        from .comm import all_reduce_
+
+        least = torch.tensor([device_memory_bytes(device)], dtype=torch.int64)
+        _AGREED[key] = int(all_reduce_(least, op=dist.ReduceOp.MIN).item())
+    return _AGREED[key]
 
 
 def numel(module: Any, trainable_only: bool = False) -> int:

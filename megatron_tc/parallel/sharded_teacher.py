@@ -45,7 +45,8 @@ def teacher_fp32_bytes(arch: ArchConfig) -> int:
 
 def resolve_shard_teacher(cfg: Any, arch: ArchConfig, device: torch.device) -> bool:
     """parallel.shard_teacher: 'true' / 'false' as given; 'auto' shards when parallel.tp > 1,
-    parallel.pp == 1 and the fp32 teacher exceeds AUTO_SHARE of one device."""
+    parallel.pp == 1 and the fp32 teacher exceeds AUTO_SHARE of the job's smallest device
+    (`memory.least_device_memory`: every rank decides alike)."""
     setting, tp, pp = cfg.parallel.shard_teacher, cfg.parallel.tp, cfg.parallel.pp
     if setting is not True and setting is not False and setting != "auto":
         raise ValueError(f"parallel.shard_teacher={setting!r}: use auto, true or false")
@@ -53,9 +54,9 @@ def resolve_shard_teacher(cfg: Any, arch: ArchConfig, device: torch.device) -> b
         return False
     if setting is True:
         return True  # config checks refused tp == 1 and pp > 1
-    from .memory import device_memory_bytes
+    from .memory import least_device_memory
 
-    return teacher_fp32_bytes(arch) > AUTO_SHARE * device_memory_bytes(device)
+    return teacher_fp32_bytes(arch) > AUTO_SHARE * least_device_memory(device)
 
 
 def load_tensor_parallel(path: str | os.PathLike, ctx: ParallelContext, dtype: torch.dtype = torch.float32,

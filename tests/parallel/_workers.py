@@ -97,3 +97,34 @@ def peak_memory_is_the_largest_ranks(rank: int, world_size: int) -> None:
 
     with mock.patch.object(stage2, "_memory_gb", lambda device: 1.5 + 2.0 * rank):
         assert stage2.peak_memory_gb(torch.device("cpu")) == 1.5 + 2.0 * (world_size - 1)
+
+
+def auto_choices_agree_on_mixed_devices(rank: int, world_size: int) -> None:
+    """Rank 0 has a 64 GiB device, the others 8 GiB: the ZeRO stage and the split-teacher choice
+    follow the smallest device on every rank; the agreed size is kept (no second collective)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+
+    from megatron_tc.bench.models import llama_1b, quarter_pattern
+    from megatron_tc.config import apply_overrides, config_from_dict, load_config
+    from megatron_tc.distill.stage2_setup import resolve_zero_stage
+    from megatron_tc.model import HybridLM
+    from megatron_tc.parallel import memory
+    from megatron_tc.parallel.sharded_teacher import resolve_shard_teacher, teacher_fp32_bytes
+
+    cpu, small = torch.device("cpu"), 8 * 2**30
+    with torch.device("meta"):
+        teacher = HybridLM(llama_1b())
+        student = HybridLM(llama_1b().with_pattern(quarter_pattern(16)))
+    cfg = load_config(overrides=["data.micro_batch_size=1", "data.seq_len=64"])
+    ctx = SimpleNamespace(dp_size=world_size, pp_size=1, rank=rank)
+    split = config_from_dict(apply_overrides({"model": {"teacher": "t"}}, ["parallel.tp=2"]))
+    assert teacher_fp32_bytes(llama_1b()) > 0.5 * small  # the smallest device splits it, rank 0's would not
+    with mock.patch.object(memory, "device_memory_bytes", lambda device: 64 * 2**30 if rank == 0 else small):
+        assert memory.least_device_memory(cpu) == small
+        assert resolve_zero_stage(cfg, ctx, cpu, student, teacher) == 3  # ZeRO-1 on rank 0's device alone
+        assert resolve_shard_teacher(split, llama_1b(), cpu) is True
+    with mock.patch.object(memory, "device_memory_bytes", lambda device: 1):
+        assert memory.least_device_memory(cpu) == small
