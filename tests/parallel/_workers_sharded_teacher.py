@@ -2,6 +2,7 @@
 checkpoint (parallel.sharded_teacher), against the replicated teacher of the same weights."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ def _sharded(ckpt: str):
     return ctx, load_tensor_parallel(ckpt, ctx)
 
 
-def load_and_forward(rank: int, world_size: int, ckpt: str, out: str, bad_ckpt: str) -> None:
+def load_and_forward(rank: int, world_size: int, ckpt: str, out: str, bad_ckpt: str, damaged_ckpt: str) -> None:
     """Rank r saves its sharded teacher's state, the state apply_tensor_parallel cuts from the
     whole teacher in memory (the reference), the gathered logits of all 4 rows and the
     whole-teacher hash streamed from the checkpoint; then tries `bad_ckpt` (`_bad_tp`)."""
@@ -52,6 +53,7 @@ def load_and_forward(rank: int, world_size: int, ckpt: str, out: str, bad_ckpt: 
     record.update(select_and_score(model, ckpt, ctx))
     torch.save(record, f"{out}.{rank}")
     _bad_tp(rank, bad_ckpt, out)
+    _damaged_shard(rank, damaged_ckpt if rank == 1 else ckpt, out)
     dist.barrier()
 
 
@@ -156,6 +158,24 @@ def _bad_tp(rank: int, ckpt: str, out: str) -> None:
     except Exception as err:  # the test reads the message each rank got
         message = f"{type(err).__name__}: {err}"
     Path(f"{out}.error.{rank}").write_text(message)
+
+
+def _damaged_shard(rank: int, ckpt: str, out: str) -> None:
+    """{out}.damaged.{rank}: what this rank's own read of `ckpt` (this rank's copy of the teacher)
+    gives ("alone": no collective) and what the teacher's load (`load_sharded_teacher`) raises
+    ("shared")."""
+    from megatron_tc.calibrate.teacher_io import load_sharded_teacher
+    from megatron_tc.parallel.sharded_teacher import load_tensor_parallel
+    from megatron_tc.parallel.state import current_context
+
+    got = {}
+    for key, load in (("alone", load_tensor_parallel), ("shared", load_sharded_teacher)):
+        try:
+            load(ckpt, current_context())
+            got[key] = "loaded"
+        except Exception as err:  # the test reads the message each rank got
+            got[key] = f"{type(err).__name__}: {err}"
+    Path(f"{out}.damaged.{rank}").write_text(json.dumps(got))
 
 
 def stage2(rank: int, world_size: int, out: str) -> None:

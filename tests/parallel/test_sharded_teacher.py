@@ -1,7 +1,7 @@
 """A teacher loaded split over TP=2 ranks from a checkpoint (parallel.sharded_teacher): each rank
 holds exactly what apply_tensor_parallel cuts from the whole teacher; logits, statistics, the
 zero-shot student and a stage-2 run equal the replicated teacher's; a TP size that does not divide
-the heads is one clear error on every rank."""
+the heads, or a damaged shard that only one rank reads, is one clear error on every rank."""
 import dataclasses
 import json
 import os
@@ -39,10 +39,25 @@ def bad_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loaded(ckpt, bad_ckpt, tmp_path_factory):
+def damaged_ckpt(ckpt, tmp_path_factory):
+    """A copy of `ckpt` with bytes of a shard changed (its size kept), as one node's staged copy of
+    a teacher might be."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("damaged") / "teacher"
+    shutil.copytree(ckpt, copy)
+    shard = copy / "model_tp00_pp00.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(255 - b for b in data[-64:])
+    shard.write_bytes(bytes(data))
+    return str(copy)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt, bad_ckpt, damaged_ckpt, tmp_path_factory):
     """Both ranks' records of `workers.load_and_forward` (one launch for the load and the error tests)."""
     out = str(tmp_path_factory.mktemp("load") / "load")
-    run_distributed(workers.load_and_forward, 2, ckpt, out, bad_ckpt, timeout=180)
+    run_distributed(workers.load_and_forward, 2, ckpt, out, bad_ckpt, damaged_ckpt, timeout=180)
     return out
 
 
@@ -152,6 +167,15 @@ def test_heads_not_divisible_by_tp_is_one_error_line_on_every_rank(loaded):
     assert messages[0] == messages[1]
     assert messages[0] == ("ValueError: parallel.tp=2 does not divide the teacher's 3 attention heads, 1 KV heads, which "
                            "a sharded teacher splits over the tensor-parallel ranks: choose parallel.tp from [1]")
+
+
+def test_a_damaged_shard_read_by_one_rank_stops_every_rank_with_its_error(loaded):
+    """Rank 1 reads a damaged copy of the teacher, rank 0 the intact one (its own load succeeds):
+    the teacher's load stops both ranks with rank 1's error."""
+    own = [json.loads(open(f"{loaded}.damaged.{rank}").read()) for rank in range(2)]
+    assert own[0]["alone"] == "loaded"
+    assert own[1]["alone"].startswith("CheckpointError: ") and "model_tp00_pp00.safetensors is corrupted" in own[1]["alone"]
+    assert own[0]["shared"] == own[1]["shared"] == own[1]["alone"]
 
 
 ROOT = Path(__file__).resolve().parents[2]
