@@ -112,12 +112,16 @@ def save_checkpoint(state: StateDict | Lazies, arch: ArchConfig, out: str | os.P
     with atomic_output_dir(out, overwrite) as tmp:
         files: dict[str, dict[str, Any]] = {}
         items = sorted(shards.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-        for (t, p), tensors in bar(items, desc="writing shards", unit="shard", enabled=progress):
-            name = shard_filename(t, p)
-            digest = write_safetensors(tmp / name, tensors, cast, metadata={"format": "pt"})
-            files[name] = {"sha256": digest, "size": (tmp / name).stat().st_size,
-                           "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(target_dtype(v, cast))}
-                                       for k, v in sorted(tensors.items())}}
+        total = sum(v.nbytes(target_dtype(v, cast)) for _, tensors in items for v in tensors.values())
+        with bar(total=total, desc="writing checkpoint", unit="B", unit_scale=True, unit_divisor=1024,
+                 enabled=progress) as written:  # bytes, not shards: one shard of a large teacher takes minutes
+            for (t, p), tensors in items:
+                name = shard_filename(t, p)
+                written.set_postfix_str(name, refresh=False)
+                digest = write_safetensors(tmp / name, tensors, cast, metadata={"format": "pt"}, written=written.update)
+                files[name] = {"sha256": digest, "size": (tmp / name).stat().st_size,
+                               "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(target_dtype(v, cast))}
+                                           for k, v in sorted(tensors.items())}}
         for rel, data in (tokenizer_files or {}).items():
             target = tmp / TOKENIZER_DIR / rel
             target.parent.mkdir(parents=True, exist_ok=True)

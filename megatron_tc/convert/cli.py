@@ -65,13 +65,15 @@ def convert_megatron_to_hf_main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-student", action="store_true", help="write the megatron_tc_hybrid format even for an "
                                                              "all-attention checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
     def work() -> int:
         from megatron_tc.convert.export import export_to_hf
 
         start = time.perf_counter()
-        out = export_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype, as_student=args.as_student)
+        out = export_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype, as_student=args.as_student,
+                           progress=not args.no_progress)
         print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
         return 0
 

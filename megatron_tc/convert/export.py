@@ -38,11 +38,11 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
-                 dtype: str | torch.dtype | None = None, as_student: bool = False) -> Path:
+                 dtype: str | torch.dtype | None = None, as_student: bool = False, progress: bool = False) -> Path:
     """Write checkpoint `ckpt` as an HF directory at `out` (atomic; refuses an existing `out`).
 
     Teacher-shaped checkpoints get their family's format unless `as_student`; hybrids always get
-    the megatron_tc_hybrid format."""
+    the megatron_tc_hybrid format. progress: a bar over the bytes written (rank 0, terminal only)."""
     check_output_dir(out, overwrite)
     cast = resolve_dtype(dtype)
     info, state = lazy_checkpoint(ckpt)
@@ -63,7 +63,7 @@ def export_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     config.dtype = store_dtype
     with atomic_output_dir(out, overwrite) as tmp:
         config.save_pretrained(str(tmp))
-        save_weights(weights, tmp, cast)
+        save_weights(weights, tmp, cast, progress=progress)
         for name, data in tokenizer.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
@@ -173,9 +173,12 @@ def student_hf_config(arch: ArchConfig, source_config: dict[str, Any]) -> Any:
 
 # ---- weights ------------------------------------------------------------------------------------
 def save_weights(weights: Lazies, directory: Path, cast: torch.dtype | None = None,
-                  max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                 max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors + index past `max_shard_bytes`;
-    each file written one tensor at a time (`cast`: dtype of the floating tensors, None: keep)."""
+    each file written one tensor at a time (`cast`: dtype of the floating tensors, None: keep);
+    progress: a bar over the bytes written."""
+    from megatron_tc.monitor import progress as bar
+
     shards: list[Lazies] = [{}]
     size = total = 0
     for name, tensor in weights.items():
@@ -186,13 +189,15 @@ def save_weights(weights: Lazies, directory: Path, cast: torch.dtype | None = No
         shards[-1][name] = tensor
         size += nbytes
         total += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    with bar(total=total, desc="writing weights", unit="B", unit_scale=True, unit_divisor=1024,
+             enabled=progress) as written:
+        for name, shard in zip(names, shards):
+            written.set_postfix_str(name, refresh=False)
+            write_safetensors(directory / name, shard, cast, metadata={"format": "pt"}, written=written.update)
     if len(shards) == 1:
-        write_safetensors(directory / "model.safetensors", shards[0], cast, metadata={"format": "pt"})
         return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(directory / name, shard, cast, metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
+    weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

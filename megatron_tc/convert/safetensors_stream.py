@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,8 +49,9 @@ def header_bytes(tensors: dict[str, LazyTensor], cast: torch.dtype | None = None
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, LazyTensor], cast: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None) -> str:
-    """Write `tensors` to `path`, holding one tensor at a time; returns the file's sha256."""
+                      metadata: dict[str, str] | None = None, written: Callable[[int], object] | None = None) -> str:
+    """Write `tensors` to `path`, holding one tensor at a time; returns the file's sha256.
+    written: called with each tensor's bytes once they are in the file (a progress bar's update)."""
     digest = hashlib.sha256()
     with open(Path(path), "wb") as handle:
         head = header_bytes(tensors, cast, metadata)
@@ -60,5 +62,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, LazyTensor], c
             data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
             handle.write(data)
             digest.update(data)
+            if written is not None:
+                written(len(data))
             del tensor, data
     return digest.hexdigest()

@@ -228,8 +228,10 @@ def run_export(ctx: RunContext) -> dict[str, Any]:
     from megatron_tc.convert.export import export_to_hf
 
     source = final_student_dir(ctx)
-    writers = {"hf": lambda dst: export_to_hf(source, dst, overwrite=True),
-               "megatron_tc": lambda dst: reshard(source, dst, ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, overwrite=True)}
+    bar = ctx.cfg.logging.progress_bar
+    writers = {"hf": lambda dst: export_to_hf(source, dst, overwrite=True, progress=bar),
+               "megatron_tc": lambda dst: reshard(source, dst, ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, overwrite=True,
+                                                  progress=bar)}
     formats = [f for f in ctx.cfg.export.formats if f in writers]
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = [fmt for i, fmt in enumerate(formats) if i % world == ctx.par.rank]  # each format one rank's write

@@ -2,14 +2,18 @@
 from memory, and no read or materialized tensor is larger than one rank's largest tensor."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import json
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
 from megatron_tc.convert import checkpoint as ckpt
+from megatron_tc.convert import export as export_module
 from megatron_tc.convert import layout
 from megatron_tc.convert.export import export_to_hf
 from megatron_tc.convert.hf_mapping import hf_to_tc_state_dict, tc_to_hf_state_dict
@@ -157,3 +161,44 @@ def test_cat_narrow_reads_only_the_parts_it_covers():
         assert torch.equal(joined.narrow(0, 5, 3).materialize(), torch.cat([a, b])[5:8])
     assert stats.reads == 1 and stats.max_read_bytes == 3 * 3 * 4
     assert torch.equal(joined.narrow(1, 1, 2).materialize(), torch.cat([a, b])[:, 1:3])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("write", ["checkpoint", "export"])
+def test_progress_counts_every_weight_byte_as_it_is_written(tmp_path, monkeypatch, write):
+    """The bars of a conversion and an export advance tensor by tensor (a shard of a large teacher
+    takes minutes) and end at the bytes of the weights written, over every file."""
+    import megatron_tc.monitor as monitor
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    bars, steps, shown = [], [], []
+    make = monitor.progress
+
+    def recording(*args, **kwargs):
+        made = make(*args, **kwargs)
+        shown.append(not made.disable)  # closing a bar disables it
+        update = made.update
+        made.update = lambda n=1: (steps.append(n), update(n))[1]
+        bars.append(made)
+        return made
+
+    arch = tiny_arch("AGAG")
+    if write == "checkpoint":
+        monkeypatch.setattr(ckpt, "bar", recording)
+        out = ckpt.save_checkpoint(synthetic_state(arch), arch, tmp_path / "ck", 2, 1, progress=True)
+        files = sorted(out.glob("model_*.safetensors"))
+    else:
+        source = ckpt.save_checkpoint(synthetic_state(arch), arch, tmp_path / "ck", 1, 1)
+        monkeypatch.setattr(monitor, "progress", recording)
+        small_files = functools.partial(export_module.save_weights, max_shard_bytes=4096)
+        monkeypatch.setattr(export_module, "save_weights", small_files)  # several files
+        out = export_to_hf(source, tmp_path / "hf", progress=True)
+        files = sorted(out.glob("model*.safetensors"))
+    weights = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    assert len(files) >= 2 and len(bars) == 1 and shown == [True]
+    assert bars[0].n == bars[0].total == weights == sum(steps)
+    assert len(steps) > len(files)  # a step per tensor
