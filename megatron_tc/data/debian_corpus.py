@@ -189,14 +189,16 @@ def _sha256(path: Path) -> str:
 
 
 def write_debian_corpus(out_dir: str | Path, cache_dir: str | Path | None = None,
-                        texts: tuple[DebianText, ...] = DEBIAN_TEXTS) -> dict:
+                        texts: tuple[DebianText, ...] = DEBIAN_TEXTS, progress: bool = False) -> dict:
     """Fetch, unpack and convert every package of `texts`; write OUT/<package>/<doc>.txt and
-    OUT/PROVENANCE.json (returned)."""
+    OUT/PROVENANCE.json (returned). progress: a bar over the packages (in a terminal)."""
+    from megatron_tc.monitor import progress as bar
+
     out = Path(out_dir)
     cache = Path(cache_dir) if cache_dir else out.parent / (out.name + "_debs")
     provenance = {"source": "Debian packages (apt-get download)", "packages": []}
     seen: set[str] = set()
-    for spec in texts:
+    for spec in bar(texts, desc="debian packages", unit="package", enabled=progress):
         deb = fetch_package(spec.package, cache)
         root = unpack(deb, cache / "unpacked" / spec.package)
         docs, dropped = drop_repeated_paragraphs(package_documents(root, spec), seen)

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-tokens", metavar="TOKENIZER", default=None,
                     help="with --debian: documents and tokens per split (1%% calibration, 1%% evaluation, seed 0) "
                          "through the data pipeline, the manifest and token cache under DIR_tokens/")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (with --debian)")
     args = ap.parse_args(argv)
     if args.count_tokens and not args.debian:
         ap.error("--count-tokens counts the Debian corpus's tokens: give --debian DIR with it")
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_tc.data.debian_corpus import corpus_token_counts, write_debian_corpus
 
         try:
-            provenance = write_debian_corpus(args.debian, args.cache_dir)
+            provenance = write_debian_corpus(args.debian, args.cache_dir, progress=not args.no_progress)
             for p in provenance["packages"]:
                 print(f"{p['package']} {p['version']}: {p['documents']} documents, {p['characters']:,} characters")
             print(f"wrote {args.debian} (provenance: {args.debian / 'PROVENANCE.json'})")

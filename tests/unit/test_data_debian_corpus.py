@@ -3,9 +3,11 @@ named per package, and a real .deb (built here with dpkg-deb) unpacked into docu
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -38,6 +40,11 @@ def _write_dictd(directory, name, entries):
         f.write(blob)
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_dictd_entries_in_file_order_once_without_metadata(tmp_path):
     entries = [("zebra", "zebra\n   n. A striped horse."), ("apple", "apple\n   n. A fruit; \u00e9tude.")]
     _write_dictd(tmp_path, "toy", entries)
@@ -50,7 +57,7 @@ def test_pod_to_text():
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
-def test_a_built_package_becomes_documents_with_provenance(tmp_path):
+def test_a_built_package_becomes_documents_with_provenance(tmp_path, monkeypatch):
     tree = tmp_path / "pkg"
     _write_dictd(tree / "usr/share/dictd", "toy", [(f"w{i}", f"w{i}\n   " + "word " * 40) for i in range(30)])
     page = tree / "usr/share/doc/toy/html/_sources/guide/intro.rst.txt"
@@ -65,7 +72,10 @@ def test_a_built_package_becomes_documents_with_provenance(tmp_path):
     subprocess.run(["dpkg-deb", "--build", "--root-owner-group", str(tree), str(cache / "toy-doc_1.0-1_all.deb")],
                    check=True, capture_output=True)
     texts = (DebianText("toy-doc", "dictd", "usr/share/dictd/toy.dict.dz", "public-domain"),)
-    prov = write_debian_corpus(tmp_path / "corpus", cache, texts)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    prov = write_debian_corpus(tmp_path / "corpus", cache, texts, progress=True)
+    assert "debian packages: 100%" in terminal.getvalue() and "1/1" in terminal.getvalue()
     (entry,) = prov["packages"]
     assert entry["version"] == "1.0-1" and entry["copyright"] == ["usr/share/doc/toy/copyright"]
     assert len(entry["sha256"]) == 64 and entry["documents"] == 1
