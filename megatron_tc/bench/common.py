@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 from torch.autograd import DeviceType
 
+from megatron_tc.config.errors import InputError
+
 
 # ---- devices and timing ----------------------------------------------------------------------
 def pick_device(name: str = "auto") -> torch.device:
@@ -30,7 +32,7 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda asked for but torch.cuda.is_available() is False")
+        raise InputError("error: --device cuda asked for but torch.cuda.is_available() is False")
     return torch.device(name)
 
 
@@ -125,7 +127,7 @@ def model_names(text: str, presets: dict) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in presets]
     if unknown or not names:
-        raise SystemExit(f"error: unknown model preset {unknown[0] if unknown else text!r}; "
+        raise InputError(f"error: unknown model preset {unknown[0] if unknown else text!r}; "
                          f"choose from {', '.join(presets)}")
     return names
 

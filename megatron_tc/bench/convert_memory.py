@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_tc.config.errors import command_line
 from megatron_tc.convert.lazy import LazyTensor
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -115,6 +116,7 @@ def logits_parity(hf_dir: Path, ckpt: Path, dtype: torch.dtype = torch.float32, 
             "logit_std": want.std().item(), "tokens": seq_len, "dtype": str(dtype).removeprefix("torch.")}
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="runs/convert_memory", help="scratch directory (git-ignored; ~50 GB at 32 layers)")

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_tc.config.errors import InputError, command_line
+
 import numpy as np
 
 
@@ -32,7 +34,7 @@ def _paragraphs() -> list[str]:
     root = default_cache_dir()
     files = sorted(root.rglob("*.txt")) + sorted(root.rglob("*.xml"))
     if not files:
-        raise SystemExit(f"error: no text under {root}; fetch the Shakespeare corpus first (tools/fetch_corpus.py)")
+        raise InputError(f"error: no text under {root}; fetch the Shakespeare corpus first (tools/fetch_corpus.py)")
     text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     return [p.strip() for p in re.split(r"\n\s*\n", text) if len(p.strip()) > 40]
 
@@ -124,6 +126,7 @@ def measure(gb: float, work: Path, tokenizer: str, threads: int | None, steps: i
             "loader": {**json.loads(load["stdout"].splitlines()[-1]), "process_peak_rss_mib": load["peak_rss_mib"]}}
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, nargs="+", default=[1.0, 5.0], help="corpus sizes (GB)")
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         paragraphs = [synthetic_text(60, seed=i).strip() for i in range(200)]
         args.tokenizer = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer"))
     if not args.tokenizer:
-        raise SystemExit("error: --tokenizer is required (the teacher's tokenizer directory or .gguf)")
+        raise InputError("error: --tokenizer is required (the teacher's tokenizer directory or .gguf)")
     try:
         rows = []
         for gb in sizes:

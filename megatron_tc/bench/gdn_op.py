@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.bench.common import Report, measure_peaks, pick_device, rel_err, sync, time_fn
 from megatron_tc.model.ops import gated_delta_rule
 from megatron_tc.model.ops.gated_delta_rule import fla_available
@@ -28,7 +29,7 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]  # type: ignore[misc]
     except ValueError:
-        raise SystemExit(f"error: expected a comma list like 8x2048,1x8192, got {text!r}") from None
+        raise InputError(f"error: expected a comma list like 8x2048,1x8192, got {text!r}") from None
 
 
 def gdn_inputs(b: int, t: int, h: int, d: int, dtype: torch.dtype, device: torch.device, grad: bool) -> dict:

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 
 import torch
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.bench.common import Report, measure_peaks, model_names, pick_device, sync, time_fn, time_once
 from megatron_tc.bench.inference import (build, decode, graph_step, prefill, profile_decode, run_check,
                                          static_graph_decode)
@@ -23,7 +24,7 @@ def ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise SystemExit(f"error: expected a comma list of integers, got {text!r}") from None
+        raise InputError(f"error: expected a comma list of integers, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     report.data["peaks"] = peaks
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     if not roles or set(roles) - {"teacher", "student"}:
-        raise SystemExit(f"error: --roles takes teacher and/or student, got {args.roles!r}")
+        raise InputError(f"error: --roles takes teacher and/or student, got {args.roles!r}")
     sdpa = nullcontext()
     if args.sdpa_backend != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel

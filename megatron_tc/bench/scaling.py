@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.bench.common import Report
 from megatron_tc.bench.models import PRESETS
 from megatron_tc.bench.scaling_worker import MULTICAST_OFF
@@ -116,7 +117,7 @@ def add_efficiency(rows: list[dict]) -> None:
 
 def check_model(args: argparse.Namespace) -> None:
     if args.model not in PRESETS:
-        raise SystemExit(f"error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
+        raise InputError(f"error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
 
 
 def run_driver(args: argparse.Namespace, script: Path) -> int:
@@ -124,13 +125,13 @@ def run_driver(args: argparse.Namespace, script: Path) -> int:
     workers run. 0 when every N produced tokens/s."""
     cuda = args.device != "cpu" and torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
-        raise SystemExit("error: --device cuda asked for but torch.cuda.is_available() is False")
+        raise InputError("error: --device cuda asked for but torch.cuda.is_available() is False")
     if args.ranks:
         counts = [int(x) for x in args.ranks.split(",") if x.strip()]
     else:
         counts = rank_counts(torch.cuda.device_count() if cuda else args.max_ranks)
     if cuda and max(counts) > torch.cuda.device_count():
-        raise SystemExit(f"error: --ranks {args.ranks} asks for {max(counts)} GPUs; "
+        raise InputError(f"error: --ranks {args.ranks} asks for {max(counts)} GPUs; "
                          f"{torch.cuda.device_count()} visible")
     signal.signal(signal.SIGTERM, _terminated)  # `timeout` around the driver ends the ranks too
     report = Report("scaling", args.out, torch.device("cpu"), args)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from megatron_tc.config.errors import command_line
+
 GIB = 2**30
 
 
@@ -108,6 +110,7 @@ def row(tp: int, records: list[dict[str, Any]]) -> list[str]:
     return [layout, f"{held:.2f}", f"{grown:.2f}", f"{peak:.2f}", f"{seconds:.0f}"]
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.bench.common import time_fn
 from megatron_tc.calibrate.moments import running_mean_values
 
@@ -21,9 +22,9 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     try:
         b, h, hkv, t, d = (int(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: --kernel-shapes entry {text!r}: write B,H,HKV,T,D (five integers)") from None
+        raise InputError(f"error: --kernel-shapes entry {text!r}: write B,H,HKV,T,D (five integers)") from None
     if h % hkv:
-        raise SystemExit(f"error: --kernel-shapes entry {text!r}: H ({h}) must be a multiple of HKV ({hkv})")
+        raise InputError(f"error: --kernel-shapes entry {text!r}: H ({h}) must be a multiple of HKV ({hkv})")
     return b, h, hkv, t, d
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.bench.common import Report, host_syncs, pick_device, profile_rows, rel_err, sync, time_fn
 from megatron_tc.bench.models import PRESETS, load_gguf_teacher, quarter_pattern
 from megatron_tc.calibrate.graphs import GRAPHS_ENV
@@ -354,7 +355,7 @@ def bench_kernel_configs(args: Any, device: torch.device) -> int:
 
     shapes = [parse_shape(text) for text in args.kernel_shapes]  # every entry checked before any work
     if device.type != "cuda" or not use_stats_kernel(torch.zeros(1, device=device)):
-        raise SystemExit("error: --kernel-configs times the Triton kernel: it needs CUDA and triton")
+        raise InputError("error: --kernel-configs times the Triton kernel: it needs CUDA and triton")
     report = Report("stats_kernel", args.out, device, args)
     for shape in shapes:
         for row in kernel_rows(shape, device, args.budget_ms):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.data.overlap import documents_record, paragraph_hashes, paragraphs, text_record
 
 
@@ -50,13 +51,13 @@ def _split_config(items: list[str]) -> Any:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"error: --split {item!r}: expected KEY=VALUE (e.g. seed=7)")
+            raise InputError(f"error: --split {item!r}: expected KEY=VALUE (e.g. seed=7)")
         values[key.strip()] = yaml.safe_load(value)
     try:
         cfg = SplitConfig.from_dict(values)
         cfg.validate()
     except Exception as err:  # DataError or a wrongly typed value
-        raise SystemExit(f"error: --split: {err}") from None
+        raise InputError(f"error: --split: {err}") from None
     return cfg
 
 
@@ -114,7 +115,7 @@ class StoreSource:
     def record(self) -> dict:
         """The calibration documents' paragraph hashes, decoded from their tokens."""
         if len(paragraphs(self._round_trip("The first paragraph.\n\nThe second paragraph."))) != 2:
-            raise SystemExit(f"error: --token-store {self.prefix}: the teacher's tokenizer does not give blank lines "
+            raise InputError(f"error: --token-store {self.prefix}: the teacher's tokenizer does not give blank lines "
                              "back when decoding, so the store's calibration text cannot be split into paragraphs "
                              "for the overlap check against evaluation text; give the calibration text as --text")
         docs = self.data.documents("calibration")
@@ -152,7 +153,7 @@ def open_source(args: argparse.Namespace) -> TextSource | StoreSource:
     against it (one error line on a mismatch) before the teacher's weights are read."""
     if args.text is not None:
         if args.split or args.calib_order is not None:
-            raise SystemExit("error: --split and --calib-order apply to --token-store only; remove them with --text")
+            raise InputError("error: --split and --calib-order apply to --token-store only; remove them with --text")
         return TextSource(args.text)
     from megatron_tc.data.documents import DataError
     from megatron_tc.eval.loading import load_tokenizer
@@ -161,8 +162,8 @@ def open_source(args: argparse.Namespace) -> TextSource | StoreSource:
     try:
         tokenizer = load_tokenizer(args.teacher)
     except ValueError as err:
-        raise SystemExit(f"error: --teacher {args.teacher}: {err}") from None
+        raise InputError(f"error: --teacher {args.teacher}: {err}") from None
     try:
         return StoreSource(args.token_store, tokenizer, args.bos, split, args.calib_order or "random")
     except DataError as err:
-        raise SystemExit(f"error: --token-store {args.token_store}: {err}") from None
+        raise InputError(f"error: --token-store {args.token_store}: {err}") from None

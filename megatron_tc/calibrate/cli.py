@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from megatron_tc.config.errors import InputError, command_line
 from megatron_tc.data.overlap import OverlapError, check_disjoint, text_record
 
 from .calib_source import add_source_args, open_source
@@ -26,8 +27,9 @@ PAPER_STRATEGIES = ("taylor", "taylor_fit", "taylor_fit-closed", "taylor_fit-bia
 
 def _user_errors(main: Callable[..., int]) -> Callable[..., int]:
     """`main` with the errors a user fixes (a teacher path that is not a model, a stats file of
-    another teacher or version, a strategy the student cannot take, bad data) as one `error:`
-    line and exit status 1, not a traceback; every other exception propagates."""
+    another teacher or version, a strategy the student cannot take, bad data, the `InputError`s
+    of the argument checks) as one `error:` line and exit status 2, not a traceback; every other
+    exception propagates."""
     from megatron_tc.data.documents import DataError
     from megatron_tc.eval.loading import ModelLoadError
     from megatron_tc.model.config import ArchConfigError
@@ -36,11 +38,12 @@ def _user_errors(main: Callable[..., int]) -> Callable[..., int]:
     from .strategies import StrategyError
 
     @functools.wraps(main)
+    @command_line
     def run(argv=None) -> int:
         try:
             return main(argv)
         except (ModelLoadError, StatsMismatchError, StrategyError, DataError, ArchConfigError) as err:
-            raise SystemExit(f"error: {err}") from None
+            raise InputError(f"error: {err}") from None
 
     return run
 
@@ -48,7 +51,7 @@ def _user_errors(main: Callable[..., int]) -> Callable[..., int]:
 def _need_file(flag: str, path: str | None, what: str) -> None:
     """Exit with one error line when the file a flag names is not there (before any work)."""
     if path is not None and not os.path.isfile(path):
-        raise SystemExit(f"error: {flag} {path}: no such file; give {what}")
+        raise InputError(f"error: {flag} {path}: no such file; give {what}")
 
 
 def _check_paths(args) -> None:
@@ -58,7 +61,7 @@ def _check_paths(args) -> None:
     if getattr(args, "policy", None) is not None:
         args.policy = policy_name(args.policy)
         if args.policy == "readout_gap" and getattr(args, "stats", None) is None:
-            raise SystemExit("error: --policy stats (readout_gap) reads the statistics of every layer: give --stats, "
+            raise InputError("error: --policy stats (readout_gap) reads the statistics of every layer: give --stats, "
                              "a file written by tools/stats.py with its default --layers and --readout")
 
 
@@ -71,7 +74,7 @@ def _layers(text: str, num_layers: int) -> list[int]:
     try:
         return sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"error: layers must be comma-separated integers or 'all', got {text!r}") from None
+        raise InputError(f"error: layers must be comma-separated integers or 'all', got {text!r}") from None
 
 
 def _data_args(ap: argparse.ArgumentParser) -> None:
@@ -103,7 +106,7 @@ def _bos_id(args, teacher) -> int | None:
     try:
         return resolve_bos_id(teacher.tokenizer, args.bos)
     except DataError as err:
-        raise SystemExit(f"error: --bos {args.bos}: {err}") from None
+        raise InputError(f"error: --bos {args.bos}: {err}") from None
 
 
 def _bos_record(args, bos_id: int | None) -> dict:
@@ -131,7 +134,7 @@ def _refuse_overlap(args, source, stats: TaylorStats | None = None) -> None:
         for record in records:
             check_disjoint(record, evaluation)
     except OverlapError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise InputError(f"error: {err}") from None
 
 
 @_user_errors
@@ -188,7 +191,7 @@ def _batches(source, teacher, args, bos_id: int | None) -> list[dict]:
     try:
         return source.batches(teacher.tokenizer, args.tokens, args.seq_len, bos_id)
     except ValueError as err:
-        raise SystemExit(f"error: --tokens {args.tokens}: {err}; give more calibration text or fewer --tokens") \
+        raise InputError(f"error: --tokens {args.tokens}: {err}; give more calibration text or fewer --tokens") \
             from None
 
 
@@ -199,7 +202,7 @@ def _heldout_batches(args, teacher, strategy: str, bos_id: int | None, source) -
     try:
         return source.batches(teacher.tokenizer, tokens, args.seq_len, bos_id, skip_tokens=args.tokens)
     except ValueError as err:
-        raise SystemExit(f"error: --init {strategy} picks its best alignment step on held-out calibration tokens "
+        raise InputError(f"error: --init {strategy} picks its best alignment step on held-out calibration tokens "
                          f"({tokens} after the first --tokens {args.tokens} of {where}), but {err}; give more "
                          "calibration text, fewer --tokens, or --heldout-tokens of at least --seq-len") from None
 

@@ -7,7 +7,7 @@ any process group exists. Importing this package imports neither torch nor deeps
 Every key is documented in docs/configuration.md (generated from the field docs in `schema.py`).
 """
 from .checks import derive_dp, resolve_config, validate_against_arch, validate_config
-from .errors import ConfigError
+from .errors import ConfigError, InputError, command_line
 from .loader import (
     apply_overrides,
     config_from_dict,
@@ -37,7 +37,7 @@ from .schema import (
 )
 
 __all__ = [
-    "ConfigError", "Config", "RunConfig", "ModelConfig", "ParallelConfig", "DataConfig", "CalibrateConfig",
+    "ConfigError", "InputError", "command_line", "Config", "RunConfig", "ModelConfig", "ParallelConfig", "DataConfig", "CalibrateConfig",
     "Stage1Config", "Stage2Config", "DistillConfig", "EvalConfig", "LoggingConfig", "ExportConfig",
     "load_config", "config_from_dict", "config_from_yaml", "config_to_dict", "dump_config", "save_config",
     "apply_overrides", "split_cli_args", "default_config_path",

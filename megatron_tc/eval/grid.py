@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from megatron_tc.config.errors import InputError, command_line
 from megatron_tc.config.paths import PKG_PREFIX
 from megatron_tc.distill.signals import ExitSignals, active, signal_name
 from megatron_tc.eval.grid_claims import CellClaim
@@ -388,6 +389,7 @@ def _run_one(grid: Grid, siblings: list[Cell], cell: Cell, cfg: Any, tag: str, l
     return rec
 
 
+@command_line
 def grid_main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -405,7 +407,7 @@ def grid_main(argv: list[str] | None = None) -> int:
     try:
         grid = load_grid(args.grid, out=args.out)
     except GridError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise InputError(f"error: {err}") from None
     if args.list:
         for c in grid.cells():
             print(c.key, " ".join(c.overrides()))

@@ -33,6 +33,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from megatron_tc.config.errors import InputError, command_line
 from megatron_tc.eval.loading import LogitsFn, detect_kind, greedy_generate, load_model, load_tokenizer
 
 
@@ -188,6 +189,7 @@ def run_tasks(lm: TemplateLM, tasks: list[str], include_path: str | None = None,
     return out["results"]
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_tc.eval.harness",
                                 description="lm-evaluation-harness tasks on an HF dir / .gguf / megatron_tc checkpoint")
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         lm = MegatronTCHFLM(pretrained=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                             batch_size=args.batch_size, max_length=args.max_length)
     except ModelLoadError as err:
-        raise SystemExit(f"error: --model {args.model}: {err}") from None
+        raise InputError(f"error: --model {args.model}: {err}") from None
     results = run_tasks(lm, args.tasks.split(","), include_path=args.include_path, limit=args.limit,
                         num_fewshot=args.num_fewshot)
     text = json.dumps(results, indent=2, default=str)

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from megatron_tc.config.errors import InputError, command_line
 from megatron_tc.eval.loading import LoadedModel, LogitsFn, greedy_generate
 from megatron_tc.monitor import progress as bar
 
@@ -176,6 +177,7 @@ def log_accuracy(writer: Any, accuracy: Mapping[str, Mapping[str, float]]) -> No
             writer.scalar(f"long_context/{name}/accuracy", value, int(length))
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     from megatron_tc.data.bos import bos_record, resolve_bos_id
     from megatron_tc.data.documents import DataError
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --lengths {args.lengths!r}: give comma-separated token counts, e.g. 1024,4096") from None
+        raise InputError(f"error: --lengths {args.lengths!r}: give comma-separated token counts, e.g. 1024,4096") from None
     try:
         models = {"student": load_model(args.model, args.device, args.dtype, tokenizer=args.tokenizer)}
         if args.teacher:
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         teacher_tok = models["teacher"].tokenizer if "teacher" in models else None
         bos_id = resolve_bos_id(teacher_tok or tokenizer, args.bos)
     except (ModelLoadError, DataError) as err:
-        raise SystemExit(f"error: {err}") from None
+        raise InputError(f"error: {err}") from None
     examples = make_examples(tokenizer, lengths, args.samples, seed=args.seed, value_digits=args.value_digits,
                              bos_id=bos_id)
     result = run_probe(models, examples, method=args.method, device=args.device, progress=not args.no_progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.eval.report import fmt_num, fmt_tokens, md_table
 
 KS = (1.10, 1.15, 1.25)
@@ -41,7 +42,7 @@ def logged_curves(dirs: list[Path], teachers=TEACHERS, policies=POLICIES) -> dic
     suffix, out = "_eval_log.jsonl", {}
     for d in dirs:
         if not d.is_dir():
-            raise SystemExit(f"error: --grid-eval-logs {d}: no such directory")
+            raise InputError(f"error: --grid-eval-logs {d}: no such directory")
         for path in sorted(d.glob(f"*{suffix}")):
             teacher, policy, init = (path.name[:-len(suffix)].split("_", 2) + ["", ""])[:3]
             if teacher in teachers and policy in policies and init:

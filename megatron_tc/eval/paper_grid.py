@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+from megatron_tc.config.errors import InputError
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "paper"
 KINDS = ("small", "smollm2")
 # grid_<kind>_<part>.yaml; not every kind has every part
@@ -53,7 +55,7 @@ def narrowed(grid, teachers: dict[str, str], policies: list[str] | None, fit: st
     """The grid restricted to `teachers` (name -> path) and `policies`, taylor_fit -> fit, out -> out."""
     unknown = sorted(set(teachers) - set(grid.axes["teacher"]))
     if unknown:
-        raise SystemExit(f"teachers {unknown} are not in the grid's axis {sorted(grid.axes['teacher'])}")
+        raise InputError(f"error: --teacher: teachers {unknown} are not in the grid's axis {sorted(grid.axes['teacher'])}")
     axes = dict(grid.axes)
     axes["teacher"] = {name: os.path.abspath(path) for name, path in teachers.items()}
     axes["policy"] = [p for p in grid.axes["policy"] if policies is None or p in policies]
@@ -87,7 +89,7 @@ def part_files(kind: str, parts: list[str]) -> dict[str, Path]:
     files = {p: CONFIGS / f"grid_{kind}_{p}.yaml" for p in PARTS if (CONFIGS / f"grid_{kind}_{p}.yaml").is_file()}
     wrong = [p for p in parts if p not in files]
     if wrong:
-        raise SystemExit(f"--parts {','.join(wrong)}: no such grid for kind {kind!r} "
+        raise InputError(f"error: --parts {','.join(wrong)}: no such grid for kind {kind!r} "
                          f"(configs/paper has {sorted(files)} for it)")
     return files
 

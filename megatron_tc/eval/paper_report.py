@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_tc.config.errors import InputError
 from megatron_tc.eval.paper_cells import (KS, KS_LABELS, POLICIES, TEACHERS, cell_curve, cells, logged_curves,
                                           pretrain_section, zero_shot_section)
 from megatron_tc.eval.paper_tokens import kl_section, long_naive_results, long_naive_section, tokens_section
@@ -161,7 +162,7 @@ def parse_names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]
     names = tuple(n for n in text.split(",") if n)
     bad = [n for n in names if n not in known]
     if bad or not names:
-        raise SystemExit(f"error: --{what} {text!r}: unknown {bad or 'empty'} (choose from {','.join(known)})")
+        raise InputError(f"error: --{what} {text!r}: unknown {bad or 'empty'} (choose from {','.join(known)})")
     return names
 
 
@@ -172,7 +173,7 @@ def write_paper_report(roots: list[Path], out: Path, variant: str = "taylor_fit"
     curves, read where --runs has no such cell."""
     for root in roots:
         if not root.is_dir():
-            raise SystemExit(f"error: {root} does not exist (unpack paper_results.tgz there first)")
+            raise InputError(f"error: {root} does not exist (unpack paper_results.tgz there first)")
     out.mkdir(parents=True, exist_ok=True)
     s2, zs = cells(roots, "stage2", teachers, policies), cells(roots, "zero_shot", teachers, policies)
     logged = {k: v for k, v in logged_curves(list(grid_eval_logs), teachers, policies).items() if k not in s2}

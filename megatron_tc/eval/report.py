@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any, Iterable, Sequence
 
+from megatron_tc.config.errors import InputError, command_line
 from megatron_tc.eval.plots import plot_ppl_vs_tokens
 from megatron_tc.eval.tokens_to_target import (DEFAULT_KS, EvalLogError, RunCurve, Target, load_run,
                                                tokens_to_target)
@@ -161,6 +162,7 @@ def write_report(run_dirs: Sequence[str], out_dir: str, teacher_ppl: float | Non
     return path
 
 
+@command_line
 def report_main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -179,12 +181,12 @@ def report_main(argv: list[str] | None = None) -> int:
     try:
         ks = [float(k) for k in args.ks.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --ks {args.ks!r}: give comma-separated factors, e.g. 1.5,1.25,1.1") from None
+        raise InputError(f"error: --ks {args.ks!r}: give comma-separated factors, e.g. 1.5,1.25,1.1") from None
     try:
         path = write_report(args.runs, args.out, teacher_ppl=args.teacher_ppl, ks=ks, method=args.method,
                             title=args.title, naive=args.naive,
                             baselines=args.baselines.split(",") if args.baselines else None)
     except EvalLogError as err:  # a run that is not there or whose log cannot give the report
-        raise SystemExit(f"error: {err}") from None
+        raise InputError(f"error: {err}") from None
     print(path)
     return 0

@@ -17,9 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.bos_perplexity import run  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF directory or .gguf (the teacher)")

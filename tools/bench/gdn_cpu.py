@@ -13,9 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.gdn_cpu import run  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     for name, default in (("batch", 2), ("seq", 512), ("heads", 4), ("dim", 64), ("chunk", 64), ("repeats", 5),

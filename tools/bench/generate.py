@@ -24,11 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.generate import eager_prefill_rounds, role_rows, student_model, teacher_model  # noqa: E402
 from megatron_tc.bench.models import PRESETS  # noqa: E402
 from megatron_tc.export import graphs_megatron_tc  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m")

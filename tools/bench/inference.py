@@ -29,11 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.common import parse_args  # noqa: E402
 from megatron_tc.bench.inference_run import run  # noqa: E402
 from megatron_tc.bench.models import PRESETS  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--out", default=None)

@@ -20,9 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.smoke_inputs import prepare_smoke_inputs  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / ".gpudata")

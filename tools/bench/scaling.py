@@ -26,12 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.bench.common import parse_args  # noqa: E402
 from megatron_tc.bench.models import PRESETS  # noqa: E402
 from megatron_tc.bench.scaling import check_model, run_driver  # noqa: E402
 from megatron_tc.bench.scaling_worker import run_worker  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="result JSON (default runs/bench/bench_scaling.json)")

@@ -31,9 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from megatron_tc.config.errors import command_line  # noqa: E402
 from megatron_tc.eval.paper_grid import KINDS, PARTS, QUICK, quick_configs, run  # noqa: E402
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

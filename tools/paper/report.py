@@ -19,10 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_tc.config.errors import command_line
 from megatron_tc.eval.paper_cells import POLICIES, TEACHERS
 from megatron_tc.eval.paper_report import parse_names, write_paper_report
 
 
+@command_line
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, action="append",
