@@ -67,13 +67,16 @@ def tp_stats(rank: int, world_size: int, out_path: str) -> None:
     dist.barrier()
 
 
-def tp_full_stats(rank: int, world_size: int, out_path: str) -> None:
-    """Both sweeps with the teacher sharded over TP=2 (readout on gathered layers); rank 0 saves."""
+def tp_full_stats(rank: int, world_size: int, out_path: str, unequal_budgets: bool = False) -> None:
+    """Both sweeps with the teacher sharded over TP=2 (readout on gathered layers); rank 0 saves.
+    unequal_budgets: only rank 0's layer-I/O budget holds the kept layers (as on GPUs of different
+    memory), so the ranks must agree on one way to run sweep 2."""
     ctx, model, batches = _tp2_teacher_and_batches()
+    budget = None if not unequal_budgets else 1 << 40 if rank == 0 else 0
     stats = collect_stats(model, batches, [0, 2], {"teacher_sha256": "t", "seq_len": 24},
                           readout_strategies=[get_strategy(s) for s in READOUT],
                           student_arch=model.arch.with_pattern("GAG"), chunk_size=5, dp_group=ctx.dp_group,
-                          tp_group=ctx.tp_group, progress=False)
+                          tp_group=ctx.tp_group, progress=False, io_cache_budget=budget)
     assert type(model).__name__ == "TensorParallelHybridLM"  # the caller's teacher stays sharded
     if rank == 0:
         stats.save(out_path)

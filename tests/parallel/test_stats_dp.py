@@ -1,5 +1,7 @@
 """Statistics with DP=2 (one all-reduce) equal DP=1 on the union of the data; student-forced
 alignment split over 2 ranks equals one process."""
+import functools
+
 import pytest
 import torch
 
@@ -50,6 +52,13 @@ def test_tp2_readout_sums_equal_tp1(tmp_path):
     tp2 = _tp2_stats_match(_workers_stats.tp_full_stats, str(tmp_path / "tp2_full.pt"),
                            _workers_stats.stats_of_rows(range(4)))
     assert any(k.startswith("readout.taylor_fit.") for k in tp2.sums)
+
+
+def test_tp_ranks_whose_layer_io_budgets_differ_agree_on_sweep_2(tmp_path):
+    """Rank 0 could keep the layers' inputs for sweep 2 and rank 1 could not: both take the same
+    way (the ranks of a TP group run sweep 2's collectives together), and the sums equal one process's."""
+    _tp2_stats_match(functools.partial(_workers_stats.tp_full_stats, unequal_budgets=True),
+                     str(tmp_path / "tp2_unequal.pt"), _workers_stats.stats_of_rows(range(4)))
 
 
 def test_student_forced_alignment_on_2_ranks_equals_one_process(tmp_path):
