@@ -70,9 +70,10 @@ class ParallelConfig:
     dp: int = opt(0, "Data-parallel size; 0 derives it as world_size / (tp * pp).")
     zero_stage: Literal["auto", 0, 1, 2, 3] = opt(
         "auto",
-        "DeepSpeed ZeRO stage over the data-parallel group. 'auto': the smallest of 1, 2, 3 whose memory estimate "
-        "(student, teacher, optimizer, activations) fits the device, so parameters are partitioned (3) only when "
-        "they must be; 1 with pp > 1 (the pipeline engine allows at most 1). The choice is logged.",
+        "DeepSpeed ZeRO stage over the data-parallel group. 'auto': the smallest of 1, 2, 3 (on CPU ranks 0, 1, "
+        "2, 3) whose memory estimate (student, teacher, optimizer, activations) fits the device, so parameters are "
+        "partitioned (3) only when they must be; 1 with pp > 1 (the pipeline engine allows at most 1). The choice "
+        "is logged.",
     )
     teacher_mode: Literal["engine", "replicated"] = opt(
         "replicated",

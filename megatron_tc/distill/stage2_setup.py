@@ -23,7 +23,7 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
     resume_stage: the stage of the checkpoint the job resumes (`checkpointing.latest_zero_stage`):
     'auto' keeps it when it fits, since a checkpoint loads only under the stage that wrote it."""
     from megatron_tc.parallel.memory import (
-        HEADROOM, ZERO_STAGES, ZeroChoice, choose_zero_stage, footprint_of, least_device_memory,
+        CPU_ZERO_STAGES, HEADROOM, ZERO_STAGES, ZeroChoice, choose_zero_stage, footprint_of, least_device_memory,
     )
 
     stage = cfg.parallel.zero_stage
@@ -38,8 +38,9 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
         bf16=device.type == "cuda" and cfg.run.precision == "bf16",
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         teacher_partitioned=cfg.parallel.teacher_mode == "engine")
-    choice = choose_zero_stage(footprint, ctx.dp_size, least_device_memory(device))
-    if resume_stage in ZERO_STAGES and resume_stage != choice.stage:
+    stages = CPU_ZERO_STAGES if device.type == "cpu" else ZERO_STAGES
+    choice = choose_zero_stage(footprint, ctx.dp_size, least_device_memory(device), stages=stages)
+    if resume_stage in CPU_ZERO_STAGES and resume_stage != choice.stage:
         kept = ZeroChoice(resume_stage, True, footprint.bytes_per_rank(resume_stage, ctx.dp_size), choice.device_bytes)
         if kept.estimate["total"] <= HEADROOM * choice.device_bytes:
             if ctx.rank == 0:

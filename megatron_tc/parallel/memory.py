@@ -5,7 +5,10 @@ forward and backward and released after: a collective and a set of hooks per lay
 model that fits the device, that host work is most of the step (a 135M student: 4% MFU under
 ZeRO-3 against 30% without it). `choose_zero_stage` therefore picks the smallest stage whose
 estimate fits: ZeRO-1 (optimizer states partitioned), else ZeRO-2 (gradients too), ZeRO-3 only
-when nothing less fits.
+when nothing less fits. On CPU ranks (gloo) ZeRO-0 comes first: nothing is compiled there, and
+ZeRO-1's partitioned step made the quickstart's stage 2 on 2 cores slower than ZeRO-0's plain
+all-reduce (docs/parallelism.md). On GPUs ZeRO-1 stays the first: DeepSpeed's ZeRO-0 bf16
+optimizer packs parameters unaligned, which keeps the decoder layers from compiling.
 
 The estimate, per rank, in bytes (N = student elements, N_t = trainable, M = teacher, dp = ranks
 sharing the partitions):
@@ -37,7 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = (1, 2, 3)       # what `choose_zero_stage` tries on GPUs, in order
+CPU_ZERO_STAGES = (0, 1, 2, 3)  # on CPU ranks
 HEADROOM = 0.85
 _GiB = 2**30
 
@@ -94,17 +98,19 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / _GiB:.2f} GiB" if nbytes >= _GiB // 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def choose_zero_stage(footprint: StepFootprint, dp: int, device_bytes: int, headroom: float = HEADROOM) -> ZeroChoice:
-    """The smallest ZeRO stage (1, 2, 3) whose estimate is at most headroom x device_bytes. When none
-    fits, the smallest stage with the least memory (3 over several ranks; 1 over one rank, where
-    partitioning saves nothing and ZeRO-3 would only add its gathers)."""
+def choose_zero_stage(footprint: StepFootprint, dp: int, device_bytes: int, headroom: float = HEADROOM,
+                      stages: tuple[int, ...] = ZERO_STAGES) -> ZeroChoice:
+    """The smallest ZeRO stage of `stages` (1, 2, 3; on CPU ranks `CPU_ZERO_STAGES`) whose estimate is
+    at most headroom x device_bytes. When none fits, the smallest stage with the least memory (3 over
+    several ranks; the first over one rank, where partitioning saves nothing and ZeRO-3 would only
+    add its gathers)."""
     if dp < 1 or device_bytes <= 0:
         raise ValueError(f"choose_zero_stage: dp={dp} and device_bytes={device_bytes} must be positive")
-    estimates = {stage: footprint.bytes_per_rank(stage, dp) for stage in ZERO_STAGES}
+    estimates = {stage: footprint.bytes_per_rank(stage, dp) for stage in stages}
     for stage, estimate in estimates.items():
         if estimate["total"] <= headroom * device_bytes:
             return ZeroChoice(stage, True, estimate, device_bytes)
-    least = min(ZERO_STAGES, key=lambda stage: (estimates[stage]["total"], stage))
+    least = min(stages, key=lambda stage: (estimates[stage]["total"], stage))
     return ZeroChoice(least, False, estimates[least], device_bytes)
 
 

@@ -124,7 +124,7 @@ def auto_choices_agree_on_mixed_devices(rank: int, world_size: int) -> None:
     assert teacher_fp32_bytes(llama_1b()) > 0.5 * small  # the smallest device splits it, rank 0's would not
     with mock.patch.object(memory, "device_memory_bytes", lambda device: 64 * 2**30 if rank == 0 else small):
         assert memory.least_device_memory(cpu) == small
-        assert resolve_zero_stage(cfg, ctx, cpu, student, teacher) == 3  # ZeRO-1 on rank 0's device alone
+        assert resolve_zero_stage(cfg, ctx, cpu, student, teacher) == 3  # ZeRO-0 on rank 0's device alone
         assert resolve_shard_teacher(split, llama_1b(), cpu) is True
     with mock.patch.object(memory, "device_memory_bytes", lambda device: 1):
         assert memory.least_device_memory(cpu) == small

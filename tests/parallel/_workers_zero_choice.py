@@ -1,5 +1,5 @@
 """Workers for the data-parallel engine choice: stage 2 on 2 gloo ranks under the stage
-`parallel.zero_stage=auto` picks (ZeRO-1 for the tiny models) and under ZeRO-3."""
+`parallel.zero_stage=auto` picks (ZeRO-0 for the tiny models on CPU ranks) and under ZeRO-3."""
 from __future__ import annotations
 
 import json

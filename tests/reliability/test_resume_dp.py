@@ -127,7 +127,7 @@ def test_the_zero_stage_of_a_checkpoint_that_records_none_is_read_from_deepspeed
 
 
 def test_auto_keeps_the_zero_stage_of_the_checkpoint_it_resumes(reference, template, tmp_path):
-    """parallel.zero_stage=auto picks ZeRO-1 for this student on one rank; resuming a ZeRO-3
+    """parallel.zero_stage=auto picks ZeRO-0 for this student on one CPU rank; resuming a ZeRO-3
     checkpoint it keeps ZeRO-3 (which fits), since DeepSpeed loads it under that stage only."""
     base = clone(template, tmp_path, parallel={"zero_stage": 3})
     ranks(1)(base, "--stop-after", str(STOP))

@@ -6,7 +6,7 @@ from megatron_tc.bench.models import llama_1b, quarter_pattern, smollm2_135m
 from megatron_tc.config import load_config
 from megatron_tc.config.errors import ConfigError
 from megatron_tc.model import HybridLM
-from megatron_tc.parallel.memory import StepFootprint, choose_zero_stage, footprint_of
+from megatron_tc.parallel.memory import CPU_ZERO_STAGES, StepFootprint, choose_zero_stage, footprint_of
 
 # 1e9-element student (all trainable) and teacher in bf16 over 4 ranks, no activations:
 # weights 2e9, gradients 4e9, optimizer (8 + 4) e9 / 4, teacher 2e9 bytes
@@ -80,8 +80,19 @@ def test_cpu_ranks_share_the_machine_memory(monkeypatch):
     assert device_memory_bytes(torch.device("cpu")) == whole // 4
 
 
+def test_cpu_ranks_try_zero0_first():
+    """ZeRO-0 where it fits, then the partitioned stages as on GPUs; one rank: ZeRO-0 whatever."""
+    assert BILLION.bytes_per_rank(0, dp=4)["total"] == 20 * 10**9  # nothing divided by the ranks
+    assert choose_zero_stage(BILLION, dp=4, device_bytes=24 * 10**9, stages=CPU_ZERO_STAGES).stage == 0
+    assert choose_zero_stage(BILLION, dp=4, device_bytes=23 * 10**9, stages=CPU_ZERO_STAGES).stage == 1
+    assert choose_zero_stage(BILLION, dp=4, device_bytes=10 * 10**9, stages=CPU_ZERO_STAGES).stage == 2
+    assert choose_zero_stage(BILLION, dp=4, device_bytes=7 * 10**9, stages=CPU_ZERO_STAGES).stage == 3
+    assert choose_zero_stage(BILLION, dp=1, device_bytes=10**9, stages=CPU_ZERO_STAGES).stage == 0
+
+
 def test_pipeline_resolves_auto_from_the_models_and_keeps_an_explicit_stage(monkeypatch):
-    """The 1.1B student + teacher in fp32 on 2 CPU ranks (about 19 GB per rank under ZeRO-1)."""
+    """The 1.1B student + teacher in fp32 on 2 ranks (about 19 GB per rank under ZeRO-1, 24 GB under
+    ZeRO-0): ZeRO-0 on CPU ranks where it fits, ZeRO-1 on GPUs."""
     from types import SimpleNamespace
 
     import megatron_tc.parallel.memory as memory
@@ -95,7 +106,10 @@ def test_pipeline_resolves_auto_from_the_models_and_keeps_an_explicit_stage(monk
     cfg = load_config(overrides=["data.micro_batch_size=1", "data.seq_len=64"])
     assert cfg.parallel.zero_stage == "auto"
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 64 * 2**30)
-    assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 1
+    assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 0
+    assert resolve_zero_stage(cfg, ctx(2), torch.device("cuda"), student, teacher) == 1
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 26 * 2**30)
+    assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 1  # ZeRO-0 is over 0.85 x 26 GiB
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 8 * 2**30)
     assert resolve_zero_stage(cfg, ctx(2), cpu, student, teacher) == 3  # does not fit at all: the most it can do
     assert resolve_zero_stage(cfg, ctx(2, pp=2), cpu, student, teacher) == 1  # the pipeline engine's limit
