@@ -40,7 +40,7 @@ def resolve_zero_stage(cfg: Any, ctx: Any, device: torch.device, trainable: torc
         teacher_partitioned=cfg.parallel.teacher_mode == "engine")
     stages = CPU_ZERO_STAGES if device.type == "cpu" else ZERO_STAGES
     choice = choose_zero_stage(footprint, ctx.dp_size, least_device_memory(device), stages=stages)
-    if resume_stage in CPU_ZERO_STAGES and resume_stage != choice.stage:
+    if resume_stage in stages and resume_stage != choice.stage:
         kept = ZeroChoice(resume_stage, True, footprint.bytes_per_rank(resume_stage, ctx.dp_size), choice.device_bytes)
         if kept.estimate["total"] <= HEADROOM * choice.device_bytes:
             if ctx.rank == 0:

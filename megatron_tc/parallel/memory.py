@@ -6,8 +6,8 @@ model that fits the device, that host work is most of the step (a 135M student: 
 ZeRO-3 against 30% without it). `choose_zero_stage` therefore picks the smallest stage whose
 estimate fits: ZeRO-1 (optimizer states partitioned), else ZeRO-2 (gradients too), ZeRO-3 only
 when nothing less fits. On CPU ranks (gloo) ZeRO-0 comes first: nothing is compiled there, and
-ZeRO-1's partitioned step made the quickstart's stage 2 on 2 cores slower than ZeRO-0's plain
-all-reduce (docs/parallelism.md). On GPUs ZeRO-1 stays the first: DeepSpeed's ZeRO-0 bf16
+under ZeRO-1's partitioned step the quickstart's stage 2 on 2 cores takes 1.13x as long as under
+ZeRO-0's plain all-reduce (docs/parallelism.md). On GPUs ZeRO-1 stays the first: DeepSpeed's ZeRO-0 bf16
 optimizer packs parameters unaligned, which keeps the decoder layers from compiling.
 
 The estimate, per rank, in bytes (N = student elements, N_t = trainable, M = teacher, dp = ranks
