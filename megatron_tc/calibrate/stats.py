@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from megatron_tc.parallel.comm import all_gather, all_reduce_
+from megatron_tc.parallel.comm import all_gather, all_ranks
 
 from .capture import LayerIO
 from .moments import LAYER_KEYS
@@ -250,8 +250,8 @@ def collect_stats(
     rank's budget (its sweep 2 runs collectives together; GPUs may differ)."""
     budget = default_io_cache_budget(model_device(model)) if io_cache_budget is None else io_cache_budget
     fits = bool(readout_strategies) and layer_io_bytes(model, batches, layers) <= budget
-    if readout_strategies:
-        fits = _every_rank(fits, tp_group)
+    if readout_strategies and tp_group is not None:
+        fits = all_ranks(fits, tp_group)
     keep = [] if fits else None
     stats = collect_attention_stats(
         model, batches, layers, meta, chunk_size=chunk_size, dp_group=dp_group, tp_group=tp_group,
@@ -263,13 +263,6 @@ def collect_stats(
             tp_group=tp_group, num_batches=len(batches), progress=progress, layer_io=keep,
         )
     return stats
-
-
-def _every_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """Whether `flag` holds on every rank of `group` (one all-reduce; no group: this rank's)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return flag
-    return bool(all_reduce_(torch.tensor([int(flag)]), op=dist.ReduceOp.MIN, group=group).item())
 
 
 READOUT_GROUP_BYTES = 2 << 30  # fp32 temporaries of one readout call (merged batches, stacked layers), at most

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tc.distill.context import RunContext
+from megatron_tc.parallel.comm import all_ranks
 from megatron_tc.parallel.state import shared_outcome
 from megatron_tc.distill.evaluation import TeacherCache, eval_batch_size, score_rows, window_rows
 from megatron_tc.distill.rundir import write_json
@@ -64,7 +65,7 @@ def run_eval(ctx: RunContext) -> dict[str, Any]:
     cache = memo.teacher_cache(key) if memo else TeacherCache()
     teacher_fn = lambda ids: teacher(ids)  # noqa: E731
     for label, path in candidates:
-        scores = _agreed(memo.recall(key, path) if memo and path is not None else None, device)
+        scores = _agreed(memo.recall(key, path) if memo and path is not None else None)
         if scores is not None:  # stage 2 of this process scored this checkpoint on these rows
             log.info("eval %s: the scores stage 2 computed for %s", label, path)
         else:
@@ -176,14 +177,9 @@ def _memo(ctx: RunContext, loaded: Any, rows: list[torch.Tensor]):
     return ctx.eval_memo(), EvalMemo.rows_key(rows, eval_batch_size(ctx.cfg), ctx.par.dp_rank, ctx.par.dp_size)
 
 
-def _agreed(scores: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
+def _agreed(scores: dict[str, Any] | None) -> dict[str, Any] | None:
     """`scores` when every rank has remembered scores, else None on every rank (scoring is collective)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        have = torch.tensor([int(scores is not None)], device=device)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if not int(have):
-            return None
-    return scores
+    return scores if all_ranks(scores is not None) else None
 
 
 def _init_name(ctx: RunContext) -> str:

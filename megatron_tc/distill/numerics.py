@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
-from megatron_tc.parallel.comm import all_reduce_
+from megatron_tc.parallel.comm import all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +22,7 @@ class NonFiniteError(FloatingPointError):
 
 def all_finite(value: torch.Tensor, group=None) -> bool:
     """True on every rank iff `value` is finite on every rank of `group` (default: the world)."""
-    flag = torch.tensor([1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0], device=value.device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        all_reduce_(flag, dist.ReduceOp.MIN, group)
-    return bool(flag.item() == 1.0)
+    return all_ranks(bool(torch.isfinite(value.detach()).all()), group)
 
 
 class NonFiniteGuard:

@@ -9,6 +9,7 @@ back into the caller's tensor, on the caller's device.
     all_reduce_(sums, group=dp_group)            # in place, any device
     parts = all_gather(local, group=tp_group)    # list of world-size tensors on local's device
     broadcast_(tensor, src=0, group=group)       # src: global rank, as torch.distributed
+    if all_ranks(ok, group=group): ...           # the same answer on every rank
 """
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
+def all_ranks(flag: bool, group: ProcessGroup | None = None) -> bool:
+    """Whether `flag` holds on every rank of `group` (default: the world), the same answer on every
+    rank: one all-reduce(MIN), none without a process group or with one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    return bool(all_reduce_(torch.tensor([int(flag)]), op=dist.ReduceOp.MIN, group=group).item())
+
+
 def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in group rank order, on `tensor`'s device."""
     device = comm_device(tensor, group)
@@ -80,4 +89,4 @@ def broadcast_(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None
     return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
-__all__ = ["all_gather", "all_reduce_", "backend_device_types", "broadcast_", "comm_device", "device_for"]
+__all__ = ["all_gather", "all_ranks", "all_reduce_", "backend_device_types", "broadcast_", "comm_device", "device_for"]

@@ -7,8 +7,8 @@ ZeRO-3 against 30% without it). `choose_zero_stage` therefore picks the smallest
 estimate fits: ZeRO-1 (optimizer states partitioned), else ZeRO-2 (gradients too), ZeRO-3 only
 when nothing less fits. On CPU ranks (gloo) ZeRO-0 comes first: nothing is compiled there, and
 under ZeRO-1's partitioned step the quickstart's stage 2 on 2 cores takes 1.13x as long as under
-ZeRO-0's plain all-reduce (docs/parallelism.md). On GPUs ZeRO-1 stays the first: DeepSpeed's ZeRO-0 bf16
-optimizer packs parameters unaligned, which keeps the decoder layers from compiling.
+ZeRO-0's plain all-reduce (docs/parallelism.md). On GPUs ZeRO-1 stays the first: DeepSpeed's
+ZeRO-0 bf16 optimizer packs parameters unaligned, which keeps the decoder layers from compiling.
 
 The estimate, per rank, in bytes (N = student elements, N_t = trainable, M = teacher, dp = ranks
 sharing the partitions):
